@@ -1,0 +1,42 @@
+# The two commands a new user needs (README): `make run` and `make test`.
+# Everything else is a step they depend on. Only Python 3.11+, make and a C compiler are assumed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.installed
+
+.PHONY: setup native run test lint typecheck unit bench clean
+
+setup: $(STAMP) native
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	touch $@
+
+native:
+	@if [ -f native/Makefile ]; then $(MAKE) -s -C native PYTHON=$(abspath $(BIN)/python); fi
+
+# Runs the admission webhook standalone on https://127.0.0.1:8443 with a certificate it issues.
+run: setup
+	$(BIN)/fracgpu serve --standalone
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check webhook quota deviceplugin certs tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/pytest -q
+
+# The whole test suite: lint, types, then every pytest suite (the native ones included).
+test: lint typecheck unit
+
+bench: setup
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) native/build .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The webhook's certificates: issue, store, inject, rotate, hot-reload."""

@@ -1,0 +1,1 @@
+"""The kubelet device plugin: inventory, allocation, health, and the node contract."""

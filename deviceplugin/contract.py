@@ -1,0 +1,172 @@
+"""The node-side contract between the device plugin and the native hook: one definition.
+
+The device plugin writes a *limits file* (as root, into a directory it mounts read-only into the
+container) and mounts the hook with ``/etc/ld.so.preload``; ``native/libfracgpu.so`` reads the
+file and keeps its shared accounting region in a second, writable directory. The C side never
+spells a path, key or version itself: ``native/`` generates ``fracgpu_contract.h`` from this
+module at build time (``python -m deviceplugin.contract c-header``), and a test proves the
+Python writer and the C reader agree.
+
+File format (version 1), ASCII, one ``key=value`` per line, ``#`` comments, order free::
+
+    version=1
+    devices=GPU-8f1c…[,GPU-…]     card UUIDs, as NVML reports them
+    memory_bytes=8589934592       per card
+    compute_percent=30            1–100; 100 means unthrottled
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+FORMAT_VERSION = 1
+# Paths inside the container. The webhook denies user volumes mounted at or under these.
+CONTAINER_ROOT = "/run/fracgpu"
+CONTAINER_LIMITS_DIR = f"{CONTAINER_ROOT}/limits"
+CONTAINER_SHARED_DIR = f"{CONTAINER_ROOT}/shared"
+CONTAINER_HOOK_DIR = "/usr/local/fracgpu"
+CONTAINER_HOOK_LIBRARY = f"{CONTAINER_HOOK_DIR}/lib/libfracgpu.so"
+LD_SO_PRELOAD = "/etc/ld.so.preload"
+LIMITS_FILE = "limits"
+SHARED_REGION_FILE = "accounting"
+# Paths on the node, under one root the webhook forbids as a hostPath in GPU pods.
+HOST_ROOT = "/var/lib/fracgpu"
+# Keys of the limits file.
+KEY_VERSION = "version"
+KEY_DEVICES = "devices"
+KEY_MEMORY_BYTES = "memory_bytes"
+KEY_COMPUTE_PERCENT = "compute_percent"
+MAX_FILE_BYTES = 4096
+MAX_DEVICES = 16
+
+RESERVED_CONTAINER_PATHS = (CONTAINER_ROOT, CONTAINER_HOOK_DIR, LD_SO_PRELOAD)
+
+
+class LimitsError(ValueError):
+    """A limits file that does not follow the contract."""
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    devices: tuple[str, ...]
+    memory_bytes: int
+    compute_percent: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.devices) <= MAX_DEVICES:
+            raise LimitsError(f"devices: 1 to {MAX_DEVICES} card UUIDs, got {len(self.devices)}")
+        for uuid in self.devices:
+            if not uuid or not uuid.isascii() or any(c in uuid for c in ",= \t\r\n#"):
+                raise LimitsError(f"devices: {uuid!r} is not a card UUID")
+        if self.memory_bytes <= 0:
+            raise LimitsError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        if not 1 <= self.compute_percent <= 100:
+            raise LimitsError(f"compute_percent must be 1–100, got {self.compute_percent}")
+
+    def render(self) -> str:
+        return (
+            f"# written by the fracgpu device plugin; read by libfracgpu.so\n"
+            f"{KEY_VERSION}={FORMAT_VERSION}\n"
+            f"{KEY_DEVICES}={','.join(self.devices)}\n"
+            f"{KEY_MEMORY_BYTES}={self.memory_bytes}\n"
+            f"{KEY_COMPUTE_PERCENT}={self.compute_percent}\n"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Limits:
+        """Parse with the same strictness as the C reader: unknown keys and duplicates fail."""
+        if len(text.encode()) > MAX_FILE_BYTES:
+            raise LimitsError("limits file is too large")
+        values: dict[str, str] = {}
+        for number, raw in enumerate(text.splitlines(), 1):
+            line = raw.strip()
+            if not line or line.startswith("#"):
+                continue
+            key, sep, value = line.partition("=")
+            if not sep or key not in _KEYS or key in values:
+                raise LimitsError(f"line {number}: unexpected {line[:40]!r}")
+            values[key] = value
+        if set(values) != set(_KEYS):
+            raise LimitsError(f"missing keys: {sorted(set(_KEYS) - set(values))}")
+        if values[KEY_VERSION] != str(FORMAT_VERSION):
+            raise LimitsError(f"unsupported version {values[KEY_VERSION]!r}")
+        try:
+            memory = int(values[KEY_MEMORY_BYTES])
+            compute = int(values[KEY_COMPUTE_PERCENT])
+        except ValueError as exc:
+            raise LimitsError(str(exc)) from None
+        return cls(tuple(values[KEY_DEVICES].split(",")), memory, compute)
+
+    def write_atomic(self, directory: Path) -> Path:
+        """Write ``directory/limits`` so that a reader sees the old file or the new, never half.
+
+        Temp file in the same directory, fsync, rename, fsync of the directory; mode 0644 so
+        the container's (non-root) processes can read what they cannot change.
+        """
+        directory.mkdir(parents=True, exist_ok=True)
+        target = directory / LIMITS_FILE
+        fd, tmp = tempfile.mkstemp(prefix=".limits.", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="ascii") as fh:
+                fh.write(self.render())
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        return target
+
+
+_KEYS = (KEY_VERSION, KEY_DEVICES, KEY_MEMORY_BYTES, KEY_COMPUTE_PERCENT)
+
+
+def c_header() -> str:
+    """The contract as C preprocessor definitions, for native/'s build."""
+    defs = {
+        "FRACGPU_FORMAT_VERSION": FORMAT_VERSION,
+        "FRACGPU_LIMITS_DIR": CONTAINER_LIMITS_DIR,
+        "FRACGPU_SHARED_DIR": CONTAINER_SHARED_DIR,
+        "FRACGPU_LIMITS_FILE": LIMITS_FILE,
+        "FRACGPU_SHARED_REGION_FILE": SHARED_REGION_FILE,
+        "FRACGPU_HOOK_LIBRARY": CONTAINER_HOOK_LIBRARY,
+        "FRACGPU_KEY_VERSION": KEY_VERSION,
+        "FRACGPU_KEY_DEVICES": KEY_DEVICES,
+        "FRACGPU_KEY_MEMORY_BYTES": KEY_MEMORY_BYTES,
+        "FRACGPU_KEY_COMPUTE_PERCENT": KEY_COMPUTE_PERCENT,
+        "FRACGPU_MAX_FILE_BYTES": MAX_FILE_BYTES,
+        "FRACGPU_MAX_DEVICES": MAX_DEVICES,
+    }
+    lines = [
+        "/* Generated from deviceplugin/contract.py by `python -m deviceplugin.contract c-header`.",
+        " * Do not edit: change the Python module, which is the one definition. */",
+        "#ifndef FRACGPU_CONTRACT_H",
+        "#define FRACGPU_CONTRACT_H",
+    ]
+    for name, value in defs.items():
+        rendered = str(value) if isinstance(value, int) else f'"{value}"'
+        # Tests build the hook against a temporary directory; the production build never does.
+        guard = isinstance(value, str) and name.endswith("_DIR")
+        if guard:
+            lines.append(f"#ifndef {name}")
+        lines.append(f"#define {name} {rendered}")
+        if guard:
+            lines.append("#endif")
+    lines.append("#endif")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover - exercised by native/'s build
+    if sys.argv[1:] != ["c-header"]:
+        sys.exit("usage: python -m deviceplugin.contract c-header")
+    sys.stdout.write(c_header())

@@ -1,0 +1,1 @@
+"""GPUQuota: the model, the ledger, validating admission and the usage controller."""

@@ -1,0 +1,524 @@
+"""The request language users write and the canonical form the cluster accounts.
+
+This module owns both (DESIGN §1–2); every other component imports its names and arithmetic.
+
+Input, per container, in ``resources.limits``:
+    ``fracgpu.io/gpu``                 0.01–1 with two decimals, or whole cards
+    ``fracgpu.io/gpumem``              MiB per card (plain number) or bytes (binary suffix)
+    ``fracgpu.io/gpumem-percentage``   1–100 percent of the card's memory
+    (and, when enabled, the HAMi and TKEStack dialects, normalised to the same request)
+
+Canonical output, integers with requests = limits:
+    ``fracgpu.io/core``    hundredths of a card; 1–100 a share of one card, 100·k = k cards
+    ``fracgpu.io/memory``  256 MiB blocks of GPU memory (all cards of the container together)
+
+Defaults where the user says less (documented in docs/user-guide.md):
+    * a fraction without memory gets the same fraction of the card's memory, rounded *down* to
+      whole blocks so that shares summing to one card always fit on it;
+    * memory without a fraction gets the smallest share of compute that is at least the same
+      fraction of the card (rounded *up* to 0.01), so memory-only pods are not starved;
+    * whole cards always get all of their memory.
+Percentages use the same block arithmetic as fractions, for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from decimal import Decimal
+from enum import StrEnum
+from typing import Any
+
+from webhook.quantity import Quantity, QuantityError, format_decimal, parse_quantity
+
+DOMAIN = "fracgpu.io"
+# The input language.
+GPU = f"{DOMAIN}/gpu"
+GPUMEM = f"{DOMAIN}/gpumem"
+GPUMEM_PERCENTAGE = f"{DOMAIN}/gpumem-percentage"
+# The canonical form.
+CORE = f"{DOMAIN}/core"
+MEMORY = f"{DOMAIN}/memory"
+CANONICAL = (CORE, MEMORY)
+
+CORE_PER_CARD = 100
+BLOCK_MIB = 256
+MIB = 2**20
+
+# Dialects of other sharing systems (DESIGN §1).
+HAMI_GPU = "nvidia.com/gpu"
+HAMI_CORES = "nvidia.com/gpucores"
+HAMI_MEM = "nvidia.com/gpumem"
+HAMI_MEM_PERCENTAGE = "nvidia.com/gpumem-percentage"
+TKE_CORE = "tencent.com/vcuda-core"
+TKE_MEMORY = "tencent.com/vcuda-memory"
+
+# Annotation that records what the user asked, before it was rewritten.
+REQUEST_ANNOTATION = f"{DOMAIN}/request"
+# Environment variables that describe the grant to the application (DESIGN §3).
+ENV_GPU = "FRACGPU_GPU"
+ENV_MEMORY_MIB = "FRACGPU_MEMORY_MIB"
+
+_GPU_RULE = (
+    "must be a fraction between 0.01 and 1 with at most two decimals, or a whole number of cards"
+)
+
+
+class Dialect(StrEnum):
+    FRACGPU = "fracgpu"
+    CANONICAL = "canonical"
+    HAMI = "hami"
+    TKESTACK = "tkestack"
+
+
+DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
+    Dialect.FRACGPU: (GPU, GPUMEM, GPUMEM_PERCENTAGE),
+    Dialect.CANONICAL: CANONICAL,
+    Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE),
+    Dialect.TKESTACK: (TKE_CORE, TKE_MEMORY),
+}
+# The dialects that can be switched off; ours and the canonical form are always understood.
+OPTIONAL_DIALECTS = frozenset({Dialect.HAMI, Dialect.TKESTACK})
+
+
+def card_blocks(memory_mib: int) -> int:
+    """Whole 256 MiB blocks a card of this size offers; the device plugin advertises as many."""
+    return memory_mib // BLOCK_MIB
+
+
+def format_cards(core: int) -> str:
+    """Hundredths of a card as a user writes cards: 30 → ``0.3``, 200 → ``2``."""
+    return format_decimal(Decimal(core) / CORE_PER_CARD)
+
+
+@dataclass(frozen=True, slots=True)
+class Card:
+    """A GPU model as the inventory knows it."""
+
+    product: str
+    memory_mib: int
+
+
+@dataclass(frozen=True, slots=True)
+class CardChoice:
+    """The card a pod's request is sized against, chosen by the inventory from pod placement.
+
+    ``card`` (the smallest candidate) sizes defaults and percentages; ``largest`` bounds explicit
+    memory. ``card`` is None when nothing is known; ``unknown`` then says what the operator must
+    configure. ``warning`` is shown to the user only if the choice changed the result.
+    """
+
+    card: Card | None
+    largest: Card | None = None
+    warning: str | None = None
+    unknown: str = "no GPU models are known to fracgpu"
+
+
+@dataclass(frozen=True, slots=True)
+class Grant:
+    """A container's canonical GPU resources."""
+
+    core: int
+    memory_blocks: int
+
+    @property
+    def whole_cards(self) -> int:
+        """Number of whole cards, or 0 for a share of one card."""
+        return self.core // CORE_PER_CARD if self.core >= CORE_PER_CARD else 0
+
+    @property
+    def cards(self) -> Decimal:
+        return Decimal(self.core) / CORE_PER_CARD
+
+    @property
+    def memory_mib(self) -> int:
+        return self.memory_blocks * BLOCK_MIB
+
+    @property
+    def memory_mib_per_card(self) -> int:
+        return self.memory_mib // max(self.whole_cards, 1)
+
+    def resources(self) -> dict[str, str]:
+        return {CORE: str(self.core), MEMORY: str(self.memory_blocks)}
+
+    def env(self) -> dict[str, str]:
+        return {ENV_GPU: format_cards(self.core), ENV_MEMORY_MIB: str(self.memory_mib_per_card)}
+
+    @classmethod
+    def from_resources(cls, resources: Mapping[str, Any]) -> Grant | None:
+        """Read the canonical grant from a container's admitted ``limits`` (None if absent).
+
+        Used on objects that admission already canonicalised; malformed values read as absent.
+        """
+        try:
+            core = _integer(resources.get(CORE))
+            memory = _integer(resources.get(MEMORY))
+        except (QuantityError, ValueError):
+            return None
+        if core is None or memory is None or core <= 0 or memory <= 0:
+            return None
+        return cls(core, memory)
+
+
+def _integer(raw: object) -> int | None:
+    if raw is None:
+        return None
+    q = parse_quantity(raw)
+    if not q.is_integer:
+        raise ValueError(raw)
+    return int(q.value)
+
+
+class RequestError(ValueError):
+    """A request fracgpu cannot honour, phrased for the person who wrote it."""
+
+
+@dataclass(slots=True)
+class ContainerResult:
+    """The outcome of normalising one container."""
+
+    name: str
+    grant: Grant | None = None
+    request: dict[str, str] = field(default_factory=dict)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def mentions_gpu(self) -> bool:
+        return bool(self.request) or bool(self.errors)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """What one container asked, in one vocabulary, before card sizes are applied."""
+
+    core: int | None = None  # None: derive from memory
+    memory_mib: int | None = None  # exact MiB the user wrote
+    memory_blocks: int | None = None  # TKEStack / canonical blocks
+    memory_percent: int | None = None
+
+
+def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
+    """Every resource name the webhook rewrites, given the enabled dialects."""
+    names: set[str] = set()
+    for dialect in dialects:
+        names.update(DIALECT_RESOURCES[dialect])
+    return frozenset(names)
+
+
+def enabled(dialects: Iterable[Dialect]) -> tuple[Dialect, ...]:
+    """The dialects in force: ours and the canonical form always, plus the enabled ones."""
+    chosen = {Dialect.FRACGPU, Dialect.CANONICAL, *dialects}
+    return tuple(d for d in Dialect if d in chosen)
+
+
+def normalise_container(
+    name: str,
+    resources: Mapping[str, Any] | None,
+    dialects: Iterable[Dialect],
+    card: CardChoice,
+) -> ContainerResult:
+    """Validate one container's GPU request and compute its canonical grant.
+
+    Never raises: every problem becomes a message in ``errors`` that names the container, the
+    resource, the value and the rule.
+    """
+    result = ContainerResult(name)
+    active = enabled(dialects)
+    mine = input_resources(active)
+    resources = resources if isinstance(resources, Mapping) else {}
+    limits = resources.get("limits") or {}
+    requests = resources.get("requests") or {}
+    if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
+        result.errors.append(f"container {name!r}: resources.limits and requests must be maps")
+        return result
+    asked = {k: v for k, v in limits.items() if k in mine}
+    for key, value in requests.items():
+        if key not in mine:
+            continue
+        if key not in limits:
+            result.errors.append(
+                f"container {name!r}: {key} is set in requests ({_show(value)}) but not in "
+                f"limits; GPU resources are set in limits (requests may be omitted)"
+            )
+        elif not _same_quantity(value, limits[key]):
+            result.errors.append(
+                f"container {name!r}: {key} request {_show(value)} differs from its limit "
+                f"{_show(limits[key])}; set only limits, or make requests equal to limits"
+            )
+    result.request = {k: _show(v) for k, v in asked.items()}
+    if result.errors or not asked:
+        return result
+    used = [d for d in active if any(k in asked for k in DIALECT_RESOURCES[d])]
+    if len(used) > 1:
+        names = " and ".join(", ".join(k for k in DIALECT_RESOURCES[d] if k in asked) for d in used)
+        result.errors.append(
+            f"container {name!r}: mixes resources of different vocabularies ({names}); "
+            f"use one of them per container"
+        )
+        return result
+    try:
+        ask = _PARSERS[used[0]](name, asked)
+        if ask is None:  # an explicit zero: no GPU
+            result.request = {}
+            return result
+        result.grant = _resolve(name, ask, card, result.warnings)
+    except RequestError as exc:
+        result.errors.append(str(exc))
+    return result
+
+
+def _show(raw: object) -> str:
+    """The value as the user most likely wrote it (``1500m`` reads back as ``1.5``)."""
+    try:
+        q = parse_quantity(raw)
+    except QuantityError:
+        return json.dumps(raw) if not isinstance(raw, str) else repr(raw)
+    if q.format == "binary" or not isinstance(raw, str):
+        return raw.strip() if isinstance(raw, str) else format_decimal(q.value)
+    return format_decimal(q.value)
+
+
+def _same_quantity(a: object, b: object) -> bool:
+    try:
+        return parse_quantity(a).value == parse_quantity(b).value
+    except QuantityError:
+        return a == b
+
+
+def _quantity(name: str, key: str, raw: object, rule: str) -> Quantity:
+    try:
+        q = parse_quantity(raw)
+    except QuantityError:
+        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}") from None
+    if q.value < 0:
+        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+    return q
+
+
+def _cards(name: str, key: str, raw: object) -> int | None:
+    """Parse a card count into hundredths; None for zero."""
+    q = _quantity(name, key, raw, _GPU_RULE)
+    if q.format == "binary":
+        raise RequestError(f"container {name!r}: {key} {_GPU_RULE}; got {_show(raw)}")
+    if q.value == 0:
+        return None
+    hundredths = q.value * CORE_PER_CARD
+    valid_fraction = q.value <= 1 and hundredths == hundredths.to_integral_value()
+    if not (valid_fraction or q.is_integer):
+        raise RequestError(f"container {name!r}: {key} {_GPU_RULE}; got {_show(raw)}")
+    return int(hundredths)
+
+
+def _mib(name: str, key: str, raw: object) -> int:
+    rule = (
+        "must be a whole number of MiB (a plain number such as 8192) or a byte quantity with a "
+        "binary suffix that is a whole number of MiB (such as 8Gi)"
+    )
+    q = _quantity(name, key, raw, rule)
+    mib = q.value / MIB if q.format == "binary" else q.value
+    if mib < 1 or mib != mib.to_integral_value():
+        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+    return int(mib)
+
+
+def _percent(name: str, key: str, raw: object) -> int:
+    rule = "must be a whole percentage between 1 and 100"
+    q = _quantity(name, key, raw, rule)
+    if q.format == "binary" or not q.is_integer or not 1 <= q.value <= 100:
+        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+    return int(q.value)
+
+
+def _count(name: str, key: str, raw: object, what: str) -> int:
+    rule = f"must be a whole number of {what}"
+    q = _quantity(name, key, raw, rule)
+    if q.format == "binary" or not q.is_integer:
+        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+    return int(q.value)
+
+
+def _memory(name: str, asked: Mapping[str, Any], mib_key: str, pct_key: str) -> _Ask:
+    if mib_key in asked and pct_key in asked:
+        raise RequestError(
+            f"container {name!r}: {mib_key} and {pct_key} are both set; "
+            f"give GPU memory one way, either in MiB or as a percentage"
+        )
+    if mib_key in asked:
+        return _Ask(memory_mib=_mib(name, mib_key, asked[mib_key]))
+    if pct_key in asked:
+        return _Ask(memory_percent=_percent(name, pct_key, asked[pct_key]))
+    return _Ask()
+
+
+def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+    memory = _memory(name, asked, GPUMEM, GPUMEM_PERCENTAGE)
+    if GPU not in asked:
+        return memory
+    core = _cards(name, GPU, asked[GPU])
+    if core is None:
+        if memory != _Ask():
+            raise RequestError(
+                f"container {name!r}: {GPU} is 0 but GPU memory is requested; "
+                f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the memory request"
+            )
+        return None
+    return _Ask(core, memory.memory_mib, None, memory.memory_percent)
+
+
+def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+    core = None
+    if CORE in asked:
+        core = _count(name, CORE, asked[CORE], "hundredths of a card")
+        if core == 0:
+            if MEMORY in asked:
+                raise RequestError(f"container {name!r}: {CORE} is 0 but {MEMORY} is set")
+            return None
+        if core > CORE_PER_CARD and core % CORE_PER_CARD:
+            raise RequestError(
+                f"container {name!r}: {CORE} must be 1–100 (a share of one card) or a multiple "
+                f"of 100 (whole cards); got {core}"
+            )
+    blocks = None
+    if MEMORY in asked:
+        blocks = _count(name, MEMORY, asked[MEMORY], f"{BLOCK_MIB} MiB blocks")
+        if blocks == 0:
+            raise RequestError(
+                f"container {name!r}: {MEMORY} must be at least 1 block of {BLOCK_MIB} MiB"
+            )
+    return _Ask(core=core, memory_blocks=_per_card(core, blocks))
+
+
+def _per_card(core: int | None, blocks: int | None) -> int | None:
+    """Canonical memory counts every card of the container; the rest of the arithmetic is per
+    card, so whole-card totals are divided back (re-admitting our own output is a no-op)."""
+    if core is None or blocks is None or core < CORE_PER_CARD:
+        return blocks
+    cards = core // CORE_PER_CARD
+    return -(-blocks // cards)
+
+
+def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+    memory = _memory(name, asked, HAMI_MEM, HAMI_MEM_PERCENTAGE)
+    count = _count(name, HAMI_GPU, asked.get(HAMI_GPU, 1), "cards")
+    cores = _count(name, HAMI_CORES, asked.get(HAMI_CORES, 0), "percent")
+    if cores > 100:
+        raise RequestError(
+            f"container {name!r}: {HAMI_CORES} must be a percentage between 0 and 100; got {cores}"
+        )
+    if count == 0:
+        return None
+    if count > 1:
+        if (cores not in (0, 100)) or memory.memory_mib or memory.memory_percent not in (None, 100):
+            raise RequestError(
+                f"container {name!r}: {HAMI_GPU}: {count} with a share of each card cannot be "
+                f"granted; fracgpu gives a container a share of one card or whole cards "
+                f"(use {HAMI_GPU}: 1 with a share, or drop {HAMI_CORES} and the memory limit)"
+            )
+        return _Ask(core=count * CORE_PER_CARD)
+    if cores == 0 and memory == _Ask():
+        return _Ask(core=CORE_PER_CARD)  # HAMi's default: all of one card's memory
+    return _Ask(cores or None, memory.memory_mib, None, memory.memory_percent)
+
+
+def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+    core = None
+    if TKE_CORE in asked:
+        core = _count(name, TKE_CORE, asked[TKE_CORE], "hundredths of a card")
+        if core > CORE_PER_CARD and core % CORE_PER_CARD:
+            raise RequestError(
+                f"container {name!r}: {TKE_CORE} must be 1–100 or a multiple of 100; got {core}"
+            )
+        if core == 0:
+            return None
+    blocks = (
+        _count(name, TKE_MEMORY, asked[TKE_MEMORY], "256 MiB units")
+        if (TKE_MEMORY in asked)
+        else None
+    )
+    if blocks == 0:
+        raise RequestError(f"container {name!r}: {TKE_MEMORY} must be at least 1 (256 MiB)")
+    return _Ask(core=core, memory_blocks=_per_card(core, blocks))
+
+
+_PARSERS = {
+    Dialect.FRACGPU: _parse_fracgpu,
+    Dialect.CANONICAL: _parse_canonical,
+    Dialect.HAMI: _parse_hami,
+    Dialect.TKESTACK: _parse_tke,
+}
+
+
+def _need_card(name: str, choice: CardChoice, why: str) -> Card:
+    if choice.card is None:
+        raise RequestError(
+            f"container {name!r}: cannot {why}: {choice.unknown}; set fracgpu.io/gpumem "
+            f"together with fracgpu.io/gpu, or have the operator configure the GPU inventory "
+            f"(node labels fracgpu.io/gpu.product and fracgpu.io/gpu.memory-mib, or "
+            f"inventory.models in the webhook configuration)"
+        )
+    return choice.card
+
+
+def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> Grant:
+    """Apply card sizes and defaults to what was asked; the only place defaults live."""
+    used_choice = False
+    core = ask.core
+    blocks = ask.memory_blocks
+    if ask.memory_mib is not None:
+        blocks = -(-ask.memory_mib // BLOCK_MIB)
+        if blocks * BLOCK_MIB != ask.memory_mib:
+            warnings.append(
+                f"container {name!r}: {ask.memory_mib} MiB of GPU memory rounded up to "
+                f"{blocks * BLOCK_MIB} MiB (GPU memory is granted in {BLOCK_MIB} MiB blocks)"
+            )
+    if blocks is not None:
+        _check_fits(name, ask, blocks, choice)
+    if core is not None and core >= CORE_PER_CARD:
+        card = _need_card(name, choice, "size whole cards")
+        used_choice = True
+        if (blocks is not None and blocks < card_blocks(card.memory_mib)) or (
+            ask.memory_percent or 100
+        ) < 100:
+            warnings.append(
+                f"container {name!r}: whole cards come with all of their memory; "
+                f"the memory limit is ignored"
+            )
+        blocks = core // CORE_PER_CARD * card_blocks(card.memory_mib)
+    elif blocks is None:
+        percent = ask.memory_percent
+        card = _need_card(
+            name,
+            choice,
+            "work out GPU memory for the request"
+            if percent is None
+            else "convert fracgpu.io/gpumem-percentage to MiB",
+        )
+        used_choice = True
+        share = percent if percent is not None else core
+        assert share is not None  # a request names at least one of core and memory
+        blocks = max(1, card_blocks(card.memory_mib) * share // 100)
+    if core is None:
+        card = _need_card(name, choice, "work out the card share for a memory-only request")
+        used_choice = True
+        per_card = max(card_blocks(card.memory_mib), 1)
+        core = min(CORE_PER_CARD, max(1, -(-blocks * CORE_PER_CARD // per_card)))
+    if used_choice and choice.warning:
+        warnings.append(f"container {name!r}: {choice.warning}")
+    return Grant(core, blocks)
+
+
+def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
+    """Deny memory that no candidate card has: it would only fail later, on the node."""
+    largest = choice.largest or choice.card
+    if largest is None or blocks <= card_blocks(largest.memory_mib):
+        return
+    hint = ""
+    if ask.memory_mib is not None and ask.memory_mib >= MIB:
+        hint = " (a plain number is MiB; write a binary suffix such as 8Gi for bytes)"
+    raise RequestError(
+        f"container {name!r}: asks for {blocks * BLOCK_MIB} MiB of GPU memory per card, more "
+        f"than {largest.product} has ({card_blocks(largest.memory_mib) * BLOCK_MIB} MiB usable); "
+        f"ask for less memory, or for whole cards{hint}"
+    )
