@@ -1,0 +1,36 @@
+"""Prometheus metrics of the admission server, in a registry of its own (tests build many)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+# Admission is on the pod-create path: the buckets resolve the sub-millisecond range.
+_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+@dataclass
+class AdmissionMetrics:
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+    def __post_init__(self) -> None:
+        self.reviews = Counter(
+            "fracgpu_admission_reviews",
+            "Admission reviews answered, by endpoint, outcome and reason.",
+            ["endpoint", "outcome", "reason"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "fracgpu_admission_duration_seconds",
+            "Time to answer one admission review, body parsing included.",
+            ["endpoint"],
+            buckets=_BUCKETS,
+            registry=self.registry,
+        )
+        self.bad_requests = Counter(
+            "fracgpu_admission_bad_requests",
+            "Requests answered with HTTP 400 (not an AdmissionReview).",
+            ["endpoint"],
+            registry=self.registry,
+        )
