@@ -183,10 +183,11 @@ class ContainerResult:
     request: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    zero: bool = False  # asked for 0 cards: no GPU, but the input resources must be removed
 
     @property
     def mentions_gpu(self) -> bool:
-        return bool(self.request) or bool(self.errors)
+        return bool(self.request) or bool(self.errors) or self.zero
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,7 +232,7 @@ def normalise_container(
     limits = resources.get("limits") or {}
     requests = resources.get("requests") or {}
     if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
-        result.errors.append(f"container {name!r}: resources.limits and requests must be maps")
+        result.errors.append(f"{container_ref(name)}: resources.limits and requests must be maps")
         return result
     asked = {k: v for k, v in limits.items() if k in mine}
     for key, value in requests.items():
@@ -239,12 +240,12 @@ def normalise_container(
             continue
         if key not in limits:
             result.errors.append(
-                f"container {name!r}: {key} is set in requests ({_show(value)}) but not in "
+                f"{container_ref(name)}: {key} is set in requests ({_show(value)}) but not in "
                 f"limits; GPU resources are set in limits (requests may be omitted)"
             )
         elif not _same_quantity(value, limits[key]):
             result.errors.append(
-                f"container {name!r}: {key} request {_show(value)} differs from its limit "
+                f"{container_ref(name)}: {key} request {_show(value)} differs from its limit "
                 f"{_show(limits[key])}; set only limits, or make requests equal to limits"
             )
     result.request = {k: _show(v) for k, v in asked.items()}
@@ -254,7 +255,7 @@ def normalise_container(
     if len(used) > 1:
         names = " and ".join(", ".join(k for k in DIALECT_RESOURCES[d] if k in asked) for d in used)
         result.errors.append(
-            f"container {name!r}: mixes resources of different vocabularies ({names}); "
+            f"{container_ref(name)}: mixes resources of different vocabularies ({names}); "
             f"use one of them per container"
         )
         return result
@@ -262,6 +263,7 @@ def normalise_container(
         ask = _PARSERS[used[0]](name, asked)
         if ask is None:  # an explicit zero: no GPU
             result.request = {}
+            result.zero = True
             return result
         result.grant = _resolve(name, ask, card, result.warnings)
     except RequestError as exc:
@@ -269,12 +271,17 @@ def normalise_container(
     return result
 
 
+def container_ref(name: str) -> str:
+    """How every message names a container: ``container "train"``, as kubectl users read it."""
+    return f"container {json.dumps(name)}"
+
+
 def _show(raw: object) -> str:
     """The value as the user most likely wrote it (``1500m`` reads back as ``1.5``)."""
     try:
         q = parse_quantity(raw)
     except QuantityError:
-        return json.dumps(raw) if not isinstance(raw, str) else repr(raw)
+        return json.dumps(raw)
     if q.format == "binary" or not isinstance(raw, str):
         return raw.strip() if isinstance(raw, str) else format_decimal(q.value)
     return format_decimal(q.value)
@@ -291,9 +298,9 @@ def _quantity(name: str, key: str, raw: object, rule: str) -> Quantity:
     try:
         q = parse_quantity(raw)
     except QuantityError:
-        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}") from None
+        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}") from None
     if q.value < 0:
-        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}")
     return q
 
 
@@ -301,13 +308,13 @@ def _cards(name: str, key: str, raw: object) -> int | None:
     """Parse a card count into hundredths; None for zero."""
     q = _quantity(name, key, raw, _GPU_RULE)
     if q.format == "binary":
-        raise RequestError(f"container {name!r}: {key} {_GPU_RULE}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {_GPU_RULE}; got {_show(raw)}")
     if q.value == 0:
         return None
     hundredths = q.value * CORE_PER_CARD
     valid_fraction = q.value <= 1 and hundredths == hundredths.to_integral_value()
     if not (valid_fraction or q.is_integer):
-        raise RequestError(f"container {name!r}: {key} {_GPU_RULE}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {_GPU_RULE}; got {_show(raw)}")
     return int(hundredths)
 
 
@@ -319,7 +326,7 @@ def _mib(name: str, key: str, raw: object) -> int:
     q = _quantity(name, key, raw, rule)
     mib = q.value / MIB if q.format == "binary" else q.value
     if mib < 1 or mib != mib.to_integral_value():
-        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}")
     return int(mib)
 
 
@@ -327,7 +334,7 @@ def _percent(name: str, key: str, raw: object) -> int:
     rule = "must be a whole percentage between 1 and 100"
     q = _quantity(name, key, raw, rule)
     if q.format == "binary" or not q.is_integer or not 1 <= q.value <= 100:
-        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}")
     return int(q.value)
 
 
@@ -335,14 +342,14 @@ def _count(name: str, key: str, raw: object, what: str) -> int:
     rule = f"must be a whole number of {what}"
     q = _quantity(name, key, raw, rule)
     if q.format == "binary" or not q.is_integer:
-        raise RequestError(f"container {name!r}: {key} {rule}; got {_show(raw)}")
+        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}")
     return int(q.value)
 
 
 def _memory(name: str, asked: Mapping[str, Any], mib_key: str, pct_key: str) -> _Ask:
     if mib_key in asked and pct_key in asked:
         raise RequestError(
-            f"container {name!r}: {mib_key} and {pct_key} are both set; "
+            f"{container_ref(name)}: {mib_key} and {pct_key} are both set; "
             f"give GPU memory one way, either in MiB or as a percentage"
         )
     if mib_key in asked:
@@ -360,7 +367,7 @@ def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> _Ask | None:
     if core is None:
         if memory != _Ask():
             raise RequestError(
-                f"container {name!r}: {GPU} is 0 but GPU memory is requested; "
+                f"{container_ref(name)}: {GPU} is 0 but GPU memory is requested; "
                 f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the memory request"
             )
         return None
@@ -373,11 +380,11 @@ def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
         core = _count(name, CORE, asked[CORE], "hundredths of a card")
         if core == 0:
             if MEMORY in asked:
-                raise RequestError(f"container {name!r}: {CORE} is 0 but {MEMORY} is set")
+                raise RequestError(f"{container_ref(name)}: {CORE} is 0 but {MEMORY} is set")
             return None
         if core > CORE_PER_CARD and core % CORE_PER_CARD:
             raise RequestError(
-                f"container {name!r}: {CORE} must be 1–100 (a share of one card) or a multiple "
+                f"{container_ref(name)}: {CORE} must be 1–100 (a share of one card) or a multiple "
                 f"of 100 (whole cards); got {core}"
             )
     blocks = None
@@ -385,7 +392,7 @@ def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
         blocks = _count(name, MEMORY, asked[MEMORY], f"{BLOCK_MIB} MiB blocks")
         if blocks == 0:
             raise RequestError(
-                f"container {name!r}: {MEMORY} must be at least 1 block of {BLOCK_MIB} MiB"
+                f"{container_ref(name)}: {MEMORY} must be at least 1 block of {BLOCK_MIB} MiB"
             )
     return _Ask(core=core, memory_blocks=_per_card(core, blocks))
 
@@ -405,14 +412,15 @@ def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
     cores = _count(name, HAMI_CORES, asked.get(HAMI_CORES, 0), "percent")
     if cores > 100:
         raise RequestError(
-            f"container {name!r}: {HAMI_CORES} must be a percentage between 0 and 100; got {cores}"
+            f"{container_ref(name)}: {HAMI_CORES} must be a percentage between 0 and 100; "
+            f"got {cores}"
         )
     if count == 0:
         return None
     if count > 1:
         if (cores not in (0, 100)) or memory.memory_mib or memory.memory_percent not in (None, 100):
             raise RequestError(
-                f"container {name!r}: {HAMI_GPU}: {count} with a share of each card cannot be "
+                f"{container_ref(name)}: {HAMI_GPU}: {count} with a share of each card cannot be "
                 f"granted; fracgpu gives a container a share of one card or whole cards "
                 f"(use {HAMI_GPU}: 1 with a share, or drop {HAMI_CORES} and the memory limit)"
             )
@@ -428,7 +436,7 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
         core = _count(name, TKE_CORE, asked[TKE_CORE], "hundredths of a card")
         if core > CORE_PER_CARD and core % CORE_PER_CARD:
             raise RequestError(
-                f"container {name!r}: {TKE_CORE} must be 1–100 or a multiple of 100; got {core}"
+                f"{container_ref(name)}: {TKE_CORE} must be 1–100 or a multiple of 100; got {core}"
             )
         if core == 0:
             return None
@@ -438,7 +446,7 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
         else None
     )
     if blocks == 0:
-        raise RequestError(f"container {name!r}: {TKE_MEMORY} must be at least 1 (256 MiB)")
+        raise RequestError(f"{container_ref(name)}: {TKE_MEMORY} must be at least 1 (256 MiB)")
     return _Ask(core=core, memory_blocks=_per_card(core, blocks))
 
 
@@ -453,7 +461,7 @@ _PARSERS = {
 def _need_card(name: str, choice: CardChoice, why: str) -> Card:
     if choice.card is None:
         raise RequestError(
-            f"container {name!r}: cannot {why}: {choice.unknown}; set fracgpu.io/gpumem "
+            f"{container_ref(name)}: cannot {why}: {choice.unknown}; set fracgpu.io/gpumem "
             f"together with fracgpu.io/gpu, or have the operator configure the GPU inventory "
             f"(node labels fracgpu.io/gpu.product and fracgpu.io/gpu.memory-mib, or "
             f"inventory.models in the webhook configuration)"
@@ -470,7 +478,7 @@ def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> G
         blocks = -(-ask.memory_mib // BLOCK_MIB)
         if blocks * BLOCK_MIB != ask.memory_mib:
             warnings.append(
-                f"container {name!r}: {ask.memory_mib} MiB of GPU memory rounded up to "
+                f"{container_ref(name)}: {ask.memory_mib} MiB of GPU memory rounded up to "
                 f"{blocks * BLOCK_MIB} MiB (GPU memory is granted in {BLOCK_MIB} MiB blocks)"
             )
     if blocks is not None:
@@ -482,7 +490,7 @@ def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> G
             ask.memory_percent or 100
         ) < 100:
             warnings.append(
-                f"container {name!r}: whole cards come with all of their memory; "
+                f"{container_ref(name)}: whole cards come with all of their memory; "
                 f"the memory limit is ignored"
             )
         blocks = core // CORE_PER_CARD * card_blocks(card.memory_mib)
@@ -505,7 +513,7 @@ def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> G
         per_card = max(card_blocks(card.memory_mib), 1)
         core = min(CORE_PER_CARD, max(1, -(-blocks * CORE_PER_CARD // per_card)))
     if used_choice and choice.warning:
-        warnings.append(f"container {name!r}: {choice.warning}")
+        warnings.append(f"{container_ref(name)}: {choice.warning}")
     return Grant(core, blocks)
 
 
@@ -518,7 +526,7 @@ def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
     if ask.memory_mib is not None and ask.memory_mib >= MIB:
         hint = " (a plain number is MiB; write a binary suffix such as 8Gi for bytes)"
     raise RequestError(
-        f"container {name!r}: asks for {blocks * BLOCK_MIB} MiB of GPU memory per card, more "
+        f"{container_ref(name)}: asks for {blocks * BLOCK_MIB} MiB of GPU memory per card, more "
         f"than {largest.product} has ({card_blocks(largest.memory_mib) * BLOCK_MIB} MiB usable); "
         f"ask for less memory, or for whole cards{hint}"
     )

@@ -1,0 +1,102 @@
+"""Configuration of the admission side, with the defaults documented in docs/operator-guide.md.
+
+One YAML file (``fracgpu serve --config``) whose sections belong to the components that read
+them; unknown keys are errors, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from webhook.resources import OPTIONAL_DIALECTS, Dialect
+
+DEFAULT_TOLERATIONS: list[dict[str, str]] = [
+    {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class InventoryConfig(_Section):
+    models: dict[str, int] = Field(
+        default_factory=dict,
+        description="GPU product name → memory in MiB, for clusters without node labels "
+        "and for standalone use",
+    )
+    watch_nodes: bool = Field(True, description="list+watch Nodes for GPU labels in a cluster")
+
+    @field_validator("models")
+    @classmethod
+    def _positive(cls, models: dict[str, int]) -> dict[str, int]:
+        for name, mib in models.items():
+            if mib < 256:
+                raise ValueError(f"inventory.models[{name!r}]: {mib} MiB is less than 256 MiB")
+        return models
+
+
+class AdmissionConfig(_Section):
+    dialects: list[Dialect] = Field(
+        default_factory=list, description="extra vocabularies to accept: hami, tkestack"
+    )
+    scheduler_name: str = Field(
+        "fracgpu-scheduler", description="scheduler set on GPU pods; empty leaves it alone"
+    )
+    override_scheduler: bool = Field(
+        False, description="also replace a scheduler the pod names (other than default)"
+    )
+    tolerations: list[dict[str, Any]] = Field(default_factory=lambda: list(DEFAULT_TOLERATIONS))
+    env: dict[str, str] = Field(
+        default_factory=dict, description="extra variables for GPU containers, if unset"
+    )
+    inventory: InventoryConfig = Field(default_factory=InventoryConfig)
+
+    @field_validator("dialects")
+    @classmethod
+    def _optional_only(cls, dialects: list[Dialect]) -> list[Dialect]:
+        for d in dialects:
+            if d not in OPTIONAL_DIALECTS:
+                raise ValueError(f"{d.value!r} is always enabled; list only hami or tkestack")
+        return dialects
+
+    @field_validator("env")
+    @classmethod
+    def _not_system(cls, env: dict[str, str]) -> dict[str, str]:
+        for name in env:
+            if name.startswith("FRACGPU_") or name == "NVIDIA_VISIBLE_DEVICES":
+                raise ValueError(f"env {name}: this variable is set by fracgpu itself")
+        return env
+
+
+class ServerConfig(_Section):
+    host: str = "0.0.0.0"
+    port: int = Field(8443, ge=1, le=65535)
+
+
+class ConfigError(ValueError):
+    """The configuration file cannot be used; the message says which key and why."""
+
+
+def load_yaml(path: Path | None) -> dict[str, Any]:
+    """Read a YAML mapping, or {} for no file; errors name the file and the problem."""
+    if path is None:
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the configuration must be a YAML mapping")
+    return data
+
+
+def describe(exc: ValidationError, source: str) -> ConfigError:
+    lines = [
+        f"{source}: {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()
+    ]
+    return ConfigError("\n".join(lines))

@@ -1,0 +1,356 @@
+"""Mutation of GPU pods and of the pod templates of built-in workloads (DESIGN §3).
+
+For each object the webhook either denies with every problem named, or returns a JSON patch
+built against the exact JSON the apiserver sent: the request rewritten into the canonical form,
+the original recorded in an annotation, scheduler, tolerations and environment added. Applying
+the mutation to its own output changes nothing (reinvocation is a no-op), and objects that ask
+for no GPU pass untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from deviceplugin.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS
+from webhook.admission import AdmissionRequest, AdmissionResponse
+from webhook.config import AdmissionConfig
+from webhook.inventory import Inventory
+from webhook.resources import (
+    CANONICAL,
+    DOMAIN,
+    REQUEST_ANNOTATION,
+    ContainerResult,
+    container_ref,
+    enabled,
+    input_resources,
+    normalise_container,
+)
+
+# Where the pod template lives in each built-in workload kind, by (API group, kind).
+TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("", "Pod"): (),
+    ("apps", "Deployment"): ("spec", "template"),
+    ("apps", "ReplicaSet"): ("spec", "template"),
+    ("apps", "StatefulSet"): ("spec", "template"),
+    ("apps", "DaemonSet"): ("spec", "template"),
+    ("batch", "Job"): ("spec", "template"),
+    ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template"),
+}
+CONTAINER_LISTS = ("initContainers", "containers")
+SYSTEM_ENV_PREFIX = "FRACGPU_"
+# The NVIDIA container runtime hands cards to any container that sets this variable; only the
+# device plugin may set it. These values expose no card.
+VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
+DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
+
+
+def escape(token: str) -> str:
+    """RFC 6901 escaping for one JSON Pointer token (``fracgpu.io/request`` → ``…~1request``)."""
+    return token.replace("~", "~0").replace("/", "~1")
+
+
+def pointer(*tokens: str | int) -> str:
+    return "".join(f"/{escape(str(t))}" for t in tokens)
+
+
+Located = tuple[str, int, Mapping[str, Any], ContainerResult]  # list, index, container, result
+
+
+@dataclass(frozen=True)
+class _Pod:
+    """One pod (or pod template) being mutated, and where it sits in the reviewed object."""
+
+    base: tuple[str, ...]
+    spec: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    has_meta: bool
+    results: list[Located]
+
+
+@dataclass
+class Outcome:
+    """The decision for one object: allowed with a patch, or denied with messages."""
+
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    gpu: bool = False
+
+    @property
+    def allowed(self) -> bool:
+        return not self.errors
+
+    @property
+    def message(self) -> str:
+        shown = self.errors[:DENY_LIMIT]
+        more = len(self.errors) - len(shown)
+        return "; ".join(shown) + (f"; and {more} more" if more > 0 else "")
+
+
+class Mutator:
+    """The ``/mutate`` reviewer and the engine behind ``fracgpu review``."""
+
+    def __init__(self, config: AdmissionConfig, inventory: Inventory) -> None:
+        self.config = config
+        self.inventory = inventory
+        self.dialects = enabled(config.dialects)
+        self.inputs = input_resources(self.dialects)
+
+    async def __call__(self, req: AdmissionRequest) -> AdmissionResponse:
+        if req.operation not in ("CREATE", "UPDATE") or req.sub_resource or req.object is None:
+            return AdmissionResponse.allow(req.uid, label="not-applicable")
+        if req.kind.kind == "Pod" and req.operation == "UPDATE":
+            # Container resources of a pod are immutable; what was admitted at CREATE stands.
+            return AdmissionResponse.allow(req.uid, label="not-applicable")
+        outcome = self.mutate(req.object, req.kind.group, req.kind.kind)
+        return respond(req.uid, outcome)
+
+    def mutate(self, obj: Mapping[str, Any], group: str, kind: str) -> Outcome:
+        """Mutate an object of a supported kind; other kinds pass untouched."""
+        path = TEMPLATE_PATHS.get((group, kind))
+        if path is None:
+            return Outcome()
+        template: Any = obj
+        for token in path:
+            template = template.get(token) if isinstance(template, Mapping) else None
+        if not isinstance(template, Mapping):
+            return Outcome()
+        return self.mutate_pod(template, path)
+
+    def mutate_pod(self, pod: Mapping[str, Any], base: tuple[str, ...] = ()) -> Outcome:
+        """Mutate a Pod, or a pod template found at ``base`` inside its object."""
+        outcome = Outcome()
+        spec = pod.get("spec")
+        if not isinstance(spec, Mapping):
+            return outcome
+        raw_meta = pod.get("metadata")
+        meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, Mapping) else {}
+        choice = self.inventory.choose(spec)
+        results: list[Located] = []
+        for list_name in CONTAINER_LISTS:
+            containers = spec.get(list_name)
+            if not isinstance(containers, list):
+                continue
+            for index, container in enumerate(containers):
+                if not isinstance(container, Mapping):
+                    continue
+                name = str(container.get("name") or f"{list_name}[{index}]")
+                result = normalise_container(
+                    name, container.get("resources"), self.dialects, choice
+                )
+                outcome.errors.extend(result.errors)
+                outcome.warnings.extend(w for w in result.warnings if w not in outcome.warnings)
+                results.append((list_name, index, container, result))
+        outcome.gpu = any(r.grant is not None for *_, r in results)
+        outcome.errors.extend(self._forbidden(spec, meta, results, outcome.gpu))
+        if outcome.errors:
+            outcome.warnings.clear()
+            return outcome
+        if not any(r.mentions_gpu for *_, r in results):
+            return outcome
+        ops = outcome.patch
+        for list_name, index, container, result in results:
+            where: tuple[str | int, ...] = (*base, "spec", list_name, index)
+            if result.mentions_gpu or result.grant is not None:
+                self._container_ops(ops, where, container, result)
+        if outcome.gpu:
+            view = _Pod(base, spec, meta, isinstance(raw_meta, Mapping), results)
+            self._pod_ops(ops, view)
+        return outcome
+
+    def _forbidden(
+        self,
+        spec: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        results: list[Located],
+        gpu: bool,
+    ) -> list[str]:
+        """What a pod may not set because the device plugin or the hook rely on it."""
+        problems: list[str] = []
+        for _, _, container, result in results:
+            who = container_ref(result.name)
+            granted = result.grant.env() if result.grant else {}
+            env = container.get("env")
+            for var in env if isinstance(env, list) else []:
+                if not isinstance(var, Mapping):
+                    continue
+                var_name, value = str(var.get("name") or ""), var.get("value")
+                literal = "valueFrom" not in var
+                if var_name == VISIBLE_DEVICES and not (
+                    literal and (value or "") in HARMLESS_VISIBLE_DEVICES
+                ):
+                    problems.append(
+                        f"{who}: environment variable {VISIBLE_DEVICES} selects GPUs "
+                        f"and is set only by the fracgpu device plugin; remove it and request "
+                        f"fracgpu.io/gpu instead"
+                    )
+                elif var_name.startswith(SYSTEM_ENV_PREFIX) and not (
+                    literal and granted.get(var_name) == value
+                ):
+                    problems.append(
+                        f"{who}: environment variable {var_name} is set by fracgpu "
+                        f"and cannot be set in the pod spec (got {json.dumps(value)}); remove it"
+                    )
+            if not gpu:
+                continue
+            mounts = container.get("volumeMounts")
+            for mount in mounts if isinstance(mounts, list) else []:
+                path = mount.get("mountPath") if isinstance(mount, Mapping) else None
+                if isinstance(path, str) and _reserved(path):
+                    problems.append(
+                        f"{who}: volume mount at {path} covers a path the fracgpu "
+                        f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
+                        f"volume elsewhere"
+                    )
+        if gpu:
+            volumes = spec.get("volumes")
+            for volume in volumes if isinstance(volumes, list) else []:
+                host = volume.get("hostPath") if isinstance(volume, Mapping) else None
+                path = host.get("path") if isinstance(host, Mapping) else None
+                if isinstance(path, str) and _host_reserved(path):
+                    vol = json.dumps(volume.get("name"))
+                    problems.append(
+                        f"volume {vol}: hostPath {path} holds fracgpu's node "
+                        f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
+                    )
+            annotations = meta.get("annotations")
+            for key in annotations if isinstance(annotations, Mapping) else {}:
+                if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
+                    problems.append(
+                        f"annotation {key} is reserved for fracgpu and cannot be set on a GPU "
+                        f"pod; remove it"
+                    )
+        return problems
+
+    def _container_ops(
+        self,
+        ops: list[dict[str, Any]],
+        where: tuple[str | int, ...],
+        container: Mapping[str, Any],
+        result: ContainerResult,
+    ) -> None:
+        resources = container.get("resources")
+        assert isinstance(resources, Mapping)  # it named a GPU resource
+        wanted = result.grant.resources() if result.grant else {}
+        new: dict[str, Any] = {
+            k: v for k, v in resources.items() if k not in ("limits", "requests")
+        }
+        for part in ("limits", "requests"):
+            current = resources.get(part)
+            kept = {k: v for k, v in (current or {}).items() if k not in self.inputs}
+            merged = {**kept, **wanted}
+            if merged or part == "limits":
+                new[part] = merged
+        if new != resources:
+            ops.append({"op": "replace", "path": pointer(*where, "resources"), "value": new})
+        if result.grant is None:
+            return
+        desired = {**result.grant.env(), **self.config.env}
+        env = container.get("env")
+        have = (
+            {str(v.get("name")) for v in env if isinstance(v, Mapping)}
+            if isinstance(env, list)
+            else set()
+        )
+        missing = [{"name": k, "value": v} for k, v in desired.items() if k not in have]
+        if not missing:
+            return
+        if not isinstance(env, list):
+            ops.append({"op": "add", "path": pointer(*where, "env"), "value": missing})
+        else:
+            ops.extend(
+                {"op": "add", "path": pointer(*where, "env", "-"), "value": v} for v in missing
+            )
+
+    def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
+        base, spec = pod.base, pod.spec
+        scheduler = self.config.scheduler_name
+        current = spec.get("schedulerName")
+        if (
+            scheduler
+            and current != scheduler
+            and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
+        ):
+            op = "add" if current is None else "replace"
+            ops.append(
+                {"op": op, "path": pointer(*base, "spec", "schedulerName"), "value": scheduler}
+            )
+        tolerations = spec.get("tolerations")
+        present = tolerations if isinstance(tolerations, list) else []
+        needed = [t for t in self.config.tolerations if not _tolerated(t, present)]
+        if needed and not isinstance(tolerations, list):
+            ops.append(
+                {"op": "add", "path": pointer(*base, "spec", "tolerations"), "value": needed}
+            )
+        else:
+            ops.extend(
+                {"op": "add", "path": pointer(*base, "spec", "tolerations", "-"), "value": t}
+                for t in needed
+            )
+        self._annotation_op(ops, pod)
+
+    @staticmethod
+    def _annotation_op(ops: list[dict[str, Any]], pod: _Pod) -> None:
+        base = pod.base
+        annotations = pod.meta.get("annotations")
+        existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, Mapping) else None
+        asked = {r.name: r.request for *_, r in pod.results if r.grant is not None}
+        already_canonical = all(set(req) <= set(CANONICAL) for req in asked.values())
+        if existing is not None and already_canonical:
+            return  # our own earlier output (reinvocation, or a pod made from a mutated template)
+        value = json.dumps(asked, sort_keys=True, separators=(",", ":"))
+        if existing == value:
+            return
+        if not pod.has_meta:
+            ops.append({"op": "add", "path": pointer(*base, "metadata"), "value": {}})
+        if not isinstance(annotations, Mapping):
+            ops.append(
+                {"op": "add", "path": pointer(*base, "metadata", "annotations"), "value": {}}
+            )
+        op = "replace" if existing is not None else "add"
+        path = pointer(*base, "metadata", "annotations", REQUEST_ANNOTATION)
+        ops.append({"op": op, "path": path, "value": value})
+
+
+def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
+    if not outcome.allowed:
+        return AdmissionResponse.deny(uid, outcome.message, reason="Invalid", label="invalid")
+    label = "gpu" if outcome.gpu else ("stripped" if outcome.patch else "no-gpu")
+    return AdmissionResponse.allow(uid, outcome.patch, outcome.warnings, label=label)
+
+
+def _reserved(path: str) -> bool:
+    norm = posixpath.normpath("/" + path.strip())
+    return any(norm == p or norm.startswith(p + "/") for p in RESERVED_CONTAINER_PATHS)
+
+
+def _host_reserved(path: str) -> bool:
+    norm = posixpath.normpath("/" + path.strip())
+    return (
+        norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD)
+        or norm == HOST_ROOT
+        or norm.startswith(HOST_ROOT + "/")
+    )
+
+
+def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:
+    """True when an existing toleration already tolerates the taint ``wanted`` is for."""
+    for t in present:
+        if not isinstance(t, Mapping):
+            continue
+        if t.get("operator") == "Exists" and not t.get("key") and not t.get("effect"):
+            return True  # tolerates everything
+        same_key = t.get("key") == wanted.get("key")
+        same_effect = not t.get("effect") or t.get("effect") == wanted.get("effect")
+        if (
+            same_key
+            and same_effect
+            and (t.get("operator") == "Exists" or t.get("value") == wanted.get("value"))
+        ):
+            return True
+    return False
