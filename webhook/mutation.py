@@ -198,6 +198,16 @@ class Mutator:
                     )
             if not gpu:
                 continue
+            security = container.get("securityContext")
+            if (
+                isinstance(security, Mapping)
+                and security.get("privileged") is True
+                and not self.config.allow_privileged
+            ):
+                problems.append(
+                    f"{who}: is privileged; a privileged container sees every GPU of the node and "
+                    f"escapes its share; remove securityContext.privileged from GPU pods"
+                )
             mounts = container.get("volumeMounts")
             for mount in mounts if isinstance(mounts, list) else []:
                 path = mount.get("mountPath") if isinstance(mount, Mapping) else None
@@ -319,18 +329,20 @@ class Mutator:
 
 def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
     if not outcome.allowed:
-        return AdmissionResponse.deny(uid, outcome.message, reason="Invalid", label="invalid")
+        return AdmissionResponse.deny(
+            uid, outcome.message, code=422, reason="Invalid", label="invalid"
+        )
     label = "gpu" if outcome.gpu else ("stripped" if outcome.patch else "no-gpu")
     return AdmissionResponse.allow(uid, outcome.patch, outcome.warnings, label=label)
 
 
 def _reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip())
+    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
     return any(norm == p or norm.startswith(p + "/") for p in RESERVED_CONTAINER_PATHS)
 
 
 def _host_reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip())
+    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
     return (
         norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD)
         or norm == HOST_ROOT

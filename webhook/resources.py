@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from webhook.quantity import Quantity, QuantityError, format_decimal, parse_quantity
@@ -202,6 +203,11 @@ class _Ask:
 
 def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
     """Every resource name the webhook rewrites, given the enabled dialects."""
+    return _input_resources(enabled(dialects))
+
+
+@lru_cache(maxsize=16)
+def _input_resources(dialects: tuple[Dialect, ...]) -> frozenset[str]:
     names: set[str] = set()
     for dialect in dialects:
         names.update(DIALECT_RESOURCES[dialect])
@@ -210,6 +216,11 @@ def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
 
 def enabled(dialects: Iterable[Dialect]) -> tuple[Dialect, ...]:
     """The dialects in force: ours and the canonical form always, plus the enabled ones."""
+    return _enabled(frozenset(dialects))
+
+
+@lru_cache(maxsize=16)
+def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
     chosen = {Dialect.FRACGPU, Dialect.CANONICAL, *dialects}
     return tuple(d for d in Dialect if d in chosen)
 
