@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import ssl
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,22 +94,29 @@ async def _drive(args: argparse.Namespace, port: int, ca: bytes) -> dict[str, di
 
         for send in [sender(*cases["baseline"])] * 2:  # warm up TLS sessions and code paths
             await closed_loop(send, args.connections, 0.5)
-        for name, (path, body) in cases.items():
-            send = sender(path, body)
-            throughput: Result = await closed_loop(send, args.connections, args.seconds)
-            latency: Result = await open_loop(send, args.rate, args.seconds)
+        # Interleave the cases in short rounds and keep medians: on a shared machine, load from
+        # elsewhere then shifts every case alike instead of whichever ran at the wrong moment.
+        rounds: dict[str, list[tuple[Result, Result]]] = {name: [] for name in cases}
+        for _ in range(args.rounds):
+            for name, (path, body) in cases.items():
+                send = sender(path, body)
+                throughput = await closed_loop(send, args.connections, args.seconds)
+                latency = await open_loop(send, args.rate, args.seconds)
+                rounds[name].append((throughput, latency))
+        for name, measured in rounds.items():
             results[name] = {
-                "rps": throughput.rate,
-                "errors": throughput.errors + latency.errors,
-                "p50_ms": latency.p50_ms,
-                "p99_ms": latency.p99_ms,
+                "rps": statistics.median(t.rate for t, _ in measured),
+                "errors": sum(t.errors + lat.errors for t, lat in measured),
+                "p50_ms": statistics.median(lat.p50_ms for _, lat in measured),
+                "p99_ms": statistics.median(lat.p99_ms for _, lat in measured),
             }
     return results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.webhook", description=__doc__)
-    parser.add_argument("--seconds", type=float, default=5.0, help="per measurement")
+    parser.add_argument("--seconds", type=float, default=2.0, help="per measurement and round")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (medians)")
     parser.add_argument("--connections", type=int, default=16)
     parser.add_argument("--rate", type=float, default=500.0, help="open-loop requests/s")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -145,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     base = results["baseline"]
     print(
         f"fracgpu webhook /mutate over HTTPS, {args.connections} connections, "
-        f"{args.seconds:.0f} s per figure, open-loop latency at {args.rate:.0f} req/s "
+        f"median of {args.rounds} interleaved rounds of {args.seconds:g} s, open-loop latency "
+        f"at {args.rate:.0f} req/s "
         f"({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs)"
     )
     print(f"{'case':12} {'req/s':>8} {'vs base':>8} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")

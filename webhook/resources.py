@@ -90,7 +90,10 @@ def card_blocks(memory_mib: int) -> int:
 
 def format_cards(core: int) -> str:
     """Hundredths of a card as a user writes cards: 30 → ``0.3``, 200 → ``2``."""
-    return format_decimal(Decimal(core) / CORE_PER_CARD)
+    whole, hundredths = divmod(core, CORE_PER_CARD)
+    if not hundredths:
+        return str(whole)
+    return f"{whole}.{hundredths:02d}".rstrip("0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -238,11 +241,11 @@ def normalise_container(
     """
     result = ContainerResult(name)
     active = enabled(dialects)
-    mine = input_resources(active)
-    resources = resources if isinstance(resources, Mapping) else {}
+    mine = _input_resources(active)
+    resources = resources if isinstance(resources, dict) else {}
     limits = resources.get("limits") or {}
     requests = resources.get("requests") or {}
-    if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
+    if not isinstance(limits, dict) or not isinstance(requests, dict):
         result.errors.append(f"{container_ref(name)}: resources.limits and requests must be maps")
         return result
     asked = {k: v for k, v in limits.items() if k in mine}
