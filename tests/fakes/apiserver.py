@@ -230,6 +230,7 @@ class FakeApiServer:
         self._up_handle: asyncio.TimerHandle | None = None
         self._forced: dict[tuple[Kind, Key], _ForcedFailure] = {}
         self._runner: web.AppRunner | None = None
+        self._watch_opened = asyncio.Event()
         self._port = 0
         for name in namespaces:
             self.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
@@ -244,9 +245,11 @@ class FakeApiServer:
     async def start(self) -> None:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=0.5, handler_cancellation=True
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0, shutdown_timeout=0.5)
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         server = site._server
         assert server is not None
@@ -357,6 +360,13 @@ class FakeApiServer:
     @property
     def watch_count(self) -> int:
         return len(self.store.watchers)
+
+    async def wait_for_watches(self, count: int = 1, within_s: float = 5.0) -> None:
+        """Wait until at least `count` watches are open (so a test's change lands in them)."""
+        async with asyncio.timeout(within_s):
+            while self.watch_count < count:
+                self._watch_opened.clear()
+                await self._watch_opened.wait()
 
     # --- direct access for tests (no HTTP, no validation; versions and events as usual) ---
 
@@ -737,6 +747,7 @@ class FakeApiServer:
         # Subscribing in the same synchronous step as the replay: no change can slip between.
         if expired is None:
             self.store.subscribe(watcher)
+            self._watch_opened.set()
         response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         response.enable_chunked_encoding()
         try:
@@ -1111,17 +1122,17 @@ class FakeApiServer:
         immutability, generation, finalizers, and no-op detection."""
         kind = route.kind
         key = self._key(route)
-        old = self.store.get(kind, key)
-        if old is None:
-            raise _not_found(kind, key[1])
-        self._take_forced(kind, key)
         meta = new["metadata"]
-        old_meta = old["metadata"]
         if meta.get("name") and meta["name"] != key[1]:
             raise _bad_request(
                 f"the name of the object ({meta['name']}) does not match the name on the URL "
                 f"({key[1]})"
             )
+        old = self.store.get(kind, key)
+        if old is None:
+            raise _not_found(kind, key[1])
+        self._take_forced(kind, key)
+        old_meta = old["metadata"]
         rv = meta.get("resourceVersion")
         if not rv:
             if require_rv:
@@ -1343,7 +1354,7 @@ class FakeApiServer:
 def _qualified_name(key: str) -> bool:
     if not isinstance(key, str) or not key:
         return False
-    prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
         return False
     return len(name) <= 63 and bool(_QUALIFIED_NAME.match(name))
