@@ -47,20 +47,25 @@ import asyncio
 import base64
 import binascii
 import json
-import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-import jsonpatch
 import yaml
 from aiohttp import web
 
+from tests.fakes.apierrors import (
+    STALE,
+    ApiError,
+    bad_request,
+    conflict,
+    invalid,
+    not_found,
+)
 from tests.fakes.apistore import (
     Bookmark,
     Change,
@@ -73,109 +78,20 @@ from tests.fakes.apistore import (
     clone,
     key_of,
 )
-from tests.fakes.kinds import DEFAULT_KINDS, NAMESPACE, POD, SECRET, Kind
+from tests.fakes.kinds import DEFAULT_KINDS, NAMESPACE, POD, Kind
+from tests.fakes.objectrules import (
+    GENERATE_ALPHABET,
+    check_immutable,
+    defaults_on_create,
+    fold_secret_data,
+    now,
+    validate,
+)
+from tests.fakes.patching import apply_patch
 from tests.fakes.selectors import SelectorError, compile_selectors
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 MAX_BODY_BYTES = 3 * 1024 * 1024  # kube-apiserver's request body limit
-
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_QUALIFIED_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
-_GENERATE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the real server's, without vowels
-_MUTABLE_POD_SPEC = ("activeDeadlineSeconds", "tolerations", "schedulingGates")
-
-
-class ApiError(Exception):
-    """A failure the real server reports as a `Status` object with this code and reason."""
-
-    def __init__(
-        self, code: int, reason: str, message: str, details: dict[str, Any] | None = None
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.reason = reason
-        self.message = message
-        self.details = details
-
-    def status(self) -> Obj:
-        body: Obj = {
-            "kind": "Status",
-            "apiVersion": "v1",
-            "metadata": {},
-            "status": "Failure",
-            "message": self.message,
-            "reason": self.reason,
-            "code": self.code,
-        }
-        if self.details is not None:
-            body["details"] = self.details
-        return body
-
-
-def _now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def _not_found(kind: Kind, name: str) -> ApiError:
-    details = {"name": name, "kind": kind.plural}
-    if kind.group:
-        details["group"] = kind.group
-    return ApiError(404, "NotFound", f'{kind.resource} "{name}" not found', details)
-
-
-def _conflict(kind: Kind, name: str, why: str) -> ApiError:
-    details = {"name": name, "kind": kind.plural}
-    if kind.group:
-        details["group"] = kind.group
-    message = f'Operation cannot be fulfilled on {kind.resource} "{name}": {why}'
-    return ApiError(409, "Conflict", message, details)
-
-
-_STALE = (
-    "the object has been modified; please apply your changes to the latest version and try again"
-)
-
-
-def _invalid(kind: Kind, name: str, causes: list[tuple[str, str]]) -> ApiError:
-    """422 Invalid, worded as the real server does: `Pod "x" is invalid: field: message`."""
-    text = ", ".join(f"{path}: {msg}" for path, msg in causes)
-    details: Obj = {
-        "name": name,
-        "kind": kind.kind,
-        "causes": [
-            {"reason": "FieldValueInvalid", "message": msg, "field": path} for path, msg in causes
-        ],
-    }
-    if kind.group:
-        details["group"] = kind.group
-    return ApiError(422, "Invalid", f'{kind.kind} "{name}" is invalid: {text}', details)
-
-
-def _bad_request(message: str) -> ApiError:
-    return ApiError(400, "BadRequest", message)
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 merge patch: objects merge recursively, null deletes, anything else replaces."""
-    if not isinstance(patch, dict):
-        return patch
-    result = dict(target) if isinstance(target, dict) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
-
-
-def _has_directive(patch: Any) -> bool:
-    if isinstance(patch, dict):
-        return any(k.startswith("$") or _has_directive(v) for k, v in patch.items())
-    if isinstance(patch, list):
-        return any(_has_directive(v) for v in patch)
-    return False
 
 
 @dataclass(frozen=True)
@@ -403,7 +319,7 @@ class FakeApiServer:
         old = self.store.peek(kind, key)
         if old is None:
             meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", _now())
+            meta.setdefault("creationTimestamp", now())
             if kind.tracks_generation:
                 meta.setdefault("generation", 1)
             return self.store.create(kind, new)
@@ -579,7 +495,7 @@ class FakeApiServer:
     def _get(self, route: Route) -> web.Response:
         obj = self.store.get(route.kind, self._key(route))
         if obj is None:
-            raise _not_found(route.kind, route.name or "")
+            raise not_found(route.kind, route.name or "")
         return web.json_response(obj)
 
     def _matcher(self, request: web.Request, kind: Kind) -> Any:
@@ -590,7 +506,7 @@ class FakeApiServer:
                 kind.field_labels,
             )
         except SelectorError as err:
-            raise _bad_request(str(err)) from None
+            raise bad_request(str(err)) from None
 
     def _list(self, request: web.Request, route: Route) -> web.Response:
         kind = route.kind
@@ -655,12 +571,12 @@ class FakeApiServer:
         text = query.get("resourceVersion", "")
         match = query.get("resourceVersionMatch", "")
         if match and not text:
-            raise _bad_request(
+            raise bad_request(
                 "resourceVersionMatch is forbidden unless resourceVersion is provided"
             )
         if text in ("", "0"):
             if match == "Exact" and text == "0":
-                raise _bad_request(
+                raise bad_request(
                     'resourceVersionMatch "Exact" is forbidden for resourceVersion "0"'
                 )
             return self.store.rv
@@ -668,7 +584,7 @@ class FakeApiServer:
         if match == "Exact":
             return rv
         if match not in ("", "NotOlderThan"):
-            raise _bad_request(f"resourceVersionMatch: Unsupported value: {match!r}")
+            raise bad_request(f"resourceVersionMatch: Unsupported value: {match!r}")
         if rv > self.store.rv:
             raise ApiError(
                 504,
@@ -691,9 +607,9 @@ class FakeApiServer:
         try:
             rv = int(text)
         except ValueError:
-            raise _bad_request(f"invalid resource version: {text!r}") from None
+            raise bad_request(f"invalid resource version: {text!r}") from None
         if rv < 0:
-            raise _bad_request(f"invalid resource version: {text!r}")
+            raise bad_request(f"invalid resource version: {text!r}")
         return rv
 
     @staticmethod
@@ -704,7 +620,7 @@ class FakeApiServer:
         try:
             return int(text)
         except ValueError:
-            raise _bad_request(f"{name}: invalid integer {text!r}") from None
+            raise bad_request(f"{name}: invalid integer {text!r}") from None
 
     @staticmethod
     def _encode_continue(rv: int, key: Key) -> str:
@@ -718,7 +634,7 @@ class FakeApiServer:
             ns, name = data["start"]
             return int(data["rv"]), (str(ns), str(name))
         except (ValueError, KeyError, TypeError, binascii.Error):
-            raise _bad_request(f"continue key is not valid: {token!r}") from None
+            raise bad_request(f"continue key is not valid: {token!r}") from None
 
     # --- watch ---------------------------------------------------------------------------
 
@@ -833,14 +749,14 @@ class FakeApiServer:
         try:
             return json.loads(raw)
         except ValueError as err:
-            raise _bad_request(f"couldn't get version/kind; json parse error: {err}") from None
+            raise bad_request(f"couldn't get version/kind; json parse error: {err}") from None
 
     @staticmethod
     def _dry_run(request: web.Request) -> bool:
         values = request.query.getall("dryRun", [])
         for value in values:
             if value != "All":
-                raise _bad_request(f'dryRun: Unsupported value: "{value}": supported values: "All"')
+                raise bad_request(f'dryRun: Unsupported value: "{value}": supported values: "All"')
         return bool(values)
 
     def _check_body(self, route: Route, body: Any, *, require_type: bool) -> tuple[Obj, list[str]]:
@@ -848,32 +764,32 @@ class FakeApiServer:
         server cannot decode; unknown top-level fields dropped with a warning."""
         kind = route.kind
         if not isinstance(body, dict):
-            raise _bad_request(
+            raise bad_request(
                 f"the request body for {kind.resource} must be a JSON object, "
                 f"got {type(body).__name__}"
             )
         obj = clone(body)
         api_version, kind_name = obj.get("apiVersion"), obj.get("kind")
         if require_type and kind.custom and (not api_version or not kind_name):
-            raise _bad_request(f"Object 'Kind' is missing in '{json.dumps(body)[:200]}'")
+            raise bad_request(f"Object 'Kind' is missing in '{json.dumps(body)[:200]}'")
         if api_version and api_version != kind.api_version:
-            raise _bad_request(
+            raise bad_request(
                 f"the API version in the data ({api_version}) does not match the expected "
                 f"API version ({kind.api_version})"
             )
         if kind_name and kind_name != kind.kind:
-            raise _bad_request(
+            raise bad_request(
                 f"the kind in the data ({kind_name}) does not match the expected kind "
                 f"({kind.kind}) for {kind.resource}"
             )
         obj["apiVersion"], obj["kind"] = kind.api_version, kind.kind
         meta = obj.setdefault("metadata", {})
         if not isinstance(meta, dict):
-            raise _bad_request("metadata must be a JSON object")
+            raise bad_request("metadata must be a JSON object")
         if kind.namespaced:
             body_ns = meta.get("namespace")
             if body_ns and body_ns != route.namespace:
-                raise _bad_request(
+                raise bad_request(
                     "the namespace of the provided object does not match the namespace sent on "
                     f"the request (object: {body_ns!r}, URL: {route.namespace!r})"
                 )
@@ -888,72 +804,18 @@ class FakeApiServer:
             return {}
         if request.query.get("fieldValidation") == "Strict":
             text = ", ".join(f'unknown field "{f}"' for f in unknown)
-            raise _bad_request(f"strict decoding error: {text}")
+            raise bad_request(f"strict decoding error: {text}")
         for field in unknown:
             obj.pop(field, None)
         warning = ", ".join(f'299 - "unknown field \\"{f}\\""' for f in unknown)
         return {"Warning": warning}
-
-    def _validate(self, kind: Kind, obj: Obj) -> None:
-        meta = obj["metadata"]
-        name = meta.get("name", "")
-        causes: list[tuple[str, str]] = []
-        pattern, limit = (_DNS_LABEL, 63) if kind is NAMESPACE else (_DNS_SUBDOMAIN, 253)
-        if not isinstance(name, str) or not pattern.match(name) or len(name) > limit:
-            causes.append(
-                (
-                    "metadata.name",
-                    f'Invalid value: "{name}": a lowercase RFC 1123 name must consist of lower '
-                    "case alphanumeric characters, '-' or '.', and must start and end with an "
-                    "alphanumeric character",
-                )
-            )
-        for field in ("labels", "annotations"):
-            entries = meta.get(field) or {}
-            if not isinstance(entries, dict):
-                causes.append((f"metadata.{field}", "Invalid value: must be a map of strings"))
-                continue
-            for key, value in entries.items():
-                if not _qualified_name(key):
-                    causes.append(
-                        (
-                            f"metadata.{field}",
-                            f'Invalid value: "{key}": name part must consist of '
-                            "alphanumeric characters, '-', '_' or '.', and must start and end "
-                            "with an alphanumeric character (prefix: an optional DNS subdomain "
-                            "and '/')",
-                        )
-                    )
-                if not isinstance(value, str):
-                    causes.append((f"metadata.{field}", f"Invalid value: {key}: must be a string"))
-                elif field == "labels" and (len(value) > 63 or not _LABEL_VALUE.match(value)):
-                    causes.append(
-                        (
-                            "metadata.labels",
-                            f'Invalid value: "{value}": a valid label must be an empty string or '
-                            "consist of alphanumeric characters, '-', '_' or '.', and must start "
-                            "and end with an alphanumeric character, at most 63 characters",
-                        )
-                    )
-        if kind is POD:
-            containers = (obj.get("spec") or {}).get("containers")
-            if not isinstance(containers, list) or not containers:
-                causes.append(("spec.containers", "Required value"))
-            else:
-                for i, container in enumerate(containers):
-                    if not isinstance(container, dict) or not container.get("name"):
-                        causes.append((f"spec.containers[{i}].name", "Required value"))
-                    elif not container.get("image"):
-                        causes.append((f"spec.containers[{i}].image", "Required value"))
-        if causes:
-            raise _invalid(kind, name if isinstance(name, str) else "", causes)
 
     def _namespace_usable(self, route: Route) -> None:
         if not route.kind.namespaced:
             return
         ns = self.store.peek(NAMESPACE, ("", route.namespace or ""))
         if ns is None:
-            raise _not_found(NAMESPACE, route.namespace or "")
+            raise not_found(NAMESPACE, route.namespace or "")
         if ns["metadata"].get("deletionTimestamp"):
             raise ApiError(
                 403,
@@ -961,26 +823,6 @@ class FakeApiServer:
                 f"{route.kind.resource} is forbidden: unable to create new content in namespace "
                 f"{route.namespace} because it is being terminated",
             )
-
-    @staticmethod
-    def _secret_data(kind: Kind, obj: Obj) -> None:
-        """Secrets: stringData is write-only and merges into data; data must be base64."""
-        if kind is not SECRET:
-            return
-        data = obj.get("data") or {}
-        for key, value in (obj.pop("stringData", None) or {}).items():
-            data[key] = base64.b64encode(str(value).encode()).decode()
-        for key, value in data.items():
-            try:
-                base64.b64decode(str(value), validate=True)
-            except binascii.Error:
-                raise _bad_request(
-                    'Secret in version "v1" cannot be handled as a Secret: '
-                    f"illegal base64 data in data[{key!r}]"
-                ) from None
-        if data:
-            obj["data"] = data
-        obj.setdefault("type", "Opaque")
 
     def _take_forced(self, kind: Kind, key: Key) -> None:
         forced = self._forced.get((kind, key))
@@ -990,7 +832,7 @@ class FakeApiServer:
         if forced.remaining <= 0:
             del self._forced[(kind, key)]
         if forced.code == 409:
-            raise _conflict(kind, key[1], _STALE)
+            raise conflict(kind, key[1], STALE)
         raise ApiError(forced.code, "InternalError", f"injected failure {forced.code} (test fault)")
 
     # --- create --------------------------------------------------------------------------
@@ -1002,18 +844,18 @@ class FakeApiServer:
         headers = self._prune(request, obj, unknown)
         meta = obj["metadata"]
         if meta.get("resourceVersion"):
-            raise _bad_request("resourceVersion should not be set on objects to be created")
+            raise bad_request("resourceVersion should not be set on objects to be created")
         if not meta.get("name"):
             prefix = meta.get("generateName")
             if not prefix:
-                raise _invalid(
+                raise invalid(
                     kind,
                     "",
                     [("metadata.name", "Required value: name or generateName is required")],
                 )
-            suffix = "".join(secrets.choice(_GENERATE_ALPHABET) for _ in range(5))
+            suffix = "".join(secrets.choice(GENERATE_ALPHABET) for _ in range(5))
             meta["name"] = f"{prefix}{suffix}"
-        self._validate(kind, obj)
+        validate(kind, obj)
         self._namespace_usable(route)
         key = key_of(obj)
         if self.store.peek(kind, key) is not None:
@@ -1026,29 +868,14 @@ class FakeApiServer:
         for server_owned in ("uid", "deletionTimestamp", "deletionGracePeriodSeconds", "selfLink"):
             meta.pop(server_owned, None)
         meta["uid"] = str(uuid.uuid4())
-        meta["creationTimestamp"] = _now()
+        meta["creationTimestamp"] = now()
         if kind.tracks_generation:
             meta["generation"] = 1
-        self._defaults_on_create(kind, obj)
-        self._secret_data(kind, obj)
+        defaults_on_create(kind, obj)
+        fold_secret_data(kind, obj)
         if dry_run:
             return web.json_response(obj, status=201, headers=headers)
         return web.json_response(self.store.create(kind, obj), status=201, headers=headers)
-
-    @staticmethod
-    def _defaults_on_create(kind: Kind, obj: Obj) -> None:
-        if kind is POD:
-            spec = obj.setdefault("spec", {})
-            spec.setdefault("schedulerName", "default-scheduler")
-            spec.setdefault("restartPolicy", "Always")
-            spec.setdefault("terminationGracePeriodSeconds", 30)
-            spec.setdefault("dnsPolicy", "ClusterFirst")
-            obj["status"] = {"phase": "Pending"}
-        elif kind is NAMESPACE:
-            obj.setdefault("spec", {"finalizers": ["kubernetes"]})
-            obj["status"] = {"phase": "Active"}
-        elif kind.custom and kind.status_subresource:
-            obj.pop("status", None)
 
     # --- update --------------------------------------------------------------------------
 
@@ -1064,52 +891,8 @@ class FakeApiServer:
         patch = await self._body(request)
         old = self.store.get(kind, self._key(route))
         if old is None:
-            raise _not_found(kind, route.name or "")
-        if content_type == "application/json-patch+json":
-            try:
-                ops = jsonpatch.JsonPatch(patch)
-            except (jsonpatch.InvalidJsonPatch, TypeError, AttributeError) as err:
-                raise _bad_request(f"invalid JSON patch: {err}") from None
-            if not isinstance(patch, list):
-                raise _bad_request(
-                    "json: cannot unmarshal object into Go value of type jsonpatch.Patch "
-                    "(a JSON patch must be a list of operations)"
-                )
-            try:
-                patched = ops.apply(old)
-            except (jsonpatch.JsonPatchException, jsonpatch.JsonPointerException) as err:
-                raise ApiError(
-                    422, "Invalid", f"the JSON patch could not be applied: {err}"
-                ) from None
-        elif content_type in (
-            "application/merge-patch+json",
-            "application/strategic-merge-patch+json",
-        ):
-            if content_type.startswith("application/strategic") and kind.custom:
-                raise ApiError(
-                    415,
-                    "UnsupportedMediaType",
-                    "the body of the request was in an unknown format - accepted media types "
-                    "include: application/json-patch+json, application/merge-patch+json, "
-                    "application/apply-patch+yaml (strategic merge patch is not supported for "
-                    "custom resources)",
-                )
-            if not isinstance(patch, dict):
-                raise _bad_request("a merge patch must be a JSON object")
-            if _has_directive(patch):
-                raise _bad_request(
-                    "the fake API server treats strategic merge patches as merge patches and does "
-                    "not implement $-directives ($patch, $retainKeys, $setElementOrder)"
-                )
-            patched = merge_patch(old, patch)
-        else:
-            raise ApiError(
-                415,
-                "UnsupportedMediaType",
-                f'the body of the request was in an unknown format ("{content_type}") - accepted '
-                "media types include: application/json-patch+json, application/merge-patch+json, "
-                "application/strategic-merge-patch+json (server-side apply is not modelled)",
-            )
+            raise not_found(kind, route.name or "")
+        patched = apply_patch(kind, content_type, old, patch)
         if not isinstance(patched, dict):
             raise ApiError(422, "Invalid", "the patched object is not a JSON object")
         obj, unknown = self._check_body(route, patched, require_type=False)
@@ -1124,19 +907,19 @@ class FakeApiServer:
         key = self._key(route)
         meta = new["metadata"]
         if meta.get("name") and meta["name"] != key[1]:
-            raise _bad_request(
+            raise bad_request(
                 f"the name of the object ({meta['name']}) does not match the name on the URL "
                 f"({key[1]})"
             )
         old = self.store.get(kind, key)
         if old is None:
-            raise _not_found(kind, key[1])
+            raise not_found(kind, key[1])
         self._take_forced(kind, key)
         old_meta = old["metadata"]
         rv = meta.get("resourceVersion")
         if not rv:
             if require_rv:
-                raise _invalid(
+                raise invalid(
                     kind,
                     key[1],
                     [
@@ -1147,9 +930,9 @@ class FakeApiServer:
                     ],
                 )
         elif str(rv) != old_meta["resourceVersion"]:
-            raise _conflict(kind, key[1], _STALE)
+            raise conflict(kind, key[1], STALE)
         if meta.get("uid") and meta["uid"] != old_meta["uid"]:
-            raise _conflict(
+            raise conflict(
                 kind,
                 key[1],
                 f"Precondition failed: UID in precondition: {meta['uid']}, UID in object meta: "
@@ -1182,9 +965,9 @@ class FakeApiServer:
                 result_meta[server_owned] = old_meta[server_owned]
             else:
                 result_meta.pop(server_owned, None)
-        self._validate(kind, result)
-        self._check_immutable(kind, old, result)
-        self._secret_data(kind, result)
+        validate(kind, result)
+        check_immutable(kind, old, result)
+        fold_secret_data(kind, result)
         if kind.tracks_generation and _content_outside(
             result, "metadata", "status"
         ) != _content_outside(old, "metadata", "status"):
@@ -1200,56 +983,19 @@ class FakeApiServer:
             return result
         return self.store.update(kind, result)
 
-    @staticmethod
-    def _check_immutable(kind: Kind, old: Obj, new: Obj) -> None:
-        name = old["metadata"]["name"]
-        if kind is POD:
-            old_spec = clone(old.get("spec") or {})
-            new_spec = clone(new.get("spec") or {})
-            for spec in (old_spec, new_spec):
-                for field in _MUTABLE_POD_SPEC:
-                    spec.pop(field, None)
-                for group in ("containers", "initContainers"):
-                    for container in spec.get(group) or []:
-                        if isinstance(container, dict):
-                            container.pop("image", None)
-            if old_spec != new_spec:
-                raise _invalid(
-                    kind,
-                    name,
-                    [
-                        (
-                            "spec",
-                            "Forbidden: pod updates may not change fields other than "
-                            "`spec.containers[*].image`, `spec.initContainers[*].image`, "
-                            "`spec.activeDeadlineSeconds`, `spec.tolerations` (only additions to "
-                            "existing tolerations), `spec.schedulingGates` (only removal); use "
-                            "the binding subresource to set spec.nodeName",
-                        )
-                    ],
-                )
-        if kind is SECRET and old.get("immutable"):
-            for field in ("data", "immutable"):
-                if old.get(field) != new.get(field):
-                    raise _invalid(
-                        kind,
-                        name,
-                        [(field, "Forbidden: field is immutable when `immutable` is set")],
-                    )
-
     async def _bind(self, request: web.Request, route: Route) -> web.Response:
         body = await self._body(request)
         target = (body or {}).get("target") or {} if isinstance(body, dict) else {}
         node = target.get("name") if isinstance(target, dict) else None
         if not node:
-            raise _invalid(POD, route.name or "", [("target.name", "Required value")])
+            raise invalid(POD, route.name or "", [("target.name", "Required value")])
         key = self._key(route)
         pod = self.store.get(POD, key)
         if pod is None:
-            raise _not_found(POD, key[1])
+            raise not_found(POD, key[1])
         current = (pod.get("spec") or {}).get("nodeName")
         if current:
-            raise _conflict(POD, key[1], f'pod {key[1]} is already assigned to node "{current}"')
+            raise conflict(POD, key[1], f'pod {key[1]} is already assigned to node "{current}"')
         if not self._dry_run(request):
             pod["spec"]["nodeName"] = node
             self.store.update(POD, pod)
@@ -1276,13 +1022,13 @@ class FakeApiServer:
     def _delete_one(self, kind: Kind, key: Key, options: Mapping[str, Any], dry_run: bool) -> Obj:
         old = self.store.get(kind, key)
         if old is None:
-            raise _not_found(kind, key[1])
+            raise not_found(kind, key[1])
         self._take_forced(kind, key)
         preconditions = options.get("preconditions") or {}
         meta = old["metadata"]
         want_rv = preconditions.get("resourceVersion")
         if want_rv and want_rv != meta["resourceVersion"]:
-            raise _conflict(
+            raise conflict(
                 kind,
                 key[1],
                 f"Precondition failed: ResourceVersion in precondition: {want_rv}, "
@@ -1290,7 +1036,7 @@ class FakeApiServer:
             )
         want_uid = preconditions.get("uid")
         if want_uid and want_uid != meta["uid"]:
-            raise _conflict(
+            raise conflict(
                 kind,
                 key[1],
                 f"Precondition failed: UID in precondition: {want_uid}, UID in object meta: "
@@ -1300,7 +1046,7 @@ class FakeApiServer:
             return self._deleted_body(kind, old)
         if meta.get("finalizers"):
             if not meta.get("deletionTimestamp"):
-                meta["deletionTimestamp"] = _now()
+                meta["deletionTimestamp"] = now()
                 meta["deletionGracePeriodSeconds"] = 0
                 old = self.store.update(kind, old)
             return old
@@ -1351,10 +1097,25 @@ class FakeApiServer:
         )
 
 
-def _qualified_name(key: str) -> bool:
-    if not isinstance(key, str) or not key:
-        return False
-    prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return False
-    return len(name) <= 63 and bool(_QUALIFIED_NAME.match(name))
+async def _serve_forever(kubeconfig: Path) -> None:
+    async with FakeApiServer() as fake:
+        fake.kubeconfig(kubeconfig)
+        print(f"fake API server on {fake.url}; kubeconfig written to {kubeconfig}", flush=True)
+        await asyncio.Event().wait()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tests.fakes.apiserver --kubeconfig PATH`: serve until interrupted (for trying
+    a component, or the e2e scaffolding, against the fake from another process)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.fakes.apiserver")
+    parser.add_argument("--kubeconfig", type=Path, required=True, help="where to write it")
+    args = parser.parse_args(argv)
+    with suppress(KeyboardInterrupt):
+        asyncio.run(_serve_forever(args.kubeconfig))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
