@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.apiserver import FakeApiServer, RequestRecord
 from webhook.kube import (
     NODES,
     PODS,
@@ -253,6 +253,30 @@ async def test_list_is_paginated_and_failures_back_off(api: Any, fake: FakeApiSe
         assert inf.stats.errors >= 1
     pages = [r for r in fake.requests if r.path == "/api/v1/nodes" and "watch" not in r.query]
     assert [("continue" in r.query) for r in pages[-3:]] == [False, True, True]
+
+
+async def test_an_expired_continue_token_restarts_the_list(api: Any, fake: FakeApiServer) -> None:
+    for i in range(4):
+        fake.put(node(f"n{i}"))
+    expired: list[str] = []
+
+    def expire_between_pages(record: RequestRecord) -> None:
+        if "continue" in record.query and not expired:
+            expired.append(record.query["continue"])
+            fake.put(node("late"))
+            fake.compact()
+
+    fake.on_request = expire_between_pages
+    async with informer(api, page_size=2) as inf:
+        await inf.wait_synced(5)
+        assert expired and inf.stats.relists_410 == 1 and inf.stats.lists == 1
+        assert sorted(o["metadata"]["name"] for o in inf.objects()) == [
+            "late",
+            "n0",
+            "n1",
+            "n2",
+            "n3",
+        ]
 
 
 async def test_namespace_and_selectors_scope_the_cache(api: Any, fake: FakeApiServer) -> None:

@@ -35,7 +35,8 @@ talks to it unchanged, and the semantics that clients depend on are the real one
 
 Fault injection, all under the test's control: `latency`, `fail_writes()` (forced 409 or another
 code for the next N writes to one object), `down()`/`up()` (503 or dropped connections),
-`drop_watches()`, `compact()`, `send_bookmarks()`. `requests` records every request.
+`drop_watches()`, `compact()`, `send_bookmarks()`, and `on_request` (a hook called before each
+request is served). `requests` records every request.
 
 Not modelled: authorization (any request with the token is allowed), admission webhooks, defaulting
 beyond a few pod fields, server-side apply, protobuf, field managers, most validation.
@@ -46,10 +47,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import inspect
 import json
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +139,9 @@ class FakeApiServer:
         self.token = secrets.token_hex(16)
         self.bookmark_interval = bookmark_interval
         self.latency = 0.0
+        # Called with each request before it is served: the test's hook to act at an exact point
+        # (compact between two pages, change an object between a read and a write).
+        self.on_request: Callable[[RequestRecord], Awaitable[None] | None] | None = None
         self.requests: list[RequestRecord] = []
         self._kinds: dict[tuple[str, str, str], Kind] = {}
         self._by_plural: dict[str, Kind] = {}
@@ -341,7 +346,12 @@ class FakeApiServer:
     # --- HTTP ----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        self.requests.append(RequestRecord(request.method, request.path, dict(request.query)))
+        record = RequestRecord(request.method, request.path, dict(request.query))
+        self.requests.append(record)
+        if self.on_request is not None:
+            outcome = self.on_request(record)
+            if inspect.isawaitable(outcome):
+                await outcome
         if self.latency:
             await asyncio.sleep(self.latency)
         if self._down == "drop":
