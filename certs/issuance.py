@@ -26,12 +26,21 @@ PrivateKey = ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey
 ORGANIZATION = "fracgpu"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Issued:
     """A certificate and its private key."""
 
     cert: x509.Certificate
     key: PrivateKey
+
+    def __eq__(self, other: object) -> bool:
+        # Key objects compare by identity; the same key read twice must compare equal.
+        if not isinstance(other, Issued):
+            return NotImplemented
+        return self.cert == other.cert and self.key_pem() == other.key_pem()
+
+    def __hash__(self) -> int:
+        return hash(self.cert)
 
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)

@@ -161,7 +161,10 @@ def plan(
         request.immediate or signed_by(serving.cert, ca.cert) or now >= ca_propagated_at(ca, config)
     )
     if urgent is not None or (due is not None and may_switch):
-        serving = _new_serving(ca, config, standalone, now)
+        # An urgent renewal in the step that rotates the CA is still signed by the old one:
+        # only the old one is known to every API server yet.
+        signer = ca if may_switch else current.ca
+        serving = _new_serving(signer, config, standalone, now)
         reasons.append(urgent or due or "")
     if ca.cert not in trusted:
         trusted = (ca.cert, *trusted)

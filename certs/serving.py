@@ -12,20 +12,25 @@ handshake never sees a new certificate with an old key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import ssl
 from collections.abc import Callable
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
+from certs.inject import CaBundleInjector
 from certs.material import ServingState, fingerprint
 from certs.metrics import CertsMetrics
+from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
 from certs.tlspolicy import server_context
+from webhook.kube import kube_client
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +51,10 @@ class ServingCertificates:
         *,
         metrics: CertsMetrics,
         consumers: tuple[BundleConsumer, ...] = (),
+        resources: contextlib.AsyncExitStack | None = None,
     ) -> None:
         self.source = source
+        self._resources = resources or contextlib.AsyncExitStack()
         self.metrics = metrics
         self.consumers = consumers
         self._state = initial
@@ -101,6 +108,16 @@ class ServingCertificates:
             self._bundle_changed.set()
         return True
 
+    async def close(self) -> None:
+        """Closes the Kubernetes client ``open_serving`` opened (if it did)."""
+        await self._resources.aclose()
+
+    async def __aenter__(self) -> ServingCertificates:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
     async def run(self) -> None:
         """Keeps the certificate (and the injected caBundle) current until cancelled."""
         async with asyncio.TaskGroup() as tasks:
@@ -138,31 +155,43 @@ async def open_serving(
     *,
     standalone: bool,
     registry: CollectorRegistry | None = None,
+    api: Any = None,
+    kubeconfig: Path | None = None,
     clock: Clock = utcnow,
-    store: CertificateStore | None = None,
-    consumers: tuple[BundleConsumer, ...] = (),
 ) -> ServingCertificates:
-    """Loads (issuing if needed) the serving certificate for ``config``.
+    """Loads (issuing if needed) the serving certificate for ``config``; ``run()`` keeps it
+    fresh and ``close()`` releases what was opened here.
 
     ``standalone``: directory mode, SANs localhost/127.0.0.1/::1, no Kubernetes.
+    Otherwise a Kubernetes client is needed for ``secret`` mode and for caBundle injection:
+    ``api`` if given, else one from ``kubeconfig`` or the in-cluster service account.
     """
     metrics = CertsMetrics(registry or CollectorRegistry())
     if standalone:
         config = config.for_standalone()
-    source: CertificateSource
-    if config.mode == "files":
-        source = FileSource(config)
-    elif config.mode == "directory" or store is not None:
-        source = ManagedSource(
-            store or DirectoryStore(config.directory),
-            config,
-            standalone=standalone,
-            metrics=metrics,
-            clock=clock,
-        )
-    else:
-        raise ValueError(
-            f"certs.mode={config.mode!r} needs a Kubernetes client; use open_in_cluster"
-        )
-    initial = await source.refresh()
-    return ServingCertificates(source, initial, metrics=metrics, consumers=consumers)
+    resources = contextlib.AsyncExitStack()
+    try:
+        if api is None and not standalone and (config.mode == "secret" or config.injects):
+            api = await resources.enter_async_context(kube_client(kubeconfig))
+        source: CertificateSource
+        if config.mode == "files":
+            source = FileSource(config)
+        else:
+            store: CertificateStore = (
+                SecretStore(api, config.namespace, config.secret_name)
+                if config.mode == "secret"
+                else DirectoryStore(config.directory)
+            )
+            source = ManagedSource(
+                store, config, standalone=standalone, metrics=metrics, clock=clock
+            )
+        consumers: tuple[BundleConsumer, ...] = ()
+        if not standalone and config.injects:
+            consumers = (CaBundleInjector(api, config, metrics),)
+        initial = await source.refresh()
+    except BaseException:
+        await resources.aclose()
+        raise
+    return ServingCertificates(
+        source, initial, metrics=metrics, consumers=consumers, resources=resources
+    )
