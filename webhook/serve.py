@@ -14,11 +14,12 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certs.config import CertsConfig
@@ -26,8 +27,10 @@ from certs.material import CA_BUNDLE
 from certs.serving import open_serving
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
+from webhook.kube import kube_client
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
+from webhook.nodewatch import node_informer
 from webhook.server import Reviewer, build_app
 
 log = logging.getLogger(__name__)
@@ -78,53 +81,86 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
 
 def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
     config = load(args, admission)
-    return asyncio.run(_serve(config, standalone=args.standalone))
+    return asyncio.run(run_server(config, standalone=args.standalone))
 
 
-async def _serve(config: ServeConfig, *, standalone: bool) -> int:
+async def run_server(
+    config: ServeConfig, *, standalone: bool, stop: asyncio.Event | None = None
+) -> int:
+    """Serve until ``stop`` is set (by default: until SIGTERM or SIGINT); the exit status."""
+    registry = CollectorRegistry()
     inventory = Inventory(config.admission.inventory.models)
-    mutator = Mutator(config.admission, inventory)
-    certificates = await open_serving(config.certs, standalone=standalone)
-    background: list[Awaitable[Any]] = [certificates.run()]
-    reviewers: dict[str, Reviewer] = {"/mutate": mutator}
-    not_ready: list[str] = []
+    reviewers: dict[str, Reviewer] = {"/mutate": Mutator(config.admission, inventory)}
+    waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
+    stopping: list[str] = []
 
-    app = build_app(reviewers, metrics=AdmissionMetrics(), readiness=lambda: ", ".join(not_ready))
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(
-        runner, config.server.host, config.server.port, ssl_context=certificates.context
-    )
-    await site.start()
+    def readiness() -> str | None:
+        why = stopping + [name for name, ready in waiting.items() if not ready()]
+        return ", ".join(why) or None
+
+    async with contextlib.AsyncExitStack() as stack:
+        api = None
+        if not standalone:
+            api = await stack.enter_async_context(kube_client(config.kubeconfig))
+        certificates = await open_serving(
+            config.certs, standalone=standalone, registry=registry, api=api
+        )
+        stack.push_async_callback(certificates.close)
+        waiting["serving certificate"] = certificates.ready
+        background: list[Awaitable[Any]] = [certificates.run()]
+        if api is not None and config.admission.inventory.watch_nodes:
+            informer = node_informer(api, inventory)
+            await stack.enter_async_context(informer)
+            waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
+
+        app = build_app(reviewers, metrics=AdmissionMetrics(registry), readiness=readiness)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(
+            runner, config.server.host, config.server.port, ssl_context=certificates.context
+        )
+        await site.start()
+        log.info(
+            "serving admission",
+            extra={
+                "host": config.server.host,
+                "port": config.server.port,
+                "standalone": standalone,
+                "paths": sorted(reviewers),
+            },
+        )
+        if standalone:
+            _print_try_it(config, config.certs.directory / CA_BUNDLE)
+        status = await _until_stopped(background, stop)
+        stopping.append("shutting down")
+        delay = config.shutdown_delay_seconds if status == 0 else 0.0
+        log.info("shutting down", extra={"delay_s": delay})
+        await asyncio.sleep(delay)
+    log.info("stopped")
+    return status
+
+
+async def _until_stopped(background: list[Awaitable[Any]], stop: asyncio.Event | None) -> int:
+    """Run the background jobs until stopped (0) or until one of them fails (1)."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
     tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(job) for job in background]
-    log.info(
-        "serving admission",
-        extra={"host": config.server.host, "port": config.server.port, "standalone": standalone},
-    )
-    if standalone:
-        _print_try_it(config, config.certs.directory / CA_BUNDLE)
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     failed = asyncio.ensure_future(_first_failure(tasks))
-    await asyncio.wait([asyncio.ensure_future(stop.wait()), failed], return_when="FIRST_COMPLETED")
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, failed], return_when="FIRST_COMPLETED")
     status = 0
     if failed.done() and failed.exception() is not None:
         log.error("a background task failed; stopping", exc_info=failed.exception())
         status = 1
-    not_ready.append("shutting down")
-    log.info("shutting down", extra={"delay_s": config.shutdown_delay_seconds if not status else 0})
-    if status == 0:
-        await asyncio.sleep(config.shutdown_delay_seconds)
-    for task in [*tasks, failed]:
+    for task in [*tasks, failed, stopped]:
         task.cancel()
     for task in tasks:
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-    await runner.cleanup()
-    log.info("stopped")
     return status
 
 
