@@ -562,6 +562,12 @@ async def test_malformed_and_mismatched_bodies_are_400(fake: FakeApiServer) -> N
     assert code == 400 and "does not match the name on the URL" in status["message"]
     code, _, status = await raw(fake, "POST", pods, json.dumps(good).encode(), "text/plain")
     assert code == 415
+    yaml_pod = b"metadata: {name: y}\nspec: {containers: [{name: c, image: i}]}\n"
+    code, _, made = await raw(fake, "POST", pods, yaml_pod, "application/yaml")
+    assert (code, made["metadata"]["name"]) == (201, "y")
+    apply = b"metadata: {name: y}\n"
+    code, _, status = await raw(fake, "PATCH", pods + "/y", apply, "application/apply-patch+yaml")
+    assert code == 415 and "server-side apply is not modelled" in status["message"]
 
 
 @pytest.mark.parametrize(
@@ -832,6 +838,47 @@ async def test_leases_for_leader_election(api: Any) -> None:
     with pytest.raises(ApiException) as err:
         await coordination.replace_namespaced_lease("fracgpu-quota", "kube-system", made)
     assert err.value.status == 409
+
+
+async def test_leader_election_elects_exactly_one(fake: FakeApiServer, api: Any) -> None:
+    """kubernetes-asyncio's own LeaderElection over a Lease: one candidate leads, the other
+    loses the create race (409) and then sees a lease held by a live leader."""
+    from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
+    from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
+
+    leaders: list[str] = []
+    first = asyncio.Event()
+
+    def candidate(identity: str) -> Any:
+        async def started() -> None:
+            leaders.append(identity)
+            first.set()
+
+        async def stopped() -> None:
+            return None
+
+        lock = LeaseLock("fracgpu-quota", "kube-system", identity, api)
+        cfg = electionconfig.Config(
+            lock,
+            lease_duration=3,
+            renew_deadline=2,
+            retry_period=1,
+            onstarted_leading=started,
+            onstopped_leading=stopped,
+        )
+        return asyncio.create_task(leaderelection.LeaderElection(cfg).run())
+
+    tasks = [candidate("a"), candidate("b")]
+    try:
+        await asyncio.wait_for(first.wait(), 5)
+        await asyncio.sleep(1.5)  # more than one retry period of the loser
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(leaders) == 1
+    lease = fake.get("leases", "fracgpu-quota", "kube-system")
+    assert lease is not None and lease["spec"]["holderIdentity"] == leaders[0]
 
 
 async def test_webhook_configurations(api: Any) -> None:

@@ -749,12 +749,19 @@ class FakeApiServer:
         if not raw:
             return None
         content_type = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
-        if "json" not in content_type and "yaml" not in content_type:
+        if content_type == "application/yaml":
+            try:
+                return yaml.safe_load(raw)
+            except yaml.YAMLError as err:
+                raise bad_request(f"couldn't get version/kind; yaml parse error: {err}") from None
+        if "json" not in content_type:
             raise ApiError(
                 415,
                 "UnsupportedMediaType",
                 f'the body of the request was in an unknown format ("{content_type}"); '
-                "accepted media types include: application/json",
+                "accepted media types include: application/json, application/yaml, "
+                "application/json-patch+json, application/merge-patch+json, "
+                "application/strategic-merge-patch+json (server-side apply is not modelled)",
             )
         try:
             return json.loads(raw)
