@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from tests.fakes.apiserver import FakeApiServer, RequestRecord
 from webhook.kube import (
@@ -17,6 +18,7 @@ from webhook.kube import (
     SECRETS,
     EventType,
     Informer,
+    InformerMetrics,
     KubeConfigError,
     KubeError,
     Resource,
@@ -319,6 +321,33 @@ async def test_failing_handlers_are_contained_and_iterators_see_events(
         assert (kind, obj["metadata"]["name"]) == ("ADDED", "a")
         assert inf.stats.handler_errors == 1
         await stream.aclose()
+
+
+async def test_metrics_count_lists_relists_errors_and_events(api: Any, fake: FakeApiServer) -> None:
+    registry = CollectorRegistry()
+    metrics = InformerMetrics(registry)
+    fake.put(node("a"))
+    recorder = Recorder()
+    async with informer(api, metrics=metrics, handler=recorder, name="nodes") as inf:
+        await inf.wait_synced(5)
+        await fake.wait_for_watches()
+        fake.down("503")
+        fake.remove("nodes", "a")
+        fake.compact()
+        fake.up()
+        await recorder.wait_for(2)
+
+    def sample(name: str, **labels: str) -> float | None:
+        value: float | None = registry.get_sample_value(name, {"informer": "nodes", **labels})
+        return value
+
+    assert sample("fracgpu_informer_lists_total") == 2
+    assert sample("fracgpu_informer_relists_410_total") == 1
+    assert (sample("fracgpu_informer_errors_total") or 0) >= 1
+    assert sample("fracgpu_informer_events_total", type="ADDED") == 1
+    assert sample("fracgpu_informer_events_total", type="DELETED") == 1
+    assert sample("fracgpu_informer_objects") == 0
+    assert sample("fracgpu_informer_synced") == 1
 
 
 async def test_stop_cancels_cleanly(api: Any, fake: FakeApiServer) -> None:
