@@ -602,6 +602,13 @@ async def test_unknown_top_level_fields_are_dropped_with_a_warning(fake: FakeApi
         json.dumps({**body, "metadata": {"name": "t"}}).encode(),
     )
     assert code == 400 and "strict decoding error" in status["message"]
+    code, headers, _ = await raw(
+        fake,
+        "POST",
+        "/api/v1/namespaces/default/secrets?fieldValidation=Ignore",
+        json.dumps({**body, "metadata": {"name": "u"}}).encode(),
+    )
+    assert code == 201 and "Warning" not in headers
 
 
 async def test_secrets_fold_string_data_and_respect_immutable(core: Any) -> None:
@@ -727,6 +734,10 @@ async def test_watch_from_a_compacted_version_is_410_in_the_stream(
     assert event["type"] == "ERROR"
     assert (event["object"]["code"], event["object"]["reason"]) == (410, "Expired")
     assert len(lines) == 1
+    # A version the server has not reached yet is refused, not waited for forever.
+    ahead = f"{fake.url}/api/v1/namespaces/default/pods?watch=1&resourceVersion=999999"
+    async with aiohttp.ClientSession() as session, session.get(ahead, headers=headers) as resp:
+        assert resp.status == 504
     # Through the client: watch.Watch raises ApiException(410).
     with pytest.raises(ApiException) as err:
         await collect_events(core, 1, resource_version=old)

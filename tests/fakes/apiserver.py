@@ -596,21 +596,22 @@ class FakeApiServer:
         if match not in ("", "NotOlderThan"):
             raise bad_request(f"resourceVersionMatch: Unsupported value: {match!r}")
         if rv > self.store.rv:
-            raise ApiError(
-                504,
-                "Timeout",
-                f"Too large resource version: {rv}, current: {self.store.rv}",
-                {
-                    "causes": [
-                        {
-                            "reason": "ResourceVersionTooLarge",
-                            "message": "Too large resource version",
-                        }
-                    ],
-                    "retryAfterSeconds": 1,
-                },
-            )
+            raise self._too_large(rv)
         return self.store.rv
+
+    def _too_large(self, rv: int) -> ApiError:
+        """A version the server has not reached (the real one waits ~3 s for it first)."""
+        return ApiError(
+            504,
+            "Timeout",
+            f"Too large resource version: {rv}, current: {self.store.rv}",
+            {
+                "causes": [
+                    {"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}
+                ],
+                "retryAfterSeconds": 1,
+            },
+        )
 
     @staticmethod
     def _parse_rv(text: str) -> int:
@@ -663,8 +664,11 @@ class FakeApiServer:
                 if (route.namespace is None or key[0] == route.namespace) and matches(state[key]):
                     initial.append(("ADDED", state[key]))
         else:
+            since = self._parse_rv(text)
+            if since > self.store.rv:
+                raise self._too_large(since)
             try:
-                for change in self.store.changes_since(self._parse_rv(text)):
+                for change in self.store.changes_since(since):
                     event = watcher.translate(change)
                     if event is not None:
                         initial.append(event)
@@ -819,11 +823,14 @@ class FakeApiServer:
     def _prune(self, request: web.Request, obj: Obj, unknown: list[str]) -> dict[str, str]:
         if not unknown:
             return {}
-        if request.query.get("fieldValidation") == "Strict":
+        validation = request.query.get("fieldValidation", "Warn")
+        if validation == "Strict":
             text = ", ".join(f'unknown field "{f}"' for f in unknown)
             raise bad_request(f"strict decoding error: {text}")
         for field in unknown:
             obj.pop(field, None)
+        if validation == "Ignore":
+            return {}
         warning = ", ".join(f'299 - "unknown field \\"{f}\\""' for f in unknown)
         return {"Warning": warning}
 
