@@ -505,6 +505,24 @@ async def test_finalizers_hold_deletion_until_removed(core: Any, api: Any) -> No
     assert events[0][1]["metadata"]["deletionTimestamp"]
 
 
+async def test_graceful_pod_deletion_waits_for_the_kubelet() -> None:
+    async with FakeApiServer(graceful_pod_deletion=True) as fake, fake.api_client() as api:
+        core = client.CoreV1Api(api)
+        for name in ("bound", "unbound"):
+            await core.create_namespaced_pod(NS, pod(name))
+        assert await bind(core, "bound", "n1") == 201
+        await core.delete_namespaced_pod("unbound", NS)
+        assert fake.get("pods", "unbound", NS) is None  # never scheduled: gone at once
+        terminating = await core.delete_namespaced_pod("bound", NS)
+        assert terminating.metadata.deletion_grace_period_seconds == 30
+        assert terminating.metadata.deletion_timestamp is not None
+        assert (await core.read_namespaced_pod("bound", NS)).metadata.deletion_timestamp
+        again = await core.delete_namespaced_pod("bound", NS)  # no sooner: no change
+        assert again.metadata.resource_version == terminating.metadata.resource_version
+        await core.delete_namespaced_pod("bound", NS, grace_period_seconds=0)  # the kubelet
+        assert fake.get("pods", "bound", NS) is None
+
+
 async def test_deleting_a_namespace_deletes_its_contents(core: Any, fake: FakeApiServer) -> None:
     await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="team")))
     await core.create_namespaced_secret("team", secret("s"))

@@ -23,7 +23,9 @@ talks to it unchanged, and the semantics that clients depend on are the real one
   changes for custom resources and webhook configurations;
 - DELETE with preconditions (resourceVersion, uid → 409); objects with finalizers get a
   deletionTimestamp and go away when the last finalizer is removed; deleting a namespace deletes
-  its contents at once (DEPARTURE: no Terminating phase; no graceful pod deletion, pods go at once);
+  its contents at once (DEPARTURE: no Terminating phase); pods bound to a node are deleted
+  gracefully only with `graceful_pod_deletion=True` (deletionTimestamp = now + grace period, gone
+  when deleted again with gracePeriodSeconds=0, as kubelet does), otherwise at once;
 - watch (`?watch=1`): a chunked stream of JSON lines, ADDED/MODIFIED/DELETED (selector-aware: an
   object that stops matching is DELETED for that watch), BOOKMARK when `allowWatchBookmarks=true`
   (every `bookmark_interval` seconds and on demand), `timeoutSeconds`, replay from a given version,
@@ -134,10 +136,15 @@ class FakeApiServer:
         kinds: Iterable[Kind] = DEFAULT_KINDS,
         namespaces: Iterable[str] = DEFAULT_NAMESPACES,
         bookmark_interval: float = 60.0,
+        graceful_pod_deletion: bool = False,
     ) -> None:
+        """`graceful_pod_deletion=True` makes deleting a pod bound to a node set its
+        deletionTimestamp (now + grace period) and keep it until deleted again with
+        gracePeriodSeconds=0 (what kubelet does) or `remove()`d; off, pods go at once."""
         self.store = Store()
         self.token = secrets.token_hex(16)
         self.bookmark_interval = bookmark_interval
+        self.graceful_pod_deletion = graceful_pod_deletion
         self.latency = 0.0
         # Called with each request before it is served: the test's hook to act at an exact point
         # (compact between two pages, change an object between a read and a write).
@@ -1040,6 +1047,9 @@ class FakeApiServer:
         body = await self._body(request)
         options = body if isinstance(body, dict) else {}
         dry_run = self._dry_run(request) or options.get("dryRun") == ["All"]
+        grace = self._int_param(request.query, "gracePeriodSeconds")
+        if grace is not None:
+            options = {**options, "gracePeriodSeconds": grace}
         result = self._delete_one(route.kind, self._key(route), options, dry_run)
         return web.json_response(result)
 
@@ -1068,6 +1078,14 @@ class FakeApiServer:
             )
         if dry_run:
             return self._deleted_body(kind, old)
+        grace = self._grace_period(kind, old, options)
+        if grace > 0:
+            current = meta.get("deletionGracePeriodSeconds")
+            if meta.get("deletionTimestamp") and current is not None and current <= grace:
+                return old  # already terminating at least this soon
+            meta["deletionTimestamp"] = now(grace)
+            meta["deletionGracePeriodSeconds"] = grace
+            return self.store.update(kind, old)
         if meta.get("finalizers"):
             if not meta.get("deletionTimestamp"):
                 meta["deletionTimestamp"] = now()
@@ -1081,6 +1099,20 @@ class FakeApiServer:
                         if other_key[0] == key[1]:
                             self.store.delete(other, other_key)
         return self._deleted_body(kind, self.store.delete(kind, key))
+
+    def _grace_period(self, kind: Kind, obj: Obj, options: Mapping[str, Any]) -> int:
+        """Seconds a pod deletion waits for its kubelet (only with graceful_pod_deletion): pods
+        never bound to a node or already finished go at once, as on the real server."""
+        if not (self.graceful_pod_deletion and kind is POD):
+            return 0
+        spec = obj.get("spec") or {}
+        if not spec.get("nodeName"):
+            return 0
+        if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return 0
+        requested = options.get("gracePeriodSeconds")
+        grace = requested if requested is not None else spec.get("terminationGracePeriodSeconds")
+        return max(0, int(30 if grace is None else grace))
 
     @staticmethod
     def _deleted_body(kind: Kind, obj: Obj) -> Obj:
