@@ -519,6 +519,9 @@ async def test_graceful_pod_deletion_waits_for_the_kubelet() -> None:
         assert (await core.read_namespaced_pod("bound", NS)).metadata.deletion_timestamp
         again = await core.delete_namespaced_pod("bound", NS)  # no sooner: no change
         assert again.metadata.resource_version == terminating.metadata.resource_version
+        # The kubelet reports status while the pod terminates; the pod stays.
+        await core.patch_namespaced_pod_status("bound", NS, {"status": {"phase": "Running"}})
+        assert fake.get("pods", "bound", NS) is not None
         await core.delete_namespaced_pod("bound", NS, grace_period_seconds=0)  # the kubelet
         assert fake.get("pods", "bound", NS) is None
 

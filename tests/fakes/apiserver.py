@@ -997,16 +997,22 @@ class FakeApiServer:
             else:
                 result_meta.pop(server_owned, None)
         validate(kind, result)
-        check_immutable(kind, old, result)
         fold_secret_data(kind, result)
+        check_immutable(kind, old, result)
         if kind.tracks_generation and _content_outside(
             result, "metadata", "status"
         ) != _content_outside(old, "metadata", "status"):
             result_meta["generation"] = int(old_meta.get("generation", 1)) + 1
         if result == old:
             return old
-        if result_meta.get("deletionTimestamp") and not result_meta.get("finalizers"):
-            # The real store deletes in the same transaction: watchers see one DELETED event.
+        if (
+            result_meta.get("deletionTimestamp")
+            and result_meta.get("deletionGracePeriodSeconds") == 0
+            and not result_meta.get("finalizers")
+        ):
+            # The last finalizer of an object whose deletion is due: the real store deletes it in
+            # the same transaction, so watchers see one DELETED event. (A pod still within its
+            # grace period stays until deleted again.)
             if dry_run:
                 return result
             return self.store.delete(kind, key, final=result)
@@ -1087,8 +1093,8 @@ class FakeApiServer:
             meta["deletionGracePeriodSeconds"] = grace
             return self.store.update(kind, old)
         if meta.get("finalizers"):
-            if not meta.get("deletionTimestamp"):
-                meta["deletionTimestamp"] = now()
+            if not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") != 0:
+                meta.setdefault("deletionTimestamp", now())
                 meta["deletionGracePeriodSeconds"] = 0
                 old = self.store.update(kind, old)
             return old
