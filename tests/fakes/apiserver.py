@@ -726,9 +726,12 @@ class FakeApiServer:
                 now = loop.time()
                 if deadline is not None and now >= deadline:
                     return True
-                # The queue is empty, so every change up to the head has been sent or filtered.
-                item = Bookmark(self.store.rv)
-                next_bookmark = now + self.bookmark_interval
+                if watcher.queue.empty():
+                    # Every change up to the head has been sent or filtered out: safe to bookmark.
+                    item = Bookmark(self.store.rv)
+                    next_bookmark = now + self.bookmark_interval
+                else:
+                    item = watcher.queue.get_nowait()
             if isinstance(item, Close):
                 if item.abort:
                     if request.transport is not None:
