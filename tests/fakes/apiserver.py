@@ -42,6 +42,10 @@ request is served). `requests` records every request.
 
 Not modelled: authorization (any request with the token is allowed), admission webhooks, defaulting
 beyond a few pod fields, server-side apply, protobuf, field managers, most validation.
+
+This module is the HTTP layer. Beside it: `apistore` (versions, history, snapshots, watchers),
+`kinds` (per-kind behaviour), `selectors`, `patching`, `objectrules` (validation and defaults) and
+`apierrors` (the `Status` failures). docs/testing.md is the user's guide.
 """
 
 from __future__ import annotations
