@@ -4,11 +4,13 @@ list → watch → relist loop through syncs, events, bookmarks, 410s and droppe
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
 from prometheus_client import CollectorRegistry
 
 from tests.fakes.apiserver import FakeApiServer, RequestRecord
@@ -26,6 +28,8 @@ from webhook.kube import (
     kube_client,
     load_configuration,
 )
+
+IN_A_POD = os.path.exists(SERVICE_TOKEN_FILENAME)
 
 
 def node(name: str, **labels: str) -> dict[str, Any]:
@@ -111,6 +115,19 @@ async def test_kube_client_without_any_configuration_says_what_to_do(
         await load_configuration()
     with pytest.raises(KubeConfigError, match="does not exist"):
         await load_configuration(tmp_path / "missing")
+
+
+@pytest.mark.skipif(IN_A_POD, reason="running in a pod: a service-account token exists here")
+async def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kubernetes_asyncio.config import ConfigException
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    # No service-account token on this machine: the in-cluster loader (not a kubeconfig) says so.
+    with pytest.raises(ConfigException, match="token"):
+        await load_configuration()
 
 
 async def test_call_json_raises_kube_error_from_status(api: Any) -> None:

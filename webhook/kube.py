@@ -45,8 +45,6 @@ Key = tuple[str, str]  # (namespace or "", name)
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 Handler = Callable[[EventType, Obj], Awaitable[None] | None]
 
-IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
-
 
 class KubeConfigError(RuntimeError):
     """No way to reach a cluster was configured."""
