@@ -115,6 +115,9 @@ async def test_kube_client_without_any_configuration_says_what_to_do(
         await load_configuration()
     with pytest.raises(KubeConfigError, match="does not exist"):
         await load_configuration(tmp_path / "missing")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "gone"))
+    with pytest.raises(KubeConfigError, match="gone' names no file"):
+        await load_configuration()
 
 
 @pytest.mark.skipif(IN_A_POD, reason="running in a pod: a service-account token exists here")

@@ -102,9 +102,11 @@ def _kubeconfig_path(kubeconfig: Path | str | None) -> Path | None:
         raise KubeConfigError(
             f"kubeconfig {str(kubeconfig)!r} does not exist; pass an existing path"
         )
+    env_text = os.environ.get("KUBECONFIG")
+    env_note = f"KUBECONFIG={env_text!r} names no file" if env_text else "KUBECONFIG unset"
     raise KubeConfigError(
         "no Kubernetes configuration: not running in a pod (KUBERNETES_SERVICE_HOST unset), "
-        "no kubeconfig given, KUBECONFIG unset and ~/.kube/config absent; pass a kubeconfig "
+        f"no kubeconfig given, {env_note} and ~/.kube/config absent; pass a kubeconfig "
         "path or run in-cluster"
     )
 
