@@ -505,6 +505,27 @@ async def test_finalizers_hold_deletion_until_removed(core: Any, api: Any) -> No
     assert events[0][1]["metadata"]["deletionTimestamp"]
 
 
+async def test_graceful_pod_deletion_waits_for_the_kubelet() -> None:
+    async with FakeApiServer(graceful_pod_deletion=True) as fake, fake.api_client() as api:
+        core = client.CoreV1Api(api)
+        for name in ("bound", "unbound"):
+            await core.create_namespaced_pod(NS, pod(name))
+        assert await bind(core, "bound", "n1") == 201
+        await core.delete_namespaced_pod("unbound", NS)
+        assert fake.get("pods", "unbound", NS) is None  # never scheduled: gone at once
+        terminating = await core.delete_namespaced_pod("bound", NS)
+        assert terminating.metadata.deletion_grace_period_seconds == 30
+        assert terminating.metadata.deletion_timestamp is not None
+        assert (await core.read_namespaced_pod("bound", NS)).metadata.deletion_timestamp
+        again = await core.delete_namespaced_pod("bound", NS)  # no sooner: no change
+        assert again.metadata.resource_version == terminating.metadata.resource_version
+        # The kubelet reports status while the pod terminates; the pod stays.
+        await core.patch_namespaced_pod_status("bound", NS, {"status": {"phase": "Running"}})
+        assert fake.get("pods", "bound", NS) is not None
+        await core.delete_namespaced_pod("bound", NS, grace_period_seconds=0)  # the kubelet
+        assert fake.get("pods", "bound", NS) is None
+
+
 async def test_deleting_a_namespace_deletes_its_contents(core: Any, fake: FakeApiServer) -> None:
     await core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name="team")))
     await core.create_namespaced_secret("team", secret("s"))
@@ -562,6 +583,12 @@ async def test_malformed_and_mismatched_bodies_are_400(fake: FakeApiServer) -> N
     assert code == 400 and "does not match the name on the URL" in status["message"]
     code, _, status = await raw(fake, "POST", pods, json.dumps(good).encode(), "text/plain")
     assert code == 415
+    yaml_pod = b"metadata: {name: y}\nspec: {containers: [{name: c, image: i}]}\n"
+    code, _, made = await raw(fake, "POST", pods, yaml_pod, "application/yaml")
+    assert (code, made["metadata"]["name"]) == (201, "y")
+    apply = b"metadata: {name: y}\n"
+    code, _, status = await raw(fake, "PATCH", pods + "/y", apply, "application/apply-patch+yaml")
+    assert code == 415 and "server-side apply is not modelled" in status["message"]
 
 
 @pytest.mark.parametrize(
@@ -596,6 +623,13 @@ async def test_unknown_top_level_fields_are_dropped_with_a_warning(fake: FakeApi
         json.dumps({**body, "metadata": {"name": "t"}}).encode(),
     )
     assert code == 400 and "strict decoding error" in status["message"]
+    code, headers, _ = await raw(
+        fake,
+        "POST",
+        "/api/v1/namespaces/default/secrets?fieldValidation=Ignore",
+        json.dumps({**body, "metadata": {"name": "u"}}).encode(),
+    )
+    assert code == 201 and "Warning" not in headers
 
 
 async def test_secrets_fold_string_data_and_respect_immutable(core: Any) -> None:
@@ -721,6 +755,10 @@ async def test_watch_from_a_compacted_version_is_410_in_the_stream(
     assert event["type"] == "ERROR"
     assert (event["object"]["code"], event["object"]["reason"]) == (410, "Expired")
     assert len(lines) == 1
+    # A version the server has not reached yet is refused, not waited for forever.
+    ahead = f"{fake.url}/api/v1/namespaces/default/pods?watch=1&resourceVersion=999999"
+    async with aiohttp.ClientSession() as session, session.get(ahead, headers=headers) as resp:
+        assert resp.status == 504
     # Through the client: watch.Watch raises ApiException(410).
     with pytest.raises(ApiException) as err:
         await collect_events(core, 1, resource_version=old)
@@ -832,6 +870,47 @@ async def test_leases_for_leader_election(api: Any) -> None:
     with pytest.raises(ApiException) as err:
         await coordination.replace_namespaced_lease("fracgpu-quota", "kube-system", made)
     assert err.value.status == 409
+
+
+async def test_leader_election_elects_exactly_one(fake: FakeApiServer, api: Any) -> None:
+    """kubernetes-asyncio's own LeaderElection over a Lease: one candidate leads, the other
+    loses the create race (409) and then sees a lease held by a live leader."""
+    from kubernetes_asyncio.leaderelection import electionconfig, leaderelection
+    from kubernetes_asyncio.leaderelection.resourcelock.leaselock import LeaseLock
+
+    leaders: list[str] = []
+    first = asyncio.Event()
+
+    def candidate(identity: str) -> Any:
+        async def started() -> None:
+            leaders.append(identity)
+            first.set()
+
+        async def stopped() -> None:
+            return None
+
+        lock = LeaseLock("fracgpu-quota", "kube-system", identity, api)
+        cfg = electionconfig.Config(
+            lock,
+            lease_duration=3,
+            renew_deadline=2,
+            retry_period=1,
+            onstarted_leading=started,
+            onstopped_leading=stopped,
+        )
+        return asyncio.create_task(leaderelection.LeaderElection(cfg).run())
+
+    tasks = [candidate("a"), candidate("b")]
+    try:
+        await asyncio.wait_for(first.wait(), 5)
+        await asyncio.sleep(1.5)  # more than one retry period of the loser
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    assert len(leaders) == 1
+    lease = fake.get("leases", "fracgpu-quota", "kube-system")
+    assert lease is not None and lease["spec"]["holderIdentity"] == leaders[0]
 
 
 async def test_webhook_configurations(api: Any) -> None:

@@ -4,11 +4,14 @@ list → watch → relist loop through syncs, events, bookmarks, 410s and droppe
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
+from prometheus_client import CollectorRegistry
 
 from tests.fakes.apiserver import FakeApiServer, RequestRecord
 from webhook.kube import (
@@ -17,6 +20,7 @@ from webhook.kube import (
     SECRETS,
     EventType,
     Informer,
+    InformerMetrics,
     KubeConfigError,
     KubeError,
     Resource,
@@ -24,6 +28,8 @@ from webhook.kube import (
     kube_client,
     load_configuration,
 )
+
+IN_A_POD = os.path.exists(SERVICE_TOKEN_FILENAME)
 
 
 def node(name: str, **labels: str) -> dict[str, Any]:
@@ -109,6 +115,22 @@ async def test_kube_client_without_any_configuration_says_what_to_do(
         await load_configuration()
     with pytest.raises(KubeConfigError, match="does not exist"):
         await load_configuration(tmp_path / "missing")
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "gone"))
+    with pytest.raises(KubeConfigError, match="gone' names no file"):
+        await load_configuration()
+
+
+@pytest.mark.skipif(IN_A_POD, reason="running in a pod: a service-account token exists here")
+async def test_in_a_pod_without_a_kubeconfig_the_service_account_is_used(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from kubernetes_asyncio.config import ConfigException
+
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    # No service-account token on this machine: the in-cluster loader (not a kubeconfig) says so.
+    with pytest.raises(ConfigException, match="token"):
+        await load_configuration()
 
 
 async def test_call_json_raises_kube_error_from_status(api: Any) -> None:
@@ -319,6 +341,33 @@ async def test_failing_handlers_are_contained_and_iterators_see_events(
         assert (kind, obj["metadata"]["name"]) == ("ADDED", "a")
         assert inf.stats.handler_errors == 1
         await stream.aclose()
+
+
+async def test_metrics_count_lists_relists_errors_and_events(api: Any, fake: FakeApiServer) -> None:
+    registry = CollectorRegistry()
+    metrics = InformerMetrics(registry)
+    fake.put(node("a"))
+    recorder = Recorder()
+    async with informer(api, metrics=metrics, handler=recorder, name="nodes") as inf:
+        await inf.wait_synced(5)
+        await fake.wait_for_watches()
+        fake.down("503")
+        fake.remove("nodes", "a")
+        fake.compact()
+        fake.up()
+        await recorder.wait_for(2)
+
+    def sample(name: str, **labels: str) -> float | None:
+        value: float | None = registry.get_sample_value(name, {"informer": "nodes", **labels})
+        return value
+
+    assert sample("fracgpu_informer_lists_total") == 2
+    assert sample("fracgpu_informer_relists_410_total") == 1
+    assert (sample("fracgpu_informer_errors_total") or 0) >= 1
+    assert sample("fracgpu_informer_events_total", type="ADDED") == 1
+    assert sample("fracgpu_informer_events_total", type="DELETED") == 1
+    assert sample("fracgpu_informer_objects") == 0
+    assert sample("fracgpu_informer_synced") == 1
 
 
 async def test_stop_cancels_cleanly(api: Any, fake: FakeApiServer) -> None:

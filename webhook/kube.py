@@ -36,6 +36,7 @@ from typing import Any, Literal
 import aiohttp
 from kubernetes_asyncio import config as kube_config
 from kubernetes_asyncio.client import ApiClient, Configuration
+from prometheus_client import CollectorRegistry, Counter, Gauge
 
 log = logging.getLogger(__name__)
 
@@ -43,8 +44,6 @@ Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace or "", name)
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
 Handler = Callable[[EventType, Obj], Awaitable[None] | None]
-
-IN_CLUSTER_TOKEN = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
 
 
 class KubeConfigError(RuntimeError):
@@ -103,9 +102,11 @@ def _kubeconfig_path(kubeconfig: Path | str | None) -> Path | None:
         raise KubeConfigError(
             f"kubeconfig {str(kubeconfig)!r} does not exist; pass an existing path"
         )
+    env_text = os.environ.get("KUBECONFIG")
+    env_note = f"KUBECONFIG={env_text!r} names no file" if env_text else "KUBECONFIG unset"
     raise KubeConfigError(
         "no Kubernetes configuration: not running in a pod (KUBERNETES_SERVICE_HOST unset), "
-        "no kubeconfig given, KUBECONFIG unset and ~/.kube/config absent; pass a kubeconfig "
+        f"no kubeconfig given, {env_note} and ~/.kube/config absent; pass a kubeconfig "
         "path or run in-cluster"
     )
 
@@ -254,6 +255,45 @@ class InformerStats:
     handler_errors: int = 0
 
 
+class InformerMetrics:
+    """Prometheus series for any number of informers (label `informer`) in a given registry."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "fracgpu_informer") -> None:
+        self.lists = Counter(
+            f"{prefix}_lists",
+            "Complete lists (the initial one and every relist)",
+            ["informer"],
+            registry=registry,
+        )
+        self.relists_410 = Counter(
+            f"{prefix}_relists_410",
+            "Relists forced by 410 Gone (history compacted)",
+            ["informer"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            f"{prefix}_errors",
+            "Failed list or watch requests (retried with backoff)",
+            ["informer"],
+            registry=registry,
+        )
+        self.events = Counter(
+            f"{prefix}_events",
+            "Changes delivered to handlers, synthetic ones included",
+            ["informer", "type"],
+            registry=registry,
+        )
+        self.objects = Gauge(
+            f"{prefix}_objects", "Objects in the cache", ["informer"], registry=registry
+        )
+        self.synced = Gauge(
+            f"{prefix}_synced",
+            "1 once the first list has been delivered",
+            ["informer"],
+            registry=registry,
+        )
+
+
 @dataclass
 class _Subscription:
     queue: asyncio.Queue[tuple[EventType, Obj]] = field(default_factory=asyncio.Queue)
@@ -283,8 +323,10 @@ class Informer:
         backoff_initial_s: float = 0.5,
         backoff_max_s: float = 30.0,
         name: str | None = None,
+        metrics: InformerMetrics | None = None,
     ) -> None:
         self.api = api
+        self.metrics = metrics
         self.resource = resource
         self.namespace = namespace
         self.label_selector = label_selector
@@ -370,6 +412,8 @@ class Informer:
                 backoff = self.backoff_initial_s  # a watch that ended cleanly
             except _Relist:
                 self.stats.relists_410 += 1
+                if self.metrics:
+                    self.metrics.relists_410.labels(self.name).inc()
                 need_list = True
                 log.info(
                     "informer relists after 410 Gone",
@@ -379,6 +423,8 @@ class Informer:
                 raise
             except (KubeError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
                 self.stats.errors += 1
+                if self.metrics:
+                    self.metrics.errors.labels(self.name).inc()
                 delay = random.uniform(backoff / 2, backoff)
                 log.warning(
                     "informer request failed; retrying",
@@ -434,6 +480,9 @@ class Informer:
             extra={"informer": self.name, "objects": len(fresh), "resource_version": version},
         )
         self.synced.set()
+        if self.metrics:
+            self.metrics.lists.labels(self.name).inc()
+            self.metrics.synced.labels(self.name).set(1)
 
     async def _replace(self, fresh: dict[Key, Obj]) -> None:
         """Swap in a fresh list: what vanished is DELETED, what is new ADDED, changes MODIFIED."""
@@ -516,6 +565,9 @@ class Informer:
         await self._emit(kind, obj)
 
     async def _emit(self, kind: EventType, obj: Obj) -> None:
+        if self.metrics:
+            self.metrics.events.labels(self.name, kind).inc()
+            self.metrics.objects.labels(self.name).set(len(self._cache))
         for handler in self._handlers:
             try:
                 result = handler(kind, obj)

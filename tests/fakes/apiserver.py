@@ -23,7 +23,9 @@ talks to it unchanged, and the semantics that clients depend on are the real one
   changes for custom resources and webhook configurations;
 - DELETE with preconditions (resourceVersion, uid → 409); objects with finalizers get a
   deletionTimestamp and go away when the last finalizer is removed; deleting a namespace deletes
-  its contents at once (DEPARTURE: no Terminating phase; no graceful pod deletion, pods go at once);
+  its contents at once (DEPARTURE: no Terminating phase); pods bound to a node are deleted
+  gracefully only with `graceful_pod_deletion=True` (deletionTimestamp = now + grace period, gone
+  when deleted again with gracePeriodSeconds=0, as kubelet does), otherwise at once;
 - watch (`?watch=1`): a chunked stream of JSON lines, ADDED/MODIFIED/DELETED (selector-aware: an
   object that stops matching is DELETED for that watch), BOOKMARK when `allowWatchBookmarks=true`
   (every `bookmark_interval` seconds and on demand), `timeoutSeconds`, replay from a given version,
@@ -40,6 +42,10 @@ request is served). `requests` records every request.
 
 Not modelled: authorization (any request with the token is allowed), admission webhooks, defaulting
 beyond a few pod fields, server-side apply, protobuf, field managers, most validation.
+
+This module is the HTTP layer. Beside it: `apistore` (versions, history, snapshots, watchers),
+`kinds` (per-kind behaviour), `selectors`, `patching`, `objectrules` (validation and defaults) and
+`apierrors` (the `Status` failures). docs/testing.md is the user's guide.
 """
 
 from __future__ import annotations
@@ -134,10 +140,15 @@ class FakeApiServer:
         kinds: Iterable[Kind] = DEFAULT_KINDS,
         namespaces: Iterable[str] = DEFAULT_NAMESPACES,
         bookmark_interval: float = 60.0,
+        graceful_pod_deletion: bool = False,
     ) -> None:
+        """`graceful_pod_deletion=True` makes deleting a pod bound to a node set its
+        deletionTimestamp (now + grace period) and keep it until deleted again with
+        gracePeriodSeconds=0 (what kubelet does) or `remove()`d; off, pods go at once."""
         self.store = Store()
         self.token = secrets.token_hex(16)
         self.bookmark_interval = bookmark_interval
+        self.graceful_pod_deletion = graceful_pod_deletion
         self.latency = 0.0
         # Called with each request before it is served: the test's hook to act at an exact point
         # (compact between two pages, change an object between a read and a write).
@@ -596,21 +607,22 @@ class FakeApiServer:
         if match not in ("", "NotOlderThan"):
             raise bad_request(f"resourceVersionMatch: Unsupported value: {match!r}")
         if rv > self.store.rv:
-            raise ApiError(
-                504,
-                "Timeout",
-                f"Too large resource version: {rv}, current: {self.store.rv}",
-                {
-                    "causes": [
-                        {
-                            "reason": "ResourceVersionTooLarge",
-                            "message": "Too large resource version",
-                        }
-                    ],
-                    "retryAfterSeconds": 1,
-                },
-            )
+            raise self._too_large(rv)
         return self.store.rv
+
+    def _too_large(self, rv: int) -> ApiError:
+        """A version the server has not reached (the real one waits ~3 s for it first)."""
+        return ApiError(
+            504,
+            "Timeout",
+            f"Too large resource version: {rv}, current: {self.store.rv}",
+            {
+                "causes": [
+                    {"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}
+                ],
+                "retryAfterSeconds": 1,
+            },
+        )
 
     @staticmethod
     def _parse_rv(text: str) -> int:
@@ -663,8 +675,11 @@ class FakeApiServer:
                 if (route.namespace is None or key[0] == route.namespace) and matches(state[key]):
                     initial.append(("ADDED", state[key]))
         else:
+            since = self._parse_rv(text)
+            if since > self.store.rv:
+                raise self._too_large(since)
             try:
-                for change in self.store.changes_since(self._parse_rv(text)):
+                for change in self.store.changes_since(since):
                     event = watcher.translate(change)
                     if event is not None:
                         initial.append(event)
@@ -715,9 +730,12 @@ class FakeApiServer:
                 now = loop.time()
                 if deadline is not None and now >= deadline:
                     return True
-                # The queue is empty, so every change up to the head has been sent or filtered.
-                item = Bookmark(self.store.rv)
-                next_bookmark = now + self.bookmark_interval
+                if watcher.queue.empty():
+                    # Every change up to the head has been sent or filtered out: safe to bookmark.
+                    item = Bookmark(self.store.rv)
+                    next_bookmark = now + self.bookmark_interval
+                else:
+                    item = watcher.queue.get_nowait()
             if isinstance(item, Close):
                 if item.abort:
                     if request.transport is not None:
@@ -749,12 +767,19 @@ class FakeApiServer:
         if not raw:
             return None
         content_type = request.headers.get("Content-Type", "application/json").split(";")[0].strip()
-        if "json" not in content_type and "yaml" not in content_type:
+        if content_type == "application/yaml":
+            try:
+                return yaml.safe_load(raw)
+            except yaml.YAMLError as err:
+                raise bad_request(f"couldn't get version/kind; yaml parse error: {err}") from None
+        if "json" not in content_type:
             raise ApiError(
                 415,
                 "UnsupportedMediaType",
                 f'the body of the request was in an unknown format ("{content_type}"); '
-                "accepted media types include: application/json",
+                "accepted media types include: application/json, application/yaml, "
+                "application/json-patch+json, application/merge-patch+json, "
+                "application/strategic-merge-patch+json (server-side apply is not modelled)",
             )
         try:
             return json.loads(raw)
@@ -812,11 +837,14 @@ class FakeApiServer:
     def _prune(self, request: web.Request, obj: Obj, unknown: list[str]) -> dict[str, str]:
         if not unknown:
             return {}
-        if request.query.get("fieldValidation") == "Strict":
+        validation = request.query.get("fieldValidation", "Warn")
+        if validation == "Strict":
             text = ", ".join(f'unknown field "{f}"' for f in unknown)
             raise bad_request(f"strict decoding error: {text}")
         for field in unknown:
             obj.pop(field, None)
+        if validation == "Ignore":
+            return {}
         warning = ", ".join(f'299 - "unknown field \\"{f}\\""' for f in unknown)
         return {"Warning": warning}
 
@@ -976,16 +1004,22 @@ class FakeApiServer:
             else:
                 result_meta.pop(server_owned, None)
         validate(kind, result)
-        check_immutable(kind, old, result)
         fold_secret_data(kind, result)
+        check_immutable(kind, old, result)
         if kind.tracks_generation and _content_outside(
             result, "metadata", "status"
         ) != _content_outside(old, "metadata", "status"):
             result_meta["generation"] = int(old_meta.get("generation", 1)) + 1
         if result == old:
             return old
-        if result_meta.get("deletionTimestamp") and not result_meta.get("finalizers"):
-            # The real store deletes in the same transaction: watchers see one DELETED event.
+        if (
+            result_meta.get("deletionTimestamp")
+            and result_meta.get("deletionGracePeriodSeconds") == 0
+            and not result_meta.get("finalizers")
+        ):
+            # The last finalizer of an object whose deletion is due: the real store deletes it in
+            # the same transaction, so watchers see one DELETED event. (A pod still within its
+            # grace period stays until deleted again.)
             if dry_run:
                 return result
             return self.store.delete(kind, key, final=result)
@@ -1026,6 +1060,9 @@ class FakeApiServer:
         body = await self._body(request)
         options = body if isinstance(body, dict) else {}
         dry_run = self._dry_run(request) or options.get("dryRun") == ["All"]
+        grace = self._int_param(request.query, "gracePeriodSeconds")
+        if grace is not None:
+            options = {**options, "gracePeriodSeconds": grace}
         result = self._delete_one(route.kind, self._key(route), options, dry_run)
         return web.json_response(result)
 
@@ -1054,9 +1091,17 @@ class FakeApiServer:
             )
         if dry_run:
             return self._deleted_body(kind, old)
+        grace = self._grace_period(kind, old, options)
+        if grace > 0:
+            current = meta.get("deletionGracePeriodSeconds")
+            if meta.get("deletionTimestamp") and current is not None and current <= grace:
+                return old  # already terminating at least this soon
+            meta["deletionTimestamp"] = now(grace)
+            meta["deletionGracePeriodSeconds"] = grace
+            return self.store.update(kind, old)
         if meta.get("finalizers"):
-            if not meta.get("deletionTimestamp"):
-                meta["deletionTimestamp"] = now()
+            if not meta.get("deletionTimestamp") or meta.get("deletionGracePeriodSeconds") != 0:
+                meta.setdefault("deletionTimestamp", now())
                 meta["deletionGracePeriodSeconds"] = 0
                 old = self.store.update(kind, old)
             return old
@@ -1067,6 +1112,20 @@ class FakeApiServer:
                         if other_key[0] == key[1]:
                             self.store.delete(other, other_key)
         return self._deleted_body(kind, self.store.delete(kind, key))
+
+    def _grace_period(self, kind: Kind, obj: Obj, options: Mapping[str, Any]) -> int:
+        """Seconds a pod deletion waits for its kubelet (only with graceful_pod_deletion): pods
+        never bound to a node or already finished go at once, as on the real server."""
+        if not (self.graceful_pod_deletion and kind is POD):
+            return 0
+        spec = obj.get("spec") or {}
+        if not spec.get("nodeName"):
+            return 0
+        if (obj.get("status") or {}).get("phase") in ("Succeeded", "Failed"):
+            return 0
+        requested = options.get("gracePeriodSeconds")
+        grace = requested if requested is not None else spec.get("terminationGracePeriodSeconds")
+        return max(0, int(30 if grace is None else grace))
 
     @staticmethod
     def _deleted_body(kind: Kind, obj: Obj) -> Obj:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from tests.fakes.apierrors import bad_request, invalid
 from tests.fakes.apistore import Obj, clone
@@ -28,8 +28,9 @@ GENERATE_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"  # the real server's, without 
 _MUTABLE_POD_SPEC = ("activeDeadlineSeconds", "tolerations", "schedulingGates")
 
 
-def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+def now(offset_s: float = 0.0) -> str:
+    """An RFC 3339 timestamp in whole seconds, as metadata timestamps are written."""
+    return (datetime.now(UTC) + timedelta(seconds=offset_s)).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def qualified_name(key: str) -> bool:
