@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
 from prometheus_client import CollectorRegistry
 
 from tests.fakes.apiserver import FakeApiServer, RequestRecord
+from tests.support import eventually
 from webhook.kube import (
     NODES,
     PODS,
@@ -61,14 +62,6 @@ class Recorder:
         async with asyncio.timeout(within_s), self._changed:
             await self._changed.wait_for(lambda: len(self.events) >= count)
         return self.events
-
-
-async def eventually(predicate: Callable[[], bool], within_s: float = 5.0) -> None:
-    for _ in range(int(within_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached in time")
 
 
 @pytest.fixture
