@@ -132,16 +132,11 @@ def plan(
     if len(trusted) < len(current.trusted):
         reasons.append("expired CAs dropped from the bundle")
 
-    if request.ca or now >= ca_renew_point(ca, config) or not _algorithm_matches(ca, config):
+    ca_reason = _ca_renewal_reason(current.ca, config, now, request)
+    if ca_reason is not None:
         ca = _new_ca(config, now)
         trusted = (ca.cert,) if request.immediate else (ca.cert, *trusted)
-        reasons.append(
-            "CA rotation requested"
-            if request.ca
-            else f"CA renewal due (expires {current.ca.cert.not_valid_after_utc})"
-            if now >= ca_renew_point(current.ca, config)
-            else f"CA key algorithm differs from certs.key_algorithm={config.key_algorithm}"
-        )
+        reasons.append(ca_reason)
 
     serving = current.serving
     urgent = _urgent_serving_reason(serving, trusted, config, standalone, now)
@@ -170,6 +165,18 @@ def plan(
         trusted = (ca.cert, *trusted)
         reasons.append("the bundle lacked the current CA")
     return Plan(Material(ca, trusted, serving), tuple(reasons))
+
+
+def _ca_renewal_reason(
+    ca: Issued, config: CertsConfig, now: datetime, request: Request
+) -> str | None:
+    if request.ca:
+        return "CA rotation requested"
+    if now >= ca_renew_point(ca, config):
+        return f"CA renewal due (expires {ca.cert.not_valid_after_utc})"
+    if not _algorithm_matches(ca, config):
+        return f"CA key algorithm differs from certs.key_algorithm={config.key_algorithm}"
+    return None
 
 
 def _urgent_serving_reason(

@@ -84,8 +84,8 @@ class ManagedSource:
                 )
                 if self.metrics:
                     self.metrics.conflicts.inc()
-                # The winner may have done what was requested; a second request would rotate twice.
-                request = None
+                # An explicit request (the CLI) is applied again on top of the winner's state:
+                # the operator asked for it, and servers never send one.
                 continue
             if self.metrics:
                 self.metrics.rotations.inc()

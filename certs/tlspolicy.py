@@ -36,8 +36,8 @@ def server_context(state: ServingState) -> ssl.SSLContext:
 
 
 def client_context(bundle_pem: bytes) -> ssl.SSLContext:
-    """A client context that trusts exactly ``bundle_pem`` (what the API server does with
-    caBundle). Used by the CLI and the tests."""
+    """A client context that trusts exactly ``bundle_pem``, as the API server trusts caBundle
+    (for tools and tests that talk to the webhook)."""
     # With cadata, create_default_context loads no system roots: only the bundle is trusted.
     context = ssl.create_default_context(cadata=bundle_pem.decode("ascii"))
     context.minimum_version = ssl.TLSVersion.TLSv1_2

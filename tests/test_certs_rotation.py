@@ -144,3 +144,14 @@ def test_next_due_is_the_earliest_renew_point() -> None:
     current, renew_at = _serving_renewed_shortly_before_ca_renewal()
     rotated, _ = step(current, renew_at)
     assert next_due(rotated, CONFIG, renew_at) == renew_at + CONFIG.ca_propagation
+
+
+def test_changing_the_key_algorithm_rotates_with_overlap() -> None:
+    first, _ = step(None, T0)
+    rsa_config = CONFIG.model_copy(update={"key_algorithm": "rsa-2048"})
+    result = plan(first, rsa_config, standalone=False, now=T0 + timedelta(days=1))
+    assert result.reasons == ("CA key algorithm differs from certs.key_algorithm=rsa-2048",)
+    assert result.material.trusted == (result.material.ca.cert, first.ca.cert)
+    later = plan(result.material, rsa_config, standalone=False, now=T0 + timedelta(days=1, hours=1))
+    assert later.reasons == ("serving certificate moves to the new CA",)
+    assert later.material.serving.key.key_size == 2048

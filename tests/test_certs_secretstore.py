@@ -108,16 +108,29 @@ async def test_concurrent_rotation_renews_once(fake: FakeApiServer, kubeconfig: 
     assert sum(1 for r in fake.requests if r.method == "PUT") == 3
 
 
-async def test_a_lost_write_rereads_and_does_not_rotate_twice(
+async def test_a_lost_write_rereads_and_applies_the_request_to_the_winners_state(
     fake: FakeApiServer, kubeconfig: Path
 ) -> None:
     async with await _client(kubeconfig) as api:
         source = ManagedSource(SecretStore(api, NS, NAME), CONFIG, standalone=False)
         first = await source.ensure()
-        fake.fail_writes("secrets", NAME, NS, times=1, code=409)
+        fake.fail_writes("secrets", NAME, NS, times=2, code=409)
         after = await source.ensure(Request(serving=True))
-    # The forced 409 made the writer re-read; it found nothing due and kept what is stored.
-    assert after == first == _stored(fake)
+    assert after == _stored(fake)
+    assert after.ca == first.ca and after.serving != first.serving
+    puts = [r for r in fake.requests if r.method == "PUT"]
+    assert len(puts) == 3  # two lost to the forced conflicts, the third written
+
+
+async def test_a_store_that_keeps_changing_is_an_error(
+    fake: FakeApiServer, kubeconfig: Path
+) -> None:
+    async with await _client(kubeconfig) as api:
+        source = ManagedSource(SecretStore(api, NS, NAME), CONFIG, standalone=False)
+        await source.ensure()
+        fake.fail_writes("secrets", NAME, NS, times=100, code=409)
+        with pytest.raises(StoreConflict, match="kept changing"):
+            await source.ensure(Request(serving=True))
 
 
 async def test_an_empty_precreated_secret_is_filled_keeping_its_metadata(

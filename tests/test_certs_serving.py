@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 from cryptography import x509
+from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.issuance import issue_ca
+from certs.material import fingerprint
 from certs.rotation import Request
 from certs.serving import ServingCertificates, open_serving
 from certs.sources import ManagedSource, utcnow
@@ -87,11 +89,32 @@ async def test_rotation_is_served_without_restart(
     before = await _get(port, certs.ca_bundle_pem())
     await certs.source.ensure(Request(serving=True))
     assert await certs.refresh()
-    after = await _get(port, certs.ca_bundle_pem())
-    assert after != before
-    assert after == certs.state.leaf
+    # Python's client sends no SNI for an IP address; OpenSSL still runs the server's SNI
+    # callback, so both kinds of client get the new certificate.
+    for host in ("127.0.0.1", "localhost"):
+        after = await _get(port, certs.ca_bundle_pem(), host)
+        assert after != before
+        assert after == certs.state.leaf
     # The CA did not change, so the old bundle still verifies the new certificate.
     assert certs.state.trusted[0].subject == after.issuer
+
+
+async def test_metrics_expose_expiry_and_reloads(tmp_path: Path) -> None:
+    registry = CollectorRegistry()
+    certs = await open_serving(
+        CertsConfig(directory=tmp_path / "certs"), standalone=True, registry=registry
+    )
+    leaf = certs.state.leaf
+    labels = {"certificate": "serving", "fingerprint": fingerprint(leaf)}
+    expiry = registry.get_sample_value("fracgpu_certs_not_after_timestamp_seconds", labels)
+    assert expiry == leaf.not_valid_after_utc.timestamp()
+    assert registry.get_sample_value("fracgpu_certs_reloads_total") == 0
+    assert isinstance(certs.source, ManagedSource)
+    await certs.source.ensure(Request(serving=True))
+    await certs.refresh()
+    assert registry.get_sample_value("fracgpu_certs_reloads_total") == 1
+    # The old certificate's series is gone: an alert sees only what is served.
+    assert registry.get_sample_value("fracgpu_certs_not_after_timestamp_seconds", labels) is None
 
 
 def _raw_handshake(port: int, context: ssl.SSLContext) -> None:
