@@ -23,7 +23,7 @@ from webhook.resources import OPTIONAL_DIALECTS, Dialect
 from webhook.review import ManifestError, read_manifests, render_json, render_text, review_object
 
 # Packages that contribute subcommands, in the order `fracgpu --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ()
+SUBCOMMAND_MODULES: tuple[str, ...] = ("certs.cli",)
 
 
 def build_parser() -> argparse.ArgumentParser:
