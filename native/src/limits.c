@@ -148,7 +148,8 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
 
 fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, size_t why_len) {
     memset(out, 0, sizeof *out);
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    /* O_NONBLOCK: a FIFO planted at the path must not hang the process. */
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
         if (errno == ENOENT) return FG_LIMITS_ABSENT;
         snprintf(why, why_len, "cannot be opened: %s", strerror(errno));

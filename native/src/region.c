@@ -150,6 +150,8 @@ int fg_region_open(const char *path, char *why, size_t why_len) {
         return -EPROTO;
     }
     region = r;
+    /* Return the shares of processes that died (SIGKILL, OOM kill) since anyone last looked. */
+    fg_region_reap();
     int slot = take_slot();
     if (slot < 0) {
         region = NULL;

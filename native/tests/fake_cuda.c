@@ -584,9 +584,12 @@ EXPORT CUresult cuGraphCreate(CUgraph *g, unsigned int flags) {
 EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *x, CUgraph g, unsigned long long fl) {
     NEED_CTX();
     if (!x || !g || g->magic != MAGIC_GRAPH) return CUDA_ERROR_INVALID_VALUE;
-    CUgraphExec e = calloc(1, sizeof *e);
-    *e = (struct CUgraphExec_st){MAGIC_EXEC, graph_kernels};
-    *x = e;
+    static struct CUgraphExec_st execs[64];
+    static atomic_int nexec;
+    int k = atomic_fetch_add(&nexec, 1);
+    if (k >= 64) return CUDA_ERROR_OUT_OF_MEMORY;
+    execs[k] = (struct CUgraphExec_st){MAGIC_EXEC, graph_kernels};
+    *x = &execs[k];
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuGraphLaunch(CUgraphExec x, CUstream s) {
