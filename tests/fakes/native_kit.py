@@ -54,7 +54,10 @@ class Kit:
     def reset(self) -> None:
         """Start a test from a node with no limits file and an empty accounting directory."""
         for d in (self.limits_dir, self.shared_dir):
-            shutil.rmtree(d, ignore_errors=True)
+            if d.is_dir() and not d.is_symlink():
+                shutil.rmtree(d)
+            else:
+                d.unlink(missing_ok=True)
             d.mkdir(parents=True)
 
     def write_limits(

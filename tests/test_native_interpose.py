@@ -1,0 +1,74 @@
+"""How programs reach the hook: direct calls, dlsym, cuGetProcAddress (every version and flag);
+and what the hook must not disturb in programs that never touch a GPU."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+from tests.fakes.native_kit import CUDA_ERROR_OUT_OF_MEMORY, MIB, Kit, sanitized_kit
+
+
+@pytest.fixture
+def kit() -> Iterator[Kit]:
+    k = sanitized_kit()
+    k.reset()
+    yield k
+    k.reset()
+
+
+@pytest.mark.parametrize("mode", ["proc", "proc-ptds", "proc-v1", "dlsym", "direct"])
+@pytest.mark.parametrize("hooked", [True, False])
+def test_each_way_to_the_driver_goes_through_the_hook(kit: Kit, mode: str, hooked: bool) -> None:
+    kit.write_limits(MIB)
+    out = kit.probe("init", f"alloc:{2 * MIB}", "info", mode=mode, hooked=hooked)
+    # Without the hook the same program gets the whole fake card: the probe really is able to
+    # tell the two apart.
+    if hooked:
+        assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+        assert out.one("info")[2] == MIB
+    else:
+        assert out.rcs("alloc") == [0]
+        assert out.one("info")[2] == 16384 * MIB
+
+
+def test_dlsym_rtld_next_still_means_after_the_caller(kit: Kit) -> None:
+    # libnext's abs() wraps libc's with dlsym(RTLD_NEXT); through the hook's dlsym it must still
+    # reach libc (1007), not itself (-12345) or crash.
+    out = subprocess.run(
+        [str(kit.build / "next_user")], env=kit.env(), capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "abs 1007"
+
+
+def test_programs_without_a_gpu_run_untouched(kit: Kit) -> None:
+    kit.write_limits(MIB, 30)
+    out = subprocess.run(
+        ["sh", "-c", "echo hello | tr a-z A-Z"],
+        # (the shell's own leaks at exit are not ours to report)
+        env=kit.env(extra={"ASAN_OPTIONS": "detect_leaks=0"}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout == "HELLO\n"
+    assert out.stderr == ""
+    # Nothing was created: the hook initialises on the first driver call, not at load.
+    assert not kit.region.exists()
+
+
+def test_sibling_processes_share_one_limit(kit: Kit) -> None:
+    # Two probes started together from one shell: each takes its own slot, and one limit binds both.
+    kit.write_limits(10 * MIB)
+    cmd = " & ".join(
+        " ".join(kit.command(["init", f"alloc:{6 * MIB}", "sleep:300"])) for _ in range(2)
+    )
+    out = subprocess.run(
+        ["sh", "-c", cmd + " & wait"], env=kit.env(), capture_output=True, text=True, check=True
+    )
+    assert sorted(line for line in out.stdout.splitlines() if line.startswith("alloc")) == [
+        "alloc 0",
+        "alloc 2",
+    ]
