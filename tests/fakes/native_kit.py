@@ -186,3 +186,9 @@ def build_kit(sanitize: bool) -> Kit:
 def sanitized_kit() -> Kit:
     """The one sanitizer build of this pytest session."""
     return build_kit(sanitize=True)
+
+
+@functools.cache
+def release_kit() -> Kit:
+    """The release flags (-O2, no sanitizers), pointed at a temp root like the test build."""
+    return build_kit(sanitize=False)
