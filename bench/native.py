@@ -7,7 +7,8 @@ directory, and the fake CUDA driver (kernels take no simulated time, so a launch
 call). Figures are medians over repeats; the hook's added cost is the difference, also given as
 a ratio to the baseline. Start-up: P processes started at once, each initialising the driver,
 allocating once and reading memory info, with and without the hook; if start-up serialised on a
-lock the hooked wall time would grow with P.
+lock the hooked wall time would grow with P. Last, the compute share: the fraction of time the
+fake card runs kernels at several targets, as the throttle holds it.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--allocs", type=int, default=200_000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--procs", type=int, default=64)
+    parser.add_argument("--seconds", type=float, default=5.0, help="per throttling point")
     args = parser.parse_args(argv)
 
     kit = build_kit(sanitize=False)
@@ -103,16 +105,40 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         worst |= added > target
 
-    base_s = statistics.median(start_many(kit, args.procs, False) for _ in range(3))
-    kit.reset()
-    kit.write_limits(8192 * MIB, 100)
-    hook_s = statistics.median(start_many(kit, args.procs, True) for _ in range(3))
+    base_runs: list[float] = []
+    hook_runs: list[float] = []
+    for _ in range(3):  # interleaved, so a cold first run does not favour either side
+        base_runs.append(start_many(kit, args.procs, False))
+        kit.reset()
+        kit.write_limits(8192 * MIB, 100)
+        hook_runs.append(start_many(kit, args.procs, True))
+    base_s, hook_s = statistics.median(base_runs), statistics.median(hook_runs)
     print(
         f"{args.procs} processes started at once (init+alloc+info), median of 3: "
         f"no hook {base_s * 1000:.0f} ms, hook {hook_s * 1000:.0f} ms, "
         f"ratio {hook_s / base_s:.2f}"
     )
+
+    print(f"compute share vs the fake card's clock (1 ms kernels, {args.seconds:.0f} s each):")
+    for percent in (10, 30, 50, 70, 90):
+        kit.reset()
+        kit.write_limits(8192 * MIB, percent)
+        got = busy_percent(kit, percent, args.seconds)
+        print(f"  target {percent:>3} %  measured {got:5.1f} %  error {got - percent:+5.1f} points")
     return 1 if worst else 0
+
+
+def busy_percent(kit: Kit, percent: int, seconds: float) -> float:
+    """Share of the window the fake card spent running kernels under the hook."""
+    proc = subprocess.run(
+        kit.command(["init", f"launch:{int(seconds * 1000)}"], "proc"),
+        env=kit.env(True, {"FAKE_CUDA_KERNEL_US": "1000"}),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    launches = int(proc.stdout.splitlines()[-1].split()[2])
+    return launches * 1000 / (seconds * 1e6) * 100
 
 
 if __name__ == "__main__":

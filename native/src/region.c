@@ -58,8 +58,9 @@ static uint64_t start_time_of(int32_t pid) {
 }
 
 /* Alive means: the pid exists and is the same process (pid reuse is told apart by start time). */
-static bool alive(int32_t pid, uint64_t starttime) {
+static bool alive(int32_t pid, uint64_t starttime, bool thorough) {
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
+    if (!thorough) return true;
     uint64_t now = start_time_of(pid);
     return now == 0 ? true : now == starttime;
 }
@@ -68,7 +69,7 @@ static void zero_slot(fg_slot *s) {
     for (int d = 0; d < FRACGPU_MAX_DEVICES; d++) atomic_store(&s->used[d], 0);
 }
 
-int fg_region_reap(void) {
+int fg_region_reap(bool thorough) {
     if (!region) return 0;
     int reaped = 0;
     int32_t me = (int32_t)getpid();
@@ -77,7 +78,7 @@ int fg_region_reap(void) {
         fg_slot *s = &region->slots[i];
         int32_t pid = atomic_load(&s->pid);
         if (pid == 0 || pid == me || pid == -me) continue;
-        if (pid > 0 && alive(pid, atomic_load(&s->starttime))) continue;
+        if (pid > 0 && alive(pid, atomic_load(&s->starttime), thorough)) continue;
         /* A reclaimer that died mid-way leaves -pid; anyone may take over from a dead one. */
         if (pid < 0 && kill(-pid, 0) == 0) continue;
         if (!atomic_compare_exchange_strong(&s->pid, &pid, -me)) continue;
@@ -106,7 +107,7 @@ static int take_slot(void) {
             }
             return i;
         }
-        fg_region_reap();
+        fg_region_reap(true);
     }
     return -1;
 }
@@ -150,8 +151,10 @@ int fg_region_open(const char *path, char *why, size_t why_len) {
         return -EPROTO;
     }
     region = r;
-    /* Return the shares of processes that died (SIGKILL, OOM kill) since anyone last looked. */
-    fg_region_reap();
+    /* Return the shares of processes that died (SIGKILL, OOM kill) since anyone last looked.
+     * One kill(pid, 0) per slot: cheap enough for every start-up. Telling a reused pid apart
+     * needs /proc reads, left to the slow path (a charge that does not fit). */
+    fg_region_reap(false);
     int slot = take_slot();
     if (slot < 0) {
         region = NULL;
@@ -206,7 +209,7 @@ bool fg_region_charge(int dev, uint64_t bytes, uint64_t limit) {
         atomic_fetch_add(&s->used[dev], bytes);
         if (fg_region_used(dev) <= limit) return true;
         atomic_fetch_sub(&s->used[dev], bytes);
-        if (attempt == 0 && fg_region_reap() > 0) continue;
+        if (attempt == 0 && fg_region_reap(true) > 0) continue;
         sched_yield();
     }
     return false;

@@ -30,7 +30,8 @@ void fg_region_force(int dev, uint64_t bytes);
 void fg_region_release(int dev, uint64_t bytes);
 /* The container's use of card dev, summed over live processes. */
 uint64_t fg_region_used(int dev);
-/* Reclaim the slots of dead processes; returns how many were reclaimed. */
-int fg_region_reap(void);
+/* Reclaim the slots of dead processes; returns how many were reclaimed. thorough also tells a
+ * reused pid from its dead owner by start time (reads /proc). */
+int fg_region_reap(bool thorough);
 
 #endif
