@@ -81,3 +81,20 @@ def test_sibling_processes_share_one_limit(kit: Kit) -> None:
         "alloc 0",
         "alloc 2",
     ]
+
+
+@pytest.mark.parametrize("mode", ["proc", "proc-ptds", "proc-v1"])
+def test_cugetprocaddress_entry_points_other_than_the_exports_are_still_hooked(
+    kit: Kit, mode: str
+) -> None:
+    # The fake then hands out internal addresses for cuMemAlloc_v2, cuMemFree_v2,
+    # cuMemGetInfo_v2 and cuMemAllocAsync_ptsz; the hook falls back to the variant's name.
+    kit.write_limits(10 * MIB)
+    internal = {"FAKE_CUDA_PROC_INTERNAL": "1"}
+    out = kit.probe(
+        "init", f"alloc:{10 * MIB}", "alloc:1", "async:1", "info", "free", "info",
+        mode=mode, env=internal,
+    )  # fmt: skip
+    assert out.rcs("alloc") == [0, CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.rcs("async") == [CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.values("info") == [[0, 0, 10 * MIB], [0, 10 * MIB, 10 * MIB]]

@@ -167,12 +167,34 @@ FG_NO_SAN FG_EXPORT void *dlsym(void *restrict handle, const char *restrict name
 /* The driver picks the variant (cuMemAlloc -> cuMemAlloc_v2, _ptsz for per-thread streams) from
  * version and flags; we let it choose and then swap the pointer it chose for ours, by identity
  * with the real pointers the table resolved. So every version and flag is covered, with no
- * version arithmetic of our own to get wrong. */
-static void *swap_for_hook(void *p) {
+ * version arithmetic of our own to get wrong.
+ *
+ * Should a driver hand out entry points other than its exported symbols, identity finds
+ * nothing; then the variant is named the way the driver names its exports (_v2 from CUDA 3.2 on,
+ * or 12.0 for cuGetProcAddress itself; _ptsz for per-thread default streams) and looked up in
+ * the table, most specific first. */
+static void *hook_by_name(const char *symbol, int version, cuuint64_t flags) {
+    if (!symbol || strlen(symbol) > 64) return NULL;
+    bool v2 = version >= (strcmp(symbol, "cuGetProcAddress") == 0 ? 12000 : 3020);
+    bool ptds = flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+    const char *suffixes[3] = {v2 ? (ptds ? "_v2_ptsz" : "_v2") : (ptds ? "_ptsz" : ""),
+                               v2 ? "_v2" : "", ""};
+    if (v2 && ptds) suffixes[1] = "_ptsz";
+    for (int i = 0; i < 3; i++) {
+        char name[80];
+        snprintf(name, sizeof name, "%s%s", symbol, suffixes[i]);
+        const fg_entry *e = find_name(name);
+        if (e && !e->nvml && *e->real) return e->hook;
+    }
+    return NULL;
+}
+
+static void *swap_for_hook(void *p, const char *symbol, int version, cuuint64_t flags) {
     if (!p || fg.mode == FG_MODE_INERT) return p;
     for (size_t i = 0; i < TABLE_LEN; i++)
         if (table[i].hook && !table[i].nvml && *table[i].real == p) return table[i].hook;
-    return p;
+    void *by_name = hook_by_name(symbol, version, flags);
+    return by_name ? by_name : p;
 }
 
 FG_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version,
@@ -180,7 +202,7 @@ FG_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_ver
     fg_init();
     if (!fg_real.cuGetProcAddress) return CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = fg_real.cuGetProcAddress(symbol, pfn, cuda_version, flags);
-    if (r == CUDA_SUCCESS && pfn) *pfn = swap_for_hook(*pfn);
+    if (r == CUDA_SUCCESS && pfn) *pfn = swap_for_hook(*pfn, symbol, cuda_version, flags);
     return r;
 }
 
@@ -189,6 +211,6 @@ FG_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cuda_
     fg_init();
     if (!fg_real.cuGetProcAddress_v2) return CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = fg_real.cuGetProcAddress_v2(symbol, pfn, cuda_version, flags, status);
-    if (r == CUDA_SUCCESS && pfn) *pfn = swap_for_hook(*pfn);
+    if (r == CUDA_SUCCESS && pfn) *pfn = swap_for_hook(*pfn, symbol, cuda_version, flags);
     return r;
 }

@@ -681,6 +681,25 @@ static const proc procs[] = {
     P(cuGetProcAddress, 11030), {"cuGetProcAddress", 12000, false, (void *)cuGetProcAddress_v2},
 };
 
+/* With FAKE_CUDA_PROC_INTERNAL=1, cuGetProcAddress hands out internal entry points (other
+ * addresses than the exported symbols) for the memory calls, to test the hook's fallback. */
+static CUresult internal_alloc_v2(CUdeviceptr *p, size_t n) { return alloc_ptr(p, n, A_PTR); }
+static CUresult internal_free_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
+static CUresult internal_info_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+static CUresult internal_alloc_async_ptsz(CUdeviceptr *d, size_t n, CUstream s) {
+    return cuMemAllocAsync(d, n, s);
+}
+static void *internal_entry(void *fn) {
+    static int on = -1;
+    if (on < 0) on = env_u64("FAKE_CUDA_PROC_INTERNAL", 0) != 0;
+    if (!on) return fn;
+    if (fn == (void *)cuMemAlloc_v2) return (void *)internal_alloc_v2;
+    if (fn == (void *)cuMemFree_v2) return (void *)internal_free_v2;
+    if (fn == (void *)cuMemGetInfo_v2) return (void *)internal_info_v2;
+    if (fn == (void *)cuMemAllocAsync_ptsz) return (void *)internal_alloc_async_ptsz;
+    return fn;
+}
+
 static CUresult lookup(const char *sym, void **pfn, int version, cuuint64_t flags,
                        CUdriverProcAddressQueryResult *status) {
     if (!sym || !pfn) return CUDA_ERROR_INVALID_VALUE;
@@ -702,7 +721,7 @@ static CUresult lookup(const char *sym, void **pfn, int version, cuuint64_t flag
                             : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
         return CUDA_ERROR_NOT_FOUND;
     }
-    *pfn = best->fn;
+    *pfn = internal_entry(best->fn);
     if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
     return CUDA_SUCCESS;
 }
