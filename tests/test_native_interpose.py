@@ -98,3 +98,22 @@ def test_cugetprocaddress_entry_points_other_than_the_exports_are_still_hooked(
     assert out.rcs("alloc") == [0, CUDA_ERROR_OUT_OF_MEMORY]
     assert out.rcs("async") == [CUDA_ERROR_OUT_OF_MEMORY]
     assert out.values("info") == [[0, 0, 10 * MIB], [0, 10 * MIB, 10 * MIB]]
+
+
+def test_a_forked_child_is_accounted_apart_from_its_parent(kit: Kit) -> None:
+    # The child takes its own slot (pthread_atfork): its allocation counts against the same
+    # limit, and its exit returns its share without touching the parent's.
+    kit.write_limits(100 * MIB)
+    out = kit.probe(
+        "init", f"alloc:{60 * MIB}", f"fork-alloc:{50 * MIB}", f"fork-alloc:{30 * MIB}", "info"
+    )
+    assert out.rcs("child-alloc") == [CUDA_ERROR_OUT_OF_MEMORY, 0]
+    assert out.rcs("fork-alloc") == [0, 0]
+    assert out.one("info") == [0, 40 * MIB, 100 * MIB]
+
+
+def test_a_card_outside_the_grant_is_named_once(kit: Kit) -> None:
+    kit.write_limits(MIB, devices=("GPU-00000000-0000-0000-0000-000000000000",))
+    out = kit.probe("init", "alloc:1", "alloc:1", "info")
+    (message,) = out.hook_messages
+    assert "GPU-10111213-1415-1617-1819-1a1b1c1d1e00" in message and "not in the limits" in message

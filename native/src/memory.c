@@ -144,7 +144,11 @@ int fg_device_index(CUdevice dev) {
              b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
              b[15]);
     int idx = uuid_index(s);
-    atomic_store(&ordinal_index[dev], idx >= 0 ? idx + 1 : -1);
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&ordinal_index[dev], &expected, idx >= 0 ? idx + 1 : -1) &&
+        idx < 0)
+        fg_log("card %s (device %d) is not in the limits file's devices; its memory is refused",
+               s, dev);
     return idx;
 }
 

@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "cuda_api.h"
@@ -202,7 +203,7 @@ static void usage(void) {
             "usage: probe {proc|proc-ptds|proc-v1|dlsym} OP...   (probe_direct OP...)\n"
             "OP: init alloc:N alloc1:N pitch:W:H managed:N async:N pool:N vmm:N array:W:H\n"
             "    array3d:W:H:D mipmap:W:H:L free freeall trim pooldestroy info info1 total\n"
-            "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS\n"
+            "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
             "    bench-launch:N bench-alloc:N:SIZE\n");
     exit(2);
 }
@@ -385,6 +386,18 @@ int main(int argc, char **argv) {
             if (r == NVML_SUCCESS) r = api.nvmlDeviceGetHandleByIndex_v2(0, &d);
             if (r == NVML_SUCCESS) r = api.nvmlDeviceGetUtilizationRates(d, &u);
             printf("util %d %u\n", r, u.gpu);
+        } else if (sscanf(op, "fork-alloc:%llu", &a) == 1) {
+            /* A child of this process allocates and exits without freeing (normal exit). */
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                CUdeviceptr d;
+                printf("child-alloc %d\n", api.cuMemAlloc_v2(&d, a));
+                exit(0);
+            }
+            int status = 0;
+            waitpid(pid, &status, 0);
+            printf("fork-alloc %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
         } else if (sscanf(op, "sleep:%llu", &a) == 1) {
             usleep((useconds_t)(a * 1000));
             printf("sleep 0\n");
