@@ -146,7 +146,7 @@ int fg_device_index(CUdevice dev) {
     int idx = uuid_index(s);
     int expected = 0;
     if (atomic_compare_exchange_strong(&ordinal_index[dev], &expected, idx >= 0 ? idx + 1 : -1) &&
-        idx < 0)
+        idx < 0 && fg.mode == FG_MODE_ENFORCE)
         fg_log("card %s (device %d) is not in the limits file's devices; its memory is refused",
                s, dev);
     return idx;
