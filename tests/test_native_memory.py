@@ -107,6 +107,22 @@ def test_stream_ordered_allocations_count_what_the_pool_reserves(kit: Kit, op: s
     assert free == [LIMIT - 32 * MIB, LIMIT - 32 * MIB, LIMIT - 32 * MIB, LIMIT]
 
 
+def test_either_family_of_free_releases_the_charge(kit: Kit) -> None:
+    out = kit.probe(
+        "init", f"alloc:{60 * MIB}", "freeasync", "info", f"async:{MIB}", "freesync", "trim",
+        "info",
+    )  # fmt: skip
+    assert out.rcs("freeasync") == out.rcs("freesync") == [CUDA_SUCCESS]
+    assert [v[1] for v in out.values("info")] == [LIMIT, LIMIT]
+
+
+def test_oversized_requests_do_not_wrap_around(kit: Kit) -> None:
+    # 2^32 x 2^32 texels x 4 bytes overflows 64 bits: refused, not charged as a small number.
+    out = kit.probe("init", f"array:{2**32}:{2**32}", f"pitch:{2**40}:{2**40}", "info")
+    assert out.rcs("array") == out.rcs("pitch") == [CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.one("info")[1] == LIMIT
+
+
 def test_pool_growth_beyond_the_limit_is_refused(kit: Kit) -> None:
     # 3 chunks of 32 MiB fit in 100 MiB, the fourth does not, whatever the request size.
     out = kit.probe("init", *[f"pool:{32 * MIB}"] * 4, "info", "pooldestroy", "info")

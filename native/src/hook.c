@@ -87,6 +87,8 @@ static pthread_mutex_t init_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Thread_local bool initialising;
 
 static void after_fork_child(void) {
+    /* Only the forking thread survives: locks other threads held must not stay held. */
+    pthread_mutex_init(&init_mu, NULL);
     fg_region_after_fork();
     fg_memory_after_fork();
     fg_throttle_after_fork();

@@ -110,8 +110,11 @@ static bool rec_take(fg_kind kind, uint64_t v, fg_rec *out) {
     return found;
 }
 
+static void pools_after_fork(void);
+
 void fg_memory_after_fork(void) {
     /* The parent's allocations are not the child's to free: start from an empty table. */
+    pools_after_fork();
     for (int i = 0; i < SHARDS; i++) {
         pthread_mutex_init(&shards[i].mu, NULL);
         free(shards[i].slots);
@@ -218,7 +221,8 @@ FG_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     if (idx == -1) return fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
     /* The driver pads rows to its pitch alignment (at most 512 bytes on current cards); charge
      * the padded worst case first, then settle on the pitch it chose. */
-    uint64_t worst = (((uint64_t)width + 511) / 512) * 512 * height;
+    uint64_t row = ((uint64_t)width + 511) / 512 * 512, worst;
+    if (__builtin_mul_overflow(row, (uint64_t)height, &worst)) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!charge(idx, worst)) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult r = fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
     if (r != CUDA_SUCCESS) {
@@ -271,7 +275,6 @@ static CUresult free_recorded(fg_kind kind, uint64_t key, CUresult (*do_free)(ui
     return r;
 }
 
-static CUresult real_free_v2(uint64_t p) { return fg_real.cuMemFree_v2((CUdeviceptr)p); }
 static CUresult real_free_v1(uint64_t p) { return fg_real.cuMemFree((CUdeviceptr_v1)p); }
 static CUresult real_release(uint64_t h) { return fg_real.cuMemRelease(h); }
 static CUresult real_array_destroy(uint64_t a) {
@@ -281,10 +284,13 @@ static CUresult real_mipmap_destroy(uint64_t a) {
     return fg_real.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)a);
 }
 
+static CUresult free_any(CUdeviceptr p, CUstream s, bool async, __typeof__(cuMemFreeAsync) *real);
+
 FG_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     fg_init();
     if (!fg_real.cuMemFree_v2) return CUDA_ERROR_NOT_INITIALIZED;
-    return free_recorded(K_PTR, p, real_free_v2);
+    if (!ENFORCED()) return fg_real.cuMemFree_v2(p);
+    return free_any(p, NULL, false, NULL);
 }
 
 FG_EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
@@ -308,6 +314,11 @@ typedef struct {
 static fg_pool pools[MAX_POOLS];
 static int npools;
 static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void pools_after_fork(void) {
+    pthread_mutex_init(&pools_mu, NULL);
+    npools = 0;
+}
 
 static fg_pool *pool_find(CUmemoryPool p, int dev, bool create) {
     for (int i = 0; i < npools; i++)
@@ -412,19 +423,34 @@ ASYNC_ALLOC(cuMemAllocAsync_ptsz, cuMemFreeAsync_ptsz)
 POOL_ALLOC(cuMemAllocFromPoolAsync, cuMemFreeAsync)
 POOL_ALLOC(cuMemAllocFromPoolAsync_ptsz, cuMemFreeAsync_ptsz)
 
-static CUresult free_async(CUdeviceptr p, CUstream s, __typeof__(cuMemFreeAsync) *real) {
+/* cuMemFreeAsync also frees cuMemAlloc memory, and cuMemFree stream-ordered memory: whichever
+ * record the pointer has is settled. */
+static CUresult free_any(CUdeviceptr p, CUstream s, bool async, __typeof__(cuMemFreeAsync) *real) {
     fg_rec rec;
-    if (!ENFORCED()) return real(p, s);
+    if (rec_take(K_PTR, p, &rec)) { /* the common case takes no process-wide lock */
+        CUresult r = async ? real(p, s) : fg_real.cuMemFree_v2(p);
+        if (r == CUDA_SUCCESS)
+            fg_region_release(rec.dev, rec.bytes);
+        else
+            rec_put(K_PTR, p, rec.dev, rec.bytes, NULL);
+        return r;
+    }
     pthread_mutex_lock(&pools_mu);
     bool had = rec_take(K_POOL, p, &rec);
-    CUresult r = real(p, s);
-    if (had && r != CUDA_SUCCESS) rec_put(K_POOL, p, rec.dev, rec.bytes, rec.pool);
-    if (had && r == CUDA_SUCCESS) {
+    CUresult r = async ? real(p, s) : fg_real.cuMemFree_v2(p);
+    if (had && r != CUDA_SUCCESS) {
+        rec_put(K_POOL, p, rec.dev, rec.bytes, rec.pool);
+    } else if (had) {
         fg_pool *fp = pool_find(rec.pool, rec.dev, false);
         if (fp) pool_settle(fp);
     }
     pthread_mutex_unlock(&pools_mu);
     return r;
+}
+
+static CUresult free_async(CUdeviceptr p, CUstream s, __typeof__(cuMemFreeAsync) *real) {
+    if (!ENFORCED()) return real(p, s);
+    return free_any(p, s, true, real);
 }
 
 FG_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
@@ -513,15 +539,23 @@ static uint64_t format_bytes(CUarray_format f) {
 
 static uint64_t dim(size_t v) { return v ? (uint64_t)v : 1; }
 
+/* Sizes come from the caller: a product that overflows must not wrap into a small charge. */
+static uint64_t mul_sat(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+static uint64_t add_sat(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+
 static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch) {
-    return dim(w) * dim(h) * dim(d) * format_bytes(f) * (ch ? ch : 1);
+    uint64_t texels = mul_sat(mul_sat(dim(w), dim(h)), dim(d));
+    return mul_sat(texels, format_bytes(f) * (ch ? ch : 1));
 }
 
 static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *a, unsigned levels) {
     uint64_t total = 0;
     size_t w = a->Width, h = a->Height, d = a->Depth;
     for (unsigned l = 0; l < (levels ? levels : 1) && l < 64; l++) {
-        total += array_bytes(w, h, d, a->Format, a->NumChannels);
+        total = add_sat(total, array_bytes(w, h, d, a->Format, a->NumChannels));
         w = w > 1 ? w / 2 : w;
         h = h > 1 ? h / 2 : h;
         d = d > 1 ? d / 2 : d;

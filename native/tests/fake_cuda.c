@@ -254,9 +254,12 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size
     if (r == CUDA_SUCCESS) *pitch = pt;
     return r;
 }
+static CUresult free_pool_allocation(CUdeviceptr d);
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
-    return free_key(p, A_PTR, CUDA_ERROR_INVALID_VALUE);
+    CUresult r = free_key(p, A_PTR, CUDA_ERROR_INVALID_VALUE);
+    /* As with cudaFree, stream-ordered memory may be freed here too. */
+    return r == CUDA_ERROR_INVALID_VALUE ? free_pool_allocation(p) : r;
 }
 EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
     if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
@@ -394,7 +397,7 @@ EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t n, CUmemoryP
                                              CUstream s) {
     return pool_alloc(d, n, p, s);
 }
-EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+static CUresult free_pool_allocation(CUdeviceptr d) {
     NEED_INIT();
     pthread_mutex_lock(&mu);
     alloc_t *a = find_locked(d, A_POOL);
@@ -406,6 +409,12 @@ EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
     remove_locked(a);
     pthread_mutex_unlock(&mu);
     return CUDA_SUCCESS;
+}
+
+/* Frees stream-ordered memory, and cuMemAlloc memory as well (the driver allows both). */
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+    CUresult r = free_pool_allocation(d);
+    return r == CUDA_ERROR_INVALID_VALUE ? free_key(d, A_PTR, r) : r;
 }
 EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s) { return cuMemFreeAsync(d, s); }
 

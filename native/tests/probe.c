@@ -299,6 +299,13 @@ int main(int argc, char **argv) {
         } else if (strcmp(op, "free") == 0) {
             if (!nlive) die("nothing to free");
             printf("free %d\n", free_one(live[--nlive]));
+        } else if (strcmp(op, "freeasync") == 0 || strcmp(op, "freesync") == 0) {
+            /* Free the last allocation with the other family's call (cuMemFreeAsync for
+             * cuMemAlloc memory, cuMemFree for stream-ordered memory). */
+            if (!nlive) die("nothing to free");
+            live_t l = live[--nlive];
+            CUresult r = op[4] == 'a' ? api.cuMemFreeAsync(l.v, NULL) : api.cuMemFree_v2(l.v);
+            printf("%s %d\n", op, r);
         } else if (strcmp(op, "freeall") == 0) {
             CUresult worst = CUDA_SUCCESS;
             while (nlive) {
