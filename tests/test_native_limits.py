@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from deviceplugin.contract import LIMITS_FILE, MAX_DEVICES, MAX_FILE_BYTES, Limits, LimitsError
@@ -53,7 +53,8 @@ uuids = st.text(
 )
 
 
-@settings(max_examples=40, deadline=None)
+# Each example runs a C program: slow by hypothesis's standards, and slower on a loaded machine.
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     devices=st.lists(uuids, min_size=1, max_size=MAX_DEVICES),
     memory=st.integers(min_value=1, max_value=2**63 - 1),

@@ -4,7 +4,9 @@ by the fake NVML against the fake driver's clock; 100 % is not throttled at all.
 Tolerance: the hook's controller settles within a few 50 ms periods; over 3 s the card's
 utilisation is expected within +-8 points of the target (the fake's kernels take 1 ms, so the
 card can do 3000 in the window). The stated tolerance is deliberately wider than the ~2 points
-observed, because the test shares a CPU with other work."""
+observed, because the test shares a CPU with other work; for the same reason "not throttled" means
+above 80 % busy (a starved launch loop can leave the card idle, a throttle would hold it near the
+target)."""
 
 from __future__ import annotations
 
@@ -49,8 +51,8 @@ def test_a_small_share_is_held_too(kit: Kit) -> None:
 
 
 def test_a_whole_share_is_not_throttled(kit: Kit) -> None:
-    assert busy_fraction(kit, "kernel", 100) > 0.9
+    assert busy_fraction(kit, "kernel", 100) > 0.8
 
 
 def test_no_limits_file_is_not_throttled(kit: Kit) -> None:
-    assert busy_fraction(kit, "kernel", None) > 0.9
+    assert busy_fraction(kit, "kernel", None) > 0.8

@@ -60,7 +60,8 @@ static uint64_t start_time_of(int32_t pid) {
 /* Alive means: the pid exists and is the same process (pid reuse is told apart by start time). */
 static bool alive(int32_t pid, uint64_t starttime, bool thorough) {
     if (kill(pid, 0) != 0 && errno == ESRCH) return false;
-    if (!thorough) return true;
+    /* A start time of 0 is a slot being taken right now (stamped just after the pid): alive. */
+    if (!thorough || starttime == 0) return true;
     uint64_t now = start_time_of(pid);
     return now == 0 ? true : now == starttime;
 }

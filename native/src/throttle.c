@@ -53,11 +53,8 @@ static void adjust(fg_bucket *b, double target) {
     if (rate < 1) rate = 1;
     if (b->rate > 0 && rate > b->rate * 2) rate = b->rate * 2;
     b->rate = rate;
-    /* A period's tokens, no more: unused ones do not pile up into a burst. */
-    int64_t cap = (int64_t)rate;
-    int64_t cur = atomic_load(&b->tokens);
-    int64_t next = cur < 0 ? cap : (cur + cap > cap ? cap : cur + cap);
-    atomic_store(&b->tokens, next);
+    /* Refill to one period's tokens, no more: unused ones do not pile up into a burst. */
+    atomic_store(&b->tokens, (int64_t)rate);
 }
 
 static void *sampler(void *arg) {
