@@ -150,6 +150,7 @@ def c_header() -> str:
         "FRACGPU_KEY_COMPUTE_PERCENT": KEY_COMPUTE_PERCENT,
         "FRACGPU_MAX_FILE_BYTES": MAX_FILE_BYTES,
         "FRACGPU_MAX_DEVICES": MAX_DEVICES,
+        "FRACGPU_MAX_MEMORY_BYTES": MAX_MEMORY_BYTES,
     }
     lines = [
         "/* Generated from deviceplugin/contract.py by `python -m deviceplugin.contract c-header`.",

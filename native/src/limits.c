@@ -122,7 +122,7 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
             }
             break;
         case K_MEMORY:
-            if (parse_u64(v, e, &n) != 0 || n == 0 || n > (uint64_t)INT64_MAX) {
+            if (parse_u64(v, e, &n) != 0 || n == 0 || n > (uint64_t)FRACGPU_MAX_MEMORY_BYTES) {
                 snprintf(why, why_len, "line %d: memory_bytes must be a positive integer", line);
                 return FG_LIMITS_INVALID;
             }
