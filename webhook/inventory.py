@@ -1,0 +1,175 @@
+"""Which GPU models exist and how much memory each has, for sizing requests at admission.
+
+Percentages, default memory and whole cards all need a card's memory, which only the node
+knows. The device plugin labels each node (``fracgpu.io/gpu.product``,
+``fracgpu.io/gpu.memory-mib``); NVIDIA GPU Feature Discovery's ``nvidia.com/gpu.product`` and
+``nvidia.com/gpu.memory`` are read too. Without a cluster, models come from configuration.
+
+A pod is sized for the model it is pinned to (``nodeSelector``, required node affinity, or
+``nodeName``); an unpinned pod in a mixed cluster is sized for the *smallest* candidate, so the
+grant fits wherever the scheduler puts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from webhook.resources import Card, CardChoice
+
+PRODUCT_LABEL = "fracgpu.io/gpu.product"
+MEMORY_LABEL = "fracgpu.io/gpu.memory-mib"
+COUNT_LABEL = "fracgpu.io/gpu.count"
+GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
+GFD_MEMORY_LABEL = "nvidia.com/gpu.memory"
+# (product label, memory label) pairs, most authoritative first.
+LABEL_PAIRS = ((PRODUCT_LABEL, MEMORY_LABEL), (GFD_PRODUCT_LABEL, GFD_MEMORY_LABEL))
+PRODUCT_LABELS = frozenset(p for p, _ in LABEL_PAIRS)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCards:
+    """What one node says about its cards: the product under each label key, and the memory."""
+
+    products: Mapping[str, str]  # label key → product name
+    memory_mib: int
+
+
+def node_cards(labels: Mapping[str, Any]) -> NodeCards | None:
+    for product_key, memory_key in LABEL_PAIRS:
+        product, memory = labels.get(product_key), labels.get(memory_key)
+        if isinstance(product, str) and product and isinstance(memory, str) and memory.isdigit():
+            products = {
+                key: labels[key]
+                for key in PRODUCT_LABELS
+                if isinstance(labels.get(key), str) and labels[key]
+            }
+            return NodeCards(products, int(memory))
+    return None
+
+
+class Inventory:
+    """Known GPU models: static configuration plus what nodes report, kept current by a watch."""
+
+    def __init__(self, static: Mapping[str, int] | None = None) -> None:
+        self._static = {name: Card(name, mib) for name, mib in (static or {}).items()}
+        self._nodes: dict[str, NodeCards] = {}
+
+    def set_node(self, name: str, labels: Mapping[str, Any]) -> None:
+        cards = node_cards(labels)
+        if cards is None:
+            self._nodes.pop(name, None)
+        else:
+            self._nodes[name] = cards
+
+    def remove_node(self, name: str) -> None:
+        self._nodes.pop(name, None)
+
+    def replace_nodes(self, nodes: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
+        self._nodes.clear()
+        for name, labels in nodes:
+            self.set_node(name, labels)
+
+    def models(self, label_key: str | None = None) -> dict[str, Card]:
+        """Known models by product name (under one label key's spelling, if given)."""
+        found = dict(self._static)
+        for cards in self._nodes.values():
+            keys = [label_key] if label_key else list(cards.products)
+            for key in keys:
+                product = cards.products.get(key)
+                if product is None:
+                    continue
+                known = found.get(product)
+                # Nodes are the truth; take the smallest report in case drivers differ.
+                if known is None or cards.memory_mib < known.memory_mib:
+                    found[product] = Card(product, cards.memory_mib)
+        return found
+
+    def choose(self, pod_spec: Mapping[str, Any]) -> CardChoice:
+        node_name = pod_spec.get("nodeName")
+        if isinstance(node_name, str) and node_name in self._nodes:
+            cards = self._nodes[node_name]
+            card = Card(next(iter(cards.products.values())), cards.memory_mib)
+            return CardChoice(card, card)
+        pinned = pinned_products(pod_spec)
+        if pinned is None:
+            return self._among(self.models(), None)
+        key, products = pinned
+        known = self.models(key)
+        missing = sorted(p for p in products if p not in known)
+        if missing and len(missing) == len(products):
+            return CardChoice(
+                None,
+                unknown=f"the GPU model the pod selects ({key}={', '.join(missing)}) "
+                f"is not known to fracgpu",
+            )
+        return self._among({p: known[p] for p in products if p in known}, key)
+
+    @staticmethod
+    def _among(candidates: Mapping[str, Card], key: str | None) -> CardChoice:
+        if not candidates:
+            return CardChoice(None)
+        ordered = sorted(candidates.values(), key=lambda c: (c.memory_mib, c.product))
+        smallest, largest = ordered[0], ordered[-1]
+        warning = None
+        if smallest.memory_mib != largest.memory_mib:
+            pin = f"nodeSelector {key or PRODUCT_LABEL}"
+            warning = (
+                f"sized for {smallest.product} ({smallest.memory_mib} MiB), the smallest of "
+                f"{len(ordered)} GPU models it may land on; pin a model with {pin} to size for "
+                f"another"
+            )
+        return CardChoice(smallest, largest, warning)
+
+
+def pinned_products(pod_spec: Mapping[str, Any]) -> tuple[str, frozenset[str]] | None:
+    """The products a pod can only run on, by one product label, or None when unpinned.
+
+    nodeSelector is ANDed with required affinity; affinity terms are ORed, so the terms pin
+    only if every term pins.
+    """
+    selector = pod_spec.get("nodeSelector") or {}
+    if isinstance(selector, Mapping):
+        for key in PRODUCT_LABELS:
+            value = selector.get(key)
+            if isinstance(value, str) and value:
+                return key, frozenset({value})
+    terms = _dig(
+        pod_spec,
+        "affinity",
+        "nodeAffinity",
+        "requiredDuringSchedulingIgnoredDuringExecution",
+        "nodeSelectorTerms",
+    )
+    if not isinstance(terms, list) or not terms:
+        return None
+    union: set[str] = set()
+    label_key = None
+    for term in terms:
+        term_pin = None
+        exprs = _dig(term, "matchExpressions")
+        for expr in exprs if isinstance(exprs, list) else []:
+            if not isinstance(expr, Mapping):
+                continue
+            if expr.get("key") in PRODUCT_LABELS and expr.get("operator") == "In":
+                raw = expr.get("values")
+                values = [v for v in raw if isinstance(v, str)] if isinstance(raw, list) else []
+                if values:
+                    term_pin = (expr["key"], values)
+                    break
+        if term_pin is None:
+            return None
+        label_key = term_pin[0]
+        union.update(term_pin[1])
+    assert label_key is not None
+    return label_key, frozenset(union)
+
+
+def _dig(obj: object, *keys: str) -> object:
+    """Walk nested maps of an untrusted object; None as soon as a level is missing or odd."""
+    for key in keys:
+        if not isinstance(obj, Mapping):
+            return None
+        obj = obj.get(key)
+    return obj
