@@ -114,6 +114,9 @@ class Ledger:
     used: Usage = ZERO
     used_models: dict[str, Usage] = field(default_factory=dict)
     reservations: dict[str, Reservation] = field(default_factory=dict)
+    # Charged amount per scope, kept up to date by reserve() so that checking a batch of N pods
+    # against R reservations costs O(N + R), not O(N * R); dropped when usage is replaced.
+    _charged: dict[str | None, Usage] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def of(cls, quota: GPUQuota) -> Ledger:
@@ -132,10 +135,14 @@ class Ledger:
 
     def charged(self, model: str | None) -> Usage:
         """What the scope holds now: confirmed use plus every pending reservation in it."""
-        used = self.used if model is None else self.used_models.get(model, ZERO)
-        return used + sum_usage(
-            r.demand for r in self.reservations.values() if model is None or r.demand.on(model)
-        )
+        cached = self._charged.get(model)
+        if cached is None:
+            used = self.used if model is None else self.used_models.get(model, ZERO)
+            cached = used + sum_usage(
+                r.demand for r in self.reservations.values() if model is None or r.demand.on(model)
+            )
+            self._charged[model] = cached
+        return cached
 
     def check(self, demand: Demand) -> Violation | None:
         """The first scope the demand does not fit, or None when it fits everywhere."""
@@ -157,6 +164,10 @@ class Ledger:
         violation = self.check(reservation.demand)
         if violation is None:
             self.reservations[reservation.uid] = reservation
+            added = Usage.of(reservation.demand)
+            for model in list(self._charged):
+                if model is None or reservation.demand.on(model):
+                    self._charged[model] = self._charged[model] + added
         return violation
 
     def release(self, uids: Iterable[str]) -> bool:
@@ -164,11 +175,13 @@ class Ledger:
         changed = False
         for uid in uids:
             changed |= self.reservations.pop(uid, None) is not None
+        self._charged.clear()
         return changed
 
     def set_used(self, demands: Iterable[Demand]) -> None:
         """Replace confirmed usage with the sum of the given pods' demands (the controller)."""
         demands = list(demands)
+        self._charged.clear()
         self.used = sum_usage(demands)
         self.used_models = {
             model: sum_usage(d for d in demands if d.on(model)) for model in self.spec.models

@@ -12,7 +12,6 @@ back every field we do not model (labels, managedFields, future spec fields) unt
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any
@@ -151,7 +150,10 @@ class GPUQuota:
     __slots__ = ("raw", "spec", "status")
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
-        self.raw: dict[str, Any] = copy.deepcopy(dict(raw))
+        # Shallow copies: the raw object is never mutated below its top level and metadata,
+        # and a deep copy of a status with many reservations would dominate admission time.
+        self.raw: dict[str, Any] = dict(raw)
+        self.raw["metadata"] = dict(self.raw.get("metadata") or {})
         self.spec = parse_spec(self.raw)
         try:
             self.status = QuotaStatus.model_validate(self.raw.get("status") or {})
@@ -192,8 +194,7 @@ class GPUQuota:
     def with_status(self, status: QuotaStatus) -> GPUQuota:
         """A copy carrying ``status`` (and this object's resourceVersion, for the CAS write)."""
         status = status.model_copy(update={"hard": Hard.of(self.spec)})
-        raw = copy.deepcopy(self.raw)
-        raw["status"] = status.wire()
+        raw = {**self.raw, "metadata": dict(self.meta), "status": status.wire()}
         return GPUQuota(raw)
 
 

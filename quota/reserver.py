@@ -207,10 +207,9 @@ class Reserver:
                     denied.append((waiter, messages.exceeded(violation)))
             try:
                 if len(ledger.reservations) != before:
-                    stored = await self.store.write_status(
+                    await self.store.write_status(
                         quota.with_status(ledger.status(quota.status)).raw
                     )
-                    ledger = Ledger.of(GPUQuota(stored))
             except Conflict:
                 self.metrics.conflicts.labels("admission").inc()
                 try:
