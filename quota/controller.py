@@ -44,7 +44,7 @@ class UsageController:
         *,
         metrics: QuotaMetrics | None = None,
         resync_s: float = 30.0,
-        debounce_s: float = 0.05,
+        debounce_s: float = 0.1,
         max_attempts: int = 8,
         request_timeout_s: float = 2.0,
         clock: Callable[[], datetime] = now,

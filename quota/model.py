@@ -194,8 +194,10 @@ class GPUQuota:
     def with_status(self, status: QuotaStatus) -> GPUQuota:
         """A copy carrying ``status`` (and this object's resourceVersion, for the CAS write)."""
         status = status.model_copy(update={"hard": Hard.of(self.spec)})
-        raw = {**self.raw, "metadata": dict(self.meta), "status": status.wire()}
-        return GPUQuota(raw)
+        copy = GPUQuota.__new__(GPUQuota)  # spec and status are known: no second parse
+        copy.raw = {**self.raw, "metadata": dict(self.meta), "status": status.wire()}
+        copy.spec, copy.status = self.spec, status
+        return copy
 
 
 def parse_spec(raw: Mapping[str, Any]) -> QuotaSpec:

@@ -192,6 +192,7 @@ class Reserver:
         self, namespace: str, quota: GPUQuota, waiters: Sequence[_Waiter], expires: datetime | None
     ) -> list[_Waiter]:
         """Reserve every waiter that fits ``quota``; deny the others. Returns the ones that fit."""
+        fresh = False  # whether ``quota`` was just read live (not from a cache)
         for _ in range(self.max_attempts):
             ledger = Ledger.of(quota)
             before = len(ledger.reservations)
@@ -205,6 +206,14 @@ class Reserver:
                     accepted.append(waiter)
                 else:
                     denied.append((waiter, messages.exceeded(violation)))
+            if denied and not fresh:
+                # Never deny on a cached state: the controller may have released since.
+                try:
+                    quota = GPUQuota(await self.store.get(namespace, quota.name))
+                except NotFound:
+                    return list(waiters)
+                fresh = True
+                continue
             try:
                 if len(ledger.reservations) != before:
                     await self.store.write_status(
@@ -216,6 +225,7 @@ class Reserver:
                     quota = GPUQuota(await self.store.get(namespace, quota.name))
                 except NotFound:
                     return list(waiters)  # deleted meanwhile: it limits nothing any more
+                fresh = True
                 continue
             except NotFound:
                 return list(waiters)

@@ -73,7 +73,8 @@ class QuotaService:
         assert self.api is not None
         return UsageController(
             self.api,
-            self.store,
+            # The controller reads quotas live: its own store, without the webhook's cache.
+            KubeQuotaStore(self.api, request_timeout_s=self.config.request_timeout_s),
             metrics=self.metrics,
             resync_s=self.config.resync_s,
             max_attempts=self.config.max_attempts,
@@ -104,6 +105,8 @@ class QuotaService:
 
     async def close(self) -> None:
         await self.reserver.close()
+        if isinstance(self.store, KubeQuotaStore):
+            await self.store.stop()
 
 
 async def open_quota(
@@ -120,8 +123,8 @@ async def open_quota(
             "quota.mode is kubernetes but no Kubernetes client was given; configure cluster "
             "access, or set quota.mode: embedded with quota.file"
         )
-    service = QuotaService(
-        config, KubeQuotaStore(api, request_timeout_s=config.request_timeout_s), metrics, api
-    )
+    store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
+    service = QuotaService(config, store, metrics, api)
     await service.probe()
+    store.start()
     return service
