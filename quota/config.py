@@ -77,7 +77,9 @@ class QuotaConfig(BaseModel):
         default=2.0, gt=0, description="Longest one API server call may take."
     )
     max_attempts: int = Field(
-        default=8, ge=1, description="Status writes tried per quota on 409 Conflict."
+        default=20,
+        ge=1,
+        description="Status writes tried per quota on 409 Conflict (within timeout_s).",
     )
     reservation_grace_s: float = Field(
         default=120.0,

@@ -45,7 +45,7 @@ class UsageController:
         metrics: QuotaMetrics | None = None,
         resync_s: float = 30.0,
         debounce_s: float = 0.1,
-        max_attempts: int = 8,
+        max_attempts: int = 20,
         request_timeout_s: float = 2.0,
         clock: Callable[[], datetime] = now,
     ) -> None:
@@ -111,7 +111,9 @@ class UsageController:
     async def reconcile(self, raw: Mapping[str, Any]) -> None:
         """Recount one GPUQuota and release what its reservations no longer need to hold."""
         obj = dict(raw)
-        for _ in range(self.max_attempts):
+        # The controller is off the pod-create path: it may try harder than admission to win
+        # its write against a burst of admissions.
+        for _ in range(self.max_attempts * 4):
             try:
                 quota = GPUQuota(obj)
             except QuotaError as exc:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -72,8 +73,9 @@ class Reserver:
         metrics: QuotaMetrics | None = None,
         reservation_ttl_s: float | None = 120.0,
         timeout_s: float = 5.0,
-        max_attempts: int = 8,
+        max_attempts: int = 20,
         require_quota: bool = False,
+        conflict_backoff_s: float = 0.005,
     ) -> None:
         self.store = store
         self.metrics = metrics or QuotaMetrics()
@@ -81,6 +83,7 @@ class Reserver:
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.require_quota = require_quota
+        self.conflict_backoff_s = conflict_backoff_s
         self._queues: dict[str, list[_Waiter]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
 
@@ -169,11 +172,13 @@ class Reserver:
         expires = None
         if self.reservation_ttl_s is not None:
             expires = now() + timedelta(seconds=self.reservation_ttl_s)
-        pending = batch
-        for quota in quotas:
+        pending = list(batch)
+        for index, quota in enumerate(quotas):
             if not pending:
                 break
-            pending = await self._reserve_in(namespace, quota, pending, expires)
+            # Pods that arrive while the first quota's write is retried join the retry.
+            absorb = batch if index == 0 else None
+            pending = await self._reserve_in(namespace, quota, pending, expires, absorb)
         for waiter in pending:
             waiter.decide(Decision(True))
         await self._release(namespace, [w for w in batch if w.denied and w.held])
@@ -189,10 +194,21 @@ class Reserver:
         return decision
 
     async def _reserve_in(
-        self, namespace: str, quota: GPUQuota, waiters: Sequence[_Waiter], expires: datetime | None
+        self,
+        namespace: str,
+        quota: GPUQuota,
+        waiters: list[_Waiter],
+        expires: datetime | None,
+        absorb: list[_Waiter] | None = None,
     ) -> list[_Waiter]:
-        """Reserve every waiter that fits ``quota``; deny the others. Returns the ones that fit."""
+        """Reserve every waiter that fits ``quota``; deny the others. Returns the ones that fit.
+
+        With ``absorb`` (the batch, while this is its first quota), pods queued meanwhile join
+        a retry after a conflict: under a burst from several replicas a conflict then costs no
+        extra write for them, which keeps the replicas from taking turns losing.
+        """
         fresh = False  # whether ``quota`` was just read live (not from a cache)
+        attempt = 0
         for _ in range(self.max_attempts):
             ledger = Ledger.of(quota)
             before = len(ledger.reservations)
@@ -221,11 +237,19 @@ class Reserver:
                     )
             except Conflict:
                 self.metrics.conflicts.labels("admission").inc()
+                # Another writer won: back off a little, at random, so that replicas stop
+                # colliding in lockstep; pods arriving meanwhile join the retry (absorb).
+                attempt += 1
+                await asyncio.sleep(random.uniform(0, self.conflict_backoff_s * attempt))
                 try:
                     quota = GPUQuota(await self.store.get(namespace, quota.name))
                 except NotFound:
                     return list(waiters)  # deleted meanwhile: it limits nothing any more
                 fresh = True
+                if absorb is not None:
+                    joined = self._queues.pop(namespace, [])
+                    waiters.extend(joined)
+                    absorb.extend(joined)
                 continue
             except NotFound:
                 return list(waiters)
