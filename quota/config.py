@@ -1,0 +1,107 @@
+"""Configuration of GPU quota (the ``quota:`` section of the webhook's configuration)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class LeaderElection(BaseModel):
+    """Which replica runs the usage controller: the holder of a coordination.k8s.io Lease."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True, description="Off only when exactly one replica runs the controller."
+    )
+    lease_name: str = "fracgpu-quota-controller"
+    lease_namespace: str | None = Field(
+        default=None,
+        description="Default: $POD_NAMESPACE (downward API), else fracgpu-system.",
+    )
+    identity: str | None = Field(default=None, description="Default: $POD_NAME or hostname.")
+    lease_duration_s: float = Field(
+        default=15.0, gt=0, description="How long a Lease is valid without renewal."
+    )
+    renew_interval_s: float = Field(
+        default=5.0, gt=0, description="How often the leader renews (and others retry)."
+    )
+
+    @model_validator(mode="after")
+    def _renew_within_lease(self) -> LeaderElection:
+        if self.renew_interval_s >= self.lease_duration_s:
+            raise ValueError(
+                f"leader_election.renew_interval_s ({self.renew_interval_s:g}) must be shorter "
+                f"than lease_duration_s ({self.lease_duration_s:g}), or the Lease lapses between "
+                f"renewals"
+            )
+        return self
+
+    def namespace(self) -> str:
+        return self.lease_namespace or os.environ.get("POD_NAMESPACE") or "fracgpu-system"
+
+    def holder(self) -> str:
+        return (
+            self.identity or os.environ.get("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}"
+        )
+
+
+class QuotaConfig(BaseModel):
+    """GPU quota settings; every default is what a cluster should start with."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    mode: Literal["kubernetes", "embedded"] = Field(
+        default="kubernetes",
+        description="kubernetes: GPUQuota objects in the cluster; embedded: from `file`, "
+        "in memory (no cluster; every admitted pod stays charged until restart).",
+    )
+    file: Path | None = Field(
+        default=None, description="Embedded mode: YAML file of GPUQuota objects."
+    )
+    require_quota: bool = Field(
+        default=False,
+        description="Deny GPU pods in namespaces without a GPUQuota (default: unlimited).",
+    )
+    timeout_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Longest a quota decision may take before the pod is denied as "
+        "unverifiable; keep it below the webhook's timeoutSeconds (default 10).",
+    )
+    request_timeout_s: float = Field(
+        default=2.0, gt=0, description="Longest one API server call may take."
+    )
+    max_attempts: int = Field(
+        default=20,
+        ge=1,
+        description="Status writes tried per quota on 409 Conflict (within timeout_s).",
+    )
+    reservation_grace_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="How long a reservation waits for its pod to appear before the "
+        "controller may release it; longer than the API server's request timeout (60s).",
+    )
+    resync_s: float = Field(
+        default=30.0, gt=0, description="Controller: full reconcile of every GPUQuota this often."
+    )
+    leader_election: LeaderElection = Field(default_factory=LeaderElection)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> QuotaConfig:
+        if self.mode == "kubernetes" and self.file is not None:
+            raise ValueError(
+                "quota.file is read only in embedded mode; set quota.mode: embedded, or remove "
+                "quota.file to use the cluster's GPUQuota objects"
+            )
+        if self.request_timeout_s > self.timeout_s:
+            raise ValueError(
+                f"quota.request_timeout_s ({self.request_timeout_s:g}) must not exceed "
+                f"quota.timeout_s ({self.timeout_s:g})"
+            )
+        return self

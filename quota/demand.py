@@ -1,0 +1,123 @@
+"""What a pod charges to a GPU quota, computed the way Kubernetes computes pod requests.
+
+Kubernetes (``resourcehelper.PodRequests``, used by the scheduler and ResourceQuota) charges a
+pod the larger of (a) its app containers plus its sidecar init containers
+(``restartPolicy: Always``), which run together, and (b) each regular init container plus
+the sidecars started before it, since init containers run one at a time. Each resource is
+combined separately. GPU quota charges the same, so it agrees with what the scheduler and
+the device plugin will hold.
+
+A pod holds only the canonical resources here (the validating webhook runs after mutation,
+and the controller reads persisted pods), read with :meth:`webhook.resources.Grant.from_resources`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from webhook.inventory import pinned_products
+from webhook.resources import BLOCK_MIB, Grant
+
+
+@dataclass(frozen=True, slots=True)
+class Demand:
+    """A pod's GPU charge: hundredths of a card, MiB, and the GPU models it may land on.
+
+    ``models`` is None when the pod is not pinned to a GPU model (it may land on any).
+    """
+
+    core: int
+    memory_mib: int
+    models: frozenset[str] | None = None
+    pods: int = 1
+
+    def on(self, model: str) -> bool:
+        """Whether this demand counts against a per-model limit of ``model``."""
+        return self.models is None or model in self.models
+
+
+def _grant(container: object) -> Grant | None:
+    if not isinstance(container, Mapping):
+        return None
+    resources = container.get("resources")
+    if not isinstance(resources, Mapping):
+        return None
+    # Limits carry the canonical form (requests equal them); fall back to requests in case a
+    # client wrote requests only, which the apiserver accepts after defaulting limits.
+    for key in ("limits", "requests"):
+        section = resources.get(key)
+        if isinstance(section, Mapping):
+            grant = Grant.from_resources(section)
+            if grant is not None:
+                return grant
+    return None
+
+
+def _containers(spec: Mapping[str, Any], key: str) -> Iterable[Mapping[str, Any]]:
+    items = spec.get(key)
+    return [c for c in items if isinstance(c, Mapping)] if isinstance(items, list) else []
+
+
+def pod_demand(pod: Mapping[str, Any]) -> Demand | None:
+    """The pod's GPU demand, or None when the pod holds no GPU (quota never affects it)."""
+    spec = pod.get("spec")
+    if not isinstance(spec, Mapping):
+        return None
+    core = blocks = 0
+    for container in _containers(spec, "containers"):
+        grant = _grant(container)
+        if grant:
+            core += grant.core
+            blocks += grant.memory_blocks
+    sidecar_core = sidecar_blocks = 0
+    init_core = init_blocks = 0
+    for container in _containers(spec, "initContainers"):
+        grant = _grant(container) or Grant(0, 0)
+        if container.get("restartPolicy") == "Always":
+            core += grant.core
+            blocks += grant.memory_blocks
+            sidecar_core += grant.core
+            sidecar_blocks += grant.memory_blocks
+            step_core, step_blocks = sidecar_core, sidecar_blocks
+        else:
+            step_core = sidecar_core + grant.core
+            step_blocks = sidecar_blocks + grant.memory_blocks
+        init_core = max(init_core, step_core)
+        init_blocks = max(init_blocks, step_blocks)
+    core = max(core, init_core)
+    blocks = max(blocks, init_blocks)
+    if core == 0 and blocks == 0:
+        return None
+    pinned = pinned_products(spec)
+    return Demand(core, blocks * BLOCK_MIB, None if pinned is None else pinned[1])
+
+
+def is_terminal(pod: Mapping[str, Any], at: datetime | None = None) -> bool:
+    """Whether the pod no longer holds quota, by the rule of Kubernetes' own pod quota.
+
+    ``QuotaV1Pod`` stops charging pods that Failed or Succeeded, and pods stuck terminating
+    past ``deletionTimestamp + deletionGracePeriodSeconds`` (so a dead node cannot keep a
+    namespace from scaling up).
+    """
+    status = pod.get("status")
+    phase = status.get("phase") if isinstance(status, Mapping) else None
+    if phase in ("Failed", "Succeeded"):
+        return True
+    meta = pod.get("metadata")
+    if not isinstance(meta, Mapping):
+        return False
+    deleted = meta.get("deletionTimestamp")
+    if not isinstance(deleted, str):
+        return False
+    try:
+        since = datetime.fromisoformat(deleted.replace("Z", "+00:00"))
+    except ValueError:
+        return False
+    grace = meta.get("deletionGracePeriodSeconds")
+    if not isinstance(grace, int):
+        return False
+    at = at or datetime.now(UTC)
+    return (at - since).total_seconds() > grace

@@ -1,0 +1,116 @@
+"""GPUQuota objects in the cluster, through kubernetes-asyncio (``webhook.kube``).
+
+Status writes are PUTs of the ``/status`` subresource carrying the resourceVersion that was
+read: the API server refuses a stale one with 409 Conflict, which is the compare-and-swap
+the reservation engine and the controller rely on. Every call has its own timeout; every
+failure to get an answer becomes :class:`Unavailable` with a message for the user.
+
+With ``watch=True`` (the webhook), the quotas of a namespace are read from an informer, as
+kube-apiserver's own ResourceQuota admission reads a lister, plus a look-aside of the newest
+object this replica wrote: a batch of pods then costs one status write, not a list and a
+write. A cached object that is stale only costs a 409 and a re-read; a namespace for which
+the cache knows no quota is always listed live, so a missing or lagging cache never admits
+a pod unaccounted, and an unreachable API server still denies GPU pods there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+
+from quota.store import Conflict, NotFound, Obj, Unavailable
+from webhook.kube import GPUQUOTAS, Informer, KubeError, call_json, object_key
+
+
+def _version(obj: Obj) -> int:
+    text = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+    return int(text) if text.isdigit() else -1
+
+
+class KubeQuotaStore:
+    def __init__(self, api: Any, *, request_timeout_s: float = 2.0, watch: bool = False) -> None:
+        self.api = api
+        self.request_timeout_s = request_timeout_s
+        self._informer = (
+            Informer(api, GPUQUOTAS, request_timeout_s=request_timeout_s, name="quota-gpuquotas")
+            if watch
+            else None
+        )
+        self._written: dict[tuple[str, str], Obj] = {}
+
+    def start(self) -> None:
+        if self._informer is not None:
+            self._informer.start()
+
+    async def stop(self) -> None:
+        if self._informer is not None:
+            await self._informer.stop()
+
+    def _newest(self, obj: Obj) -> Obj:
+        """The cached object, or the one this replica wrote if that is newer."""
+        key = object_key(obj)
+        written = self._written.get(key)
+        if written is None:
+            return obj
+        if _version(written) > _version(obj):
+            return written
+        del self._written[key]  # the cache caught up
+        return obj
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Obj:
+        try:
+            return await call_json(
+                self.api, method, path, body=body, timeout_s=self.request_timeout_s
+            )
+        except KubeError as err:
+            if err.status == 409:
+                raise Conflict(err.message) from None
+            if err.status == 404:
+                raise NotFound(err.message) from None
+            raise Unavailable(
+                f"the Kubernetes API server answered {err.status} {err.reason}: {err.message}"
+            ) from None
+        except TimeoutError:
+            raise Unavailable(
+                f"the Kubernetes API server did not answer within {self.request_timeout_s:g}s"
+            ) from None
+        except (aiohttp.ClientError, OSError) as err:
+            raise Unavailable(
+                f"the Kubernetes API server could not be reached ({type(err).__name__}: {err})"
+            ) from None
+
+    async def list(self, namespace: str | None) -> list[Obj]:
+        informer = self._informer
+        if namespace is not None and informer is not None and informer.has_synced:
+            cached = informer.objects(namespace)
+            if cached:
+                return [self._newest(obj) for obj in cached]
+        answer = await self._call("GET", GPUQUOTAS.path(namespace))
+        items = answer.get("items") or []
+        for item in items:  # list items of custom resources keep these, but be sure
+            item.setdefault("apiVersion", "fracgpu.io/v1")
+            item.setdefault("kind", "GPUQuota")
+        return [item for item in items if isinstance(item, dict)]
+
+    async def get(self, namespace: str, name: str) -> Obj:
+        try:
+            obj = await self._call("GET", GPUQUOTAS.path(namespace, name))
+        except NotFound:
+            self._written.pop((namespace, name), None)
+            raise
+        if self._informer is not None:
+            self._written[(namespace, name)] = obj
+        return obj
+
+    async def write_status(self, obj: Obj) -> Obj:
+        meta = obj.get("metadata") or {}
+        path = GPUQUOTAS.path(meta.get("namespace"), meta.get("name")) + "/status"
+        try:
+            stored = await self._call("PUT", path, body=obj)
+        except NotFound:
+            self._written.pop(object_key(obj), None)
+            raise
+        if self._informer is not None:
+            self._written[object_key(stored)] = stored
+        return stored

@@ -1,0 +1,156 @@
+"""Leader election with a coordination.k8s.io Lease: exactly one replica runs the controller.
+
+The algorithm is client-go's: the holder renews ``spec.renewTime`` every renew interval; a
+candidate takes the Lease over only when the record it observed has not changed for a whole
+``leaseDurationSeconds`` of its *own* clock (so clock skew between nodes does not matter).
+Every write carries the resourceVersion read, so two candidates cannot both win. A leader
+that cannot renew within the lease duration stops its work before another may take over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from contextlib import suppress
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+
+from quota.config import LeaderElection
+from quota.metrics import QuotaMetrics
+from webhook.kube import LEASES, KubeError, call_json
+
+log = logging.getLogger(__name__)
+
+
+def _micro_time() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+class LeaderElector:
+    def __init__(
+        self,
+        api: Any,
+        config: LeaderElection,
+        *,
+        metrics: QuotaMetrics | None = None,
+        request_timeout_s: float = 2.0,
+    ) -> None:
+        self.api = api
+        self.config = config
+        self.identity = config.holder()
+        self.namespace = config.namespace()
+        self.metrics = metrics or QuotaMetrics()
+        self.request_timeout_s = request_timeout_s
+        self.is_leader = False
+        self._observed: tuple[str, str] | None = None  # (holder, renewTime) last seen
+        self._observed_at = 0.0
+
+    async def run(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Run ``work`` while holding the Lease; stop it as soon as the Lease may be lost."""
+        task: asyncio.Task[None] | None = None
+        last_renewal = 0.0
+        try:
+            while True:
+                ok = await self._try()
+                clock = time.monotonic()
+                if ok:
+                    last_renewal = clock
+                    if task is None or task.done():
+                        log.info("quota controller leader", extra={"identity": self.identity})
+                        task = asyncio.create_task(work(), name="quota-controller")
+                elif task is not None and (
+                    clock - last_renewal
+                    >= self.config.lease_duration_s - self.config.renew_interval_s
+                    or not self.is_leader
+                ):
+                    log.warning(
+                        "quota controller lost the Lease", extra={"identity": self.identity}
+                    )
+                    await self._stop(task)
+                    task = None
+                self.metrics.leader.set(1 if task is not None else 0)
+                await asyncio.sleep(self.config.renew_interval_s)
+        finally:
+            if task is not None:
+                await self._stop(task)
+            self.metrics.leader.set(0)
+
+    @staticmethod
+    async def _stop(task: asyncio.Task[None]) -> None:
+        task.cancel()
+        with suppress(asyncio.CancelledError, Exception):
+            await task
+
+    async def _try(self) -> bool:
+        """Acquire or renew; whether this replica holds the Lease now."""
+        path = LEASES.path(self.namespace, self.config.lease_name)
+        try:
+            try:
+                lease = await call_json(self.api, "GET", path, timeout_s=self.request_timeout_s)
+            except KubeError as err:
+                if err.status != 404:
+                    raise
+                body = self._lease(None, transitions=0, acquired=_micro_time())
+                await call_json(
+                    self.api,
+                    "POST",
+                    LEASES.path(self.namespace),
+                    body=body,
+                    timeout_s=self.request_timeout_s,
+                )
+                self.is_leader = True
+                return True
+            spec = lease.get("spec") or {}
+            holder = str(spec.get("holderIdentity") or "")
+            record = (holder, str(spec.get("renewTime") or ""))
+            if record != self._observed:
+                self._observed, self._observed_at = record, time.monotonic()
+            expired = time.monotonic() - self._observed_at > float(
+                spec.get("leaseDurationSeconds") or self.config.lease_duration_s
+            )
+            if holder and holder != self.identity and not expired:
+                self.is_leader = False
+                return False
+            transitions = int(spec.get("leaseTransitions") or 0)
+            acquired = spec.get("acquireTime") or _micro_time()
+            if holder != self.identity:
+                transitions, acquired = transitions + 1, _micro_time()
+            body = self._lease(lease, transitions=transitions, acquired=acquired)
+            updated = await call_json(
+                self.api, "PUT", path, body=body, timeout_s=self.request_timeout_s
+            )
+            spec = updated.get("spec") or {}
+            self._observed = (self.identity, str(spec.get("renewTime") or ""))
+            self._observed_at = time.monotonic()
+            self.is_leader = True
+            return True
+        except KubeError as err:
+            if err.status != 409:
+                log.warning("lease request failed", extra={"error": str(err)})
+            return False  # someone else wrote first (409), or the API server is unhappy
+        except (TimeoutError, aiohttp.ClientError, OSError) as err:
+            log.warning("lease request failed", extra={"error": str(err) or type(err).__name__})
+            return False
+
+    def _lease(
+        self, current: dict[str, Any] | None, *, transitions: int, acquired: Any
+    ) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": self.config.lease_name, "namespace": self.namespace}
+        if current is not None:
+            metadata["resourceVersion"] = current["metadata"]["resourceVersion"]
+        return {
+            "apiVersion": "coordination.k8s.io/v1",
+            "kind": "Lease",
+            "metadata": metadata,
+            "spec": {
+                "holderIdentity": self.identity,
+                "leaseDurationSeconds": max(1, round(self.config.lease_duration_s)),
+                "acquireTime": acquired,
+                "renewTime": _micro_time(),
+                "leaseTransitions": transitions,
+            },
+        }

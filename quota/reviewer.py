@@ -1,0 +1,54 @@
+"""The ``/validate`` reviewer: GPU quota for pod CREATE, on the canonical form.
+
+The validating webhook runs after every mutation, so the pod it sees carries
+``fracgpu.io/core`` and ``fracgpu.io/memory`` and, since kube-apiserver fills them before
+validating admission, its final name and UID (reference §1.7): the reservation is keyed by
+that UID. Anything that is not the creation of a pod holding a GPU is allowed untouched, so
+pods without GPU are never affected by quota, whatever the state of the API server.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from quota.demand import pod_demand
+from quota.metrics import QuotaMetrics
+from quota.reserver import Reserver
+from webhook.admission import AdmissionRequest, AdmissionResponse
+
+
+class QuotaReviewer:
+    def __init__(self, reserver: Reserver, metrics: QuotaMetrics) -> None:
+        self.reserver = reserver
+        self.metrics = metrics
+
+    async def __call__(self, request: AdmissionRequest) -> AdmissionResponse:
+        if (
+            request.operation != "CREATE"
+            or request.kind.kind != "Pod"
+            or request.kind.group != ""
+            or request.sub_resource
+        ):
+            return AdmissionResponse.allow(request.uid, label="not-pod-create")
+        pod: dict[str, Any] = request.object or {}
+        demand = pod_demand(pod)
+        if demand is None:
+            return AdmissionResponse.allow(request.uid, label="no-gpu")
+        meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}
+        assert isinstance(meta, dict)
+        namespace = request.namespace or str(meta.get("namespace") or "default")
+        # The UID is set before validating admission; a review without one (offline tools)
+        # falls back to the review's own UID, unique per call.
+        uid = str(meta.get("uid") or request.uid)
+        started = time.perf_counter()
+        decision = await self.reserver.decide(
+            namespace, uid, request.display_name, demand, dry_run=request.dry_run
+        )
+        outcome = "allowed" if decision.allowed else "denied"
+        self.metrics.admission.labels(outcome).observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(outcome, decision.reason).inc()
+        label = f"quota-{decision.reason}"
+        if decision.allowed:
+            return AdmissionResponse.allow(request.uid, label=label)
+        return AdmissionResponse.deny(request.uid, decision.message, label=label)

@@ -1,0 +1,130 @@
+"""The one entry point ``fracgpu serve`` uses: :func:`open_quota` → :class:`QuotaService`.
+
+* ``service.reviewer`` is the ``/validate`` reviewer;
+* ``await service.run()`` runs the usage controller under leader election (Kubernetes mode)
+  until cancelled, and returns at once in embedded mode (nothing to reconcile: there are no
+  pods to watch, every admitted pod stays charged);
+* ``service.ready()`` is None when ready, else why not (the GPUQuota CRD is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from prometheus_client import CollectorRegistry
+
+from quota.config import QuotaConfig
+from quota.controller import UsageController
+from quota.kubestore import KubeQuotaStore
+from quota.leader import LeaderElector
+from quota.metrics import QuotaMetrics
+from quota.reserver import Reserver
+from quota.reviewer import QuotaReviewer
+from quota.store import MemoryStore, NotFound, QuotaStore, Unavailable, load_quota_file
+
+log = logging.getLogger(__name__)
+
+_CRD_MISSING = (
+    "the GPUQuota CRD (gpuquotas.fracgpu.io) is not installed; apply deploy/crds/gpuquota.yaml"
+)
+
+
+class QuotaService:
+    def __init__(
+        self,
+        config: QuotaConfig,
+        store: QuotaStore,
+        metrics: QuotaMetrics,
+        api: Any | None = None,
+    ) -> None:
+        self.config = config
+        self.store = store
+        self.metrics = metrics
+        self.api = api
+        embedded = config.mode == "embedded"
+        self.reserver = Reserver(
+            store,
+            metrics=metrics,
+            reservation_ttl_s=None if embedded else config.reservation_grace_s,
+            timeout_s=config.timeout_s,
+            max_attempts=config.max_attempts,
+            require_quota=config.require_quota,
+        )
+        self.reviewer = QuotaReviewer(self.reserver, metrics)
+        self._problem: str | None = None
+
+    def ready(self) -> str | None:
+        return self._problem
+
+    async def probe(self) -> None:
+        """Check that GPUQuotas can be listed; only a missing CRD makes the service unready
+        (an API server blip must not take the whole webhook out of its Service)."""
+        try:
+            await self.store.list(None)
+            self._problem = None
+        except NotFound:
+            self._problem = _CRD_MISSING
+        except Unavailable as exc:
+            log.warning("GPUQuota probe failed", extra={"error": str(exc)})
+
+    def controller(self) -> UsageController:
+        assert self.api is not None
+        return UsageController(
+            self.api,
+            # The controller reads quotas live: its own store, without the webhook's cache.
+            KubeQuotaStore(self.api, request_timeout_s=self.config.request_timeout_s),
+            metrics=self.metrics,
+            resync_s=self.config.resync_s,
+            max_attempts=self.config.max_attempts,
+            request_timeout_s=self.config.request_timeout_s,
+        )
+
+    async def run(self) -> None:
+        if self.api is None:
+            return
+        while self._problem is not None:  # wait for the CRD before reconciling
+            await asyncio.sleep(self.config.resync_s)
+            await self.probe()
+
+        async def reconcile() -> None:
+            await self.controller().run()
+
+        election = self.config.leader_election
+        if not election.enabled:
+            await reconcile()
+            return
+        elector = LeaderElector(
+            self.api,
+            election,
+            metrics=self.metrics,
+            request_timeout_s=self.config.request_timeout_s,
+        )
+        await elector.run(reconcile)
+
+    async def close(self) -> None:
+        await self.reserver.close()
+        if isinstance(self.store, KubeQuotaStore):
+            await self.store.stop()
+
+
+async def open_quota(
+    config: QuotaConfig, api: Any | None, *, registry: CollectorRegistry | None = None
+) -> QuotaService:
+    """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
+    required) or None (embedded mode). ``registry``: where metrics go (the server's own)."""
+    metrics = QuotaMetrics(registry)
+    if config.mode == "embedded":
+        objects = load_quota_file(config.file) if config.file is not None else []
+        return QuotaService(config, MemoryStore(objects), metrics)
+    if api is None:
+        raise ValueError(
+            "quota.mode is kubernetes but no Kubernetes client was given; configure cluster "
+            "access, or set quota.mode: embedded with quota.file"
+        )
+    store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
+    service = QuotaService(config, store, metrics, api)
+    await service.probe()
+    store.start()
+    return service

@@ -1,0 +1,68 @@
+"""``fracgpu quota``: the view from a quota file and from the fake API server."""
+
+import argparse
+import asyncio
+from pathlib import Path
+
+import pytest
+import yaml
+
+from quota.cli import add_parser, render
+from quota.model import GPUQuota
+from quota.offline import review_pods
+from tests.fakes.apiserver import FakeApiServer
+from tests.quota_pods import gpu_pod, gpu_quota
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser
+
+
+def test_file_view(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "q.yaml"
+    quota = gpu_quota(gpu="4", gpumem="64Gi", models={"A100": {"gpu": 2}})
+    quota["status"] = {"used": {"core": 150, "memoryMiB": 8192, "pods": 2}}
+    path.write_text(yaml.safe_dump(quota))
+    args = _parser().parse_args(["quota", "--file", str(path), "-n", "team-a"])
+    assert args.run(args) == 0
+    out = capsys.readouterr().out
+    assert "CARDS USED/LIMIT" in out
+    assert "1.50/4.00" in out
+    assert "8192/65536" in out
+    assert "model A100" in out
+    missing = _parser().parse_args(["quota", "--file", str(tmp_path / "none.yaml")])
+    assert missing.run(missing) == 1
+
+
+def test_render_lists_pods_and_pending() -> None:
+    quota = GPUQuota(gpu_quota(gpu=2))
+    pods = [gpu_pod("train", 100, 8), gpu_pod("done", 50, 4)]
+    pods[1]["status"] = {"phase": "Succeeded"}
+    out = render([quota], {"team-a": pods})
+    assert "  train  1.00 card, 2048 MiB" in out
+    assert "done" not in out
+    assert render([], {}) == "No GPUQuotas found.\n"
+
+
+async def test_cluster_view(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    async with FakeApiServer(namespaces=("default", "team-a")) as fake:
+        fake.put(gpu_quota(gpu=2))
+        fake.put(gpu_pod("train", 100, 8))
+        kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+        args = _parser().parse_args(["quota", "-A", "--kubeconfig", str(kubeconfig)])
+        code = await asyncio.to_thread(args.run, args)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "team-a" in out
+    assert "  train  1.00 card, 2048 MiB" in out
+
+
+def test_offline_decisions_feed_the_view(tmp_path: Path) -> None:
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(gpu_quota(gpu=1)))
+    assert [d.allowed for d in review_pods(path, [gpu_pod("a", 60), gpu_pod("b", 60)])] == [
+        True,
+        False,
+    ]

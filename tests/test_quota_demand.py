@@ -1,0 +1,54 @@
+"""Pod demand as Kubernetes computes pod requests (init containers, sidecars), and terminality."""
+
+from datetime import UTC, datetime, timedelta
+
+from quota.demand import Demand, is_terminal, pod_demand
+from tests.quota_pods import container, gpu_pod, plain_pod
+from webhook.inventory import PRODUCT_LABEL
+
+
+def test_sum_of_app_containers() -> None:
+    pod = gpu_pod("p", 30, 10)
+    pod["spec"]["containers"].append(container("b", 20, 6))
+    assert pod_demand(pod) == Demand(50, 16 * 256)
+
+
+def test_largest_init_container_wins_when_larger() -> None:
+    pod = gpu_pod("p", 30, 10, init=[container("i1", 100, 80), container("i2", 20, 2)])
+    assert pod_demand(pod) == Demand(100, 80 * 256)
+
+
+def test_sidecars_count_with_app_and_before_later_inits() -> None:
+    sidecar = container("side", 10, 4, restartPolicy="Always")
+    later = container("later", 50, 8)
+    pod = gpu_pod("p", 30, 10, init=[sidecar, later])
+    # app + sidecar = 40 core, 14 blocks; sidecar + later init = 60 core, 12 blocks.
+    assert pod_demand(pod) == Demand(60, 14 * 256)
+
+
+def test_no_gpu_is_none() -> None:
+    assert pod_demand(plain_pod("p")) is None
+    assert pod_demand({"spec": "odd"}) is None
+
+
+def test_pinned_model() -> None:
+    pod = gpu_pod("p", node_selector={PRODUCT_LABEL: "A100"})
+    demand = pod_demand(pod)
+    assert demand is not None
+    assert demand.models == frozenset({"A100"})
+    assert demand.on("A100")
+    assert not demand.on("T4")
+    assert Demand(1, 256).on("T4")  # unpinned: may land anywhere
+
+
+def test_terminal() -> None:
+    pod = gpu_pod("p")
+    assert not is_terminal(pod)
+    pod["status"] = {"phase": "Succeeded"}
+    assert is_terminal(pod)
+    pod["status"] = {"phase": "Running"}
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    pod["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    pod["metadata"]["deletionGracePeriodSeconds"] = 30
+    assert not is_terminal(pod, at + timedelta(seconds=29))
+    assert is_terminal(pod, at + timedelta(seconds=31))

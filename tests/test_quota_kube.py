@@ -1,0 +1,293 @@
+"""GPU quota in Kubernetes mode: the real kubernetes-asyncio client against the fake API server.
+
+Admission reviews go over real HTTP to two webhook replicas (two apps, two clients, no shared
+cache); GPUQuota status and pods live in the fake, which enforces resourceVersion CAS.
+"""
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from quota.config import LeaderElection, QuotaConfig
+from quota.controller import UsageController
+from quota.leader import LeaderElector
+from quota.service import QuotaService, open_quota
+from tests.fakes.apiserver import FakeApiServer
+from tests.quota_pods import gpu_pod, gpu_quota, plain_pod, review
+from webhook.server import build_app
+
+NAMESPACES = ("default", "team-a", "team-b", "fracgpu-system")
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeApiServer]:
+    async with FakeApiServer(namespaces=NAMESPACES) as server:
+        yield server
+
+
+async def _service(stack: AsyncExitStack, fake: FakeApiServer, **config: Any) -> QuotaService:
+    api = await stack.enter_async_context(fake.api_client())
+    service = await open_quota(QuotaConfig(**config), api)
+    stack.push_async_callback(service.close)
+    return service
+
+
+async def _replica(stack: AsyncExitStack, fake: FakeApiServer, **config: Any) -> str:
+    """One webhook replica over HTTP; its URL."""
+    service = await _service(stack, fake, **config)
+    server = TestServer(build_app({"/validate": service.reviewer}))
+    await server.start_server()
+    stack.push_async_callback(server.close)
+    return str(server.make_url("/validate"))
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, request: dict[str, Any]
+) -> dict[str, Any]:
+    body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": request}
+    async with session.post(url, json=body) as response:
+        assert response.status == 200
+        result: dict[str, Any] = (await response.json())["response"]
+        return result
+
+
+def _status(fake: FakeApiServer, name: str = "team-a") -> dict[str, Any]:
+    obj = fake.get("gpuquotas", name, "team-a")
+    assert obj is not None
+    status: dict[str, Any] = obj.get("status") or {}
+    return status
+
+
+async def _eventually(check: Callable[[], bool], within_s: float = 5.0) -> None:
+    """Poll a condition on state that other tasks change (cache, fake, metrics)."""
+    async with asyncio.timeout(within_s):
+        while not check():  # noqa: ASYNC110 - the state has no event to wait on
+            await asyncio.sleep(0.02)
+
+
+async def _synced_controller(
+    stack: AsyncExitStack, fake: FakeApiServer, **kwargs: Any
+) -> UsageController:
+    service = await _service(stack, fake)
+    controller = service.controller()
+    for key, value in kwargs.items():
+        setattr(controller, key, value)
+    controller.pods.start()
+    stack.push_async_callback(controller.pods.stop)
+    await controller.pods.wait_synced(5)
+    return controller
+
+
+async def _cache_has(controller: UsageController, pods: list[dict[str, Any]]) -> None:
+    names = {p["metadata"]["name"] for p in pods}
+    await _eventually(
+        lambda: names <= {o["metadata"]["name"] for o in controller.pods.objects("team-a")}
+    )
+
+
+async def test_two_replicas_200_concurrent_creates_never_over_admit(fake: FakeApiServer) -> None:
+    fake.put(gpu_quota(gpu="4.5", gpumem="64Gi"))
+    async with AsyncExitStack() as stack:
+        urls = [await _replica(stack, fake), await _replica(stack, fake)]
+        session = await stack.enter_async_context(aiohttp.ClientSession())
+        pods = [gpu_pod(f"p{i}", 30, 16) for i in range(200)]
+        answers = await asyncio.gather(
+            *(_post(session, urls[i % 2], review(pod)) for i, pod in enumerate(pods))
+        )
+        admitted = [pod for pod, a in zip(pods, answers, strict=True) if a["allowed"]]
+        assert len(admitted) == 15  # 15 x 0.30 = 4.50 cards
+        denied = [a["status"]["message"] for a in answers if not a["allowed"]]
+        assert all(m.startswith('GPU quota exceeded in namespace "team-a"') for m in denied)
+        status = _status(fake)
+        assert sorted(status["reservations"]) == sorted(p["metadata"]["uid"] for p in admitted)
+        assert status["reserved"]["core"] == 450
+        # The pods are persisted; the controller turns reservations into counted usage.
+        for pod in admitted:
+            fake.put(pod)
+        controller = await _synced_controller(stack, fake)
+        await _cache_has(controller, admitted)
+        await controller.reconcile_all()
+        status = _status(fake)
+        assert status["used"]["core"] == 450
+        assert status["used"]["cards"] == "4.50"
+        assert status["reservations"] == {}
+        assert status["hard"] == {"cards": "4.50", "memoryMiB": 65536}
+        # Still full: the next pod is denied with the counted usage.
+        answer = await _post(session, urls[0], review(gpu_pod("late", 30, 16)))
+        assert not answer["allowed"]
+        assert "allows 4.50 cards (4.50 used)" in answer["status"]["message"]
+
+
+async def test_conflict_storm(fake: FakeApiServer) -> None:
+    fake.put(gpu_quota(gpu=4))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, max_attempts=8)
+        fake.fail_writes("gpuquotas", "team-a", "team-a", times=5)
+        response = await service.reviewer(_request(gpu_pod("a", 50, 4)))
+        assert response.allowed
+        assert service.metrics.conflicts.labels("admission")._value.get() == 5
+        fake.fail_writes("gpuquotas", "team-a", "team-a", times=50)
+        response = await service.reviewer(_request(gpu_pod("b", 50, 4)))
+        assert not response.allowed
+        assert response.status is not None
+        assert 'GPU quota could not be verified in namespace "team-a"' in response.status.message
+        assert "changed 8 times" in response.status.message
+        assert len(_status(fake)["reservations"]) == 1  # only pod "a" holds a reservation
+
+
+def _request(pod: dict[str, Any], **kwargs: Any) -> Any:
+    from webhook.admission import AdmissionRequest
+
+    return AdmissionRequest.model_validate(review(pod, **kwargs))
+
+
+async def test_dry_run_reserves_nothing(fake: FakeApiServer) -> None:
+    fake.put(gpu_quota(gpu=1))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake)
+        version = fake.get("gpuquotas", "team-a", "team-a")["metadata"]["resourceVersion"]
+        assert (await service.reviewer(_request(gpu_pod("a", 100, 4), dry_run=True))).allowed
+        denied = await service.reviewer(_request(gpu_pod("b", 200, 4), dry_run=True))
+        assert not denied.allowed
+        after = fake.get("gpuquotas", "team-a", "team-a")
+        assert after is not None
+        assert after["metadata"]["resourceVersion"] == version
+        assert not after.get("status")
+
+
+@pytest.mark.parametrize("mode", ["503", "drop", "slow"])
+async def test_api_server_down_or_slow(fake: FakeApiServer, mode: str) -> None:
+    fake.put(gpu_quota(gpu=4))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, timeout_s=0.5, request_timeout_s=0.3)
+        if mode == "slow":
+            fake.latency = 2.0
+        else:
+            fake.down(mode)
+        gpu = await service.reviewer(_request(gpu_pod("a", 50, 4)))
+        assert not gpu.allowed
+        assert gpu.status is not None
+        message = gpu.status.message
+        assert message.startswith('GPU quota could not be verified in namespace "team-a": ')
+        assert "GPU pods are never admitted unaccounted" in message
+        assert (await service.reviewer(_request(plain_pod("cpu")))).allowed
+        fake.latency = 0.0
+        fake.up()
+
+
+async def test_restart_recomputes_identical_usage_and_terminal_pods_release(
+    fake: FakeApiServer,
+) -> None:
+    fake.put(gpu_quota(gpu=8, gpumem="64Gi", pods=10))
+    pods = [gpu_pod(f"p{i}", 50, 8) for i in range(4)]
+    done = gpu_pod("done", 100, 4)
+    done["status"] = {"phase": "Succeeded"}
+    for pod in [*pods, done, plain_pod("cpu")]:
+        fake.put(pod)
+    async with AsyncExitStack() as stack:
+        first = await _synced_controller(stack, fake)
+        await first.reconcile_all()
+        used = _status(fake)["used"]
+        assert (used["core"], used["memoryMiB"], used["pods"]) == (200, 4 * 8 * 256, 4)
+        # A fresh controller (restart) on a quota whose status was lost counts the same.
+        fake.put(gpu_quota(gpu=8, gpumem="64Gi", pods=10))
+        second = await _synced_controller(stack, fake)
+        await second.reconcile_all()
+        assert _status(fake)["used"] == used
+        # A pod that finishes, and one that is deleted, release their share.
+        finished = dict(pods[0], status={"phase": "Failed"})
+        fake.put(finished)
+        fake.remove("pods", "p1", "team-a")
+        await _eventually(lambda: len(second.pods.objects("team-a")) == 5)
+        await _eventually(lambda: second.pods.get("p0", "team-a")["status"]["phase"] == "Failed")
+        await second.reconcile_all()
+        assert _status(fake)["used"]["core"] == 100
+        assert _status(fake)["used"]["pods"] == 2
+
+
+async def test_reservations_of_pods_never_persisted_expire(fake: FakeApiServer) -> None:
+    fake.put(gpu_quota(gpu=1))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, reservation_grace_s=0.05)
+        ghost, real = gpu_pod("ghost", 40, 4), gpu_pod("real", 40, 4)
+        for pod in (ghost, real):
+            assert (await service.reviewer(_request(pod))).allowed
+        fake.put(real)  # persisted, but the controller's cache has not seen it yet
+        await asyncio.sleep(0.1)
+        unsynced = service.controller()  # informer not started: an empty (lagging) cache
+        await unsynced.reconcile_all()
+        reservations = _status(fake)["reservations"]
+        assert list(reservations) == [real["metadata"]["uid"]]  # the real pod is never uncounted
+        assert unsynced.metrics.released.labels("expired")._value.get() == 1
+        # Room again for the ghost's share.
+        assert (await service.reviewer(_request(gpu_pod("next", 40, 4)))).allowed
+
+
+async def test_controller_follows_pods_under_leader_election(fake: FakeApiServer) -> None:
+    fake.put(gpu_quota(gpu=4))
+    election = {
+        "lease_duration_s": 1.0,
+        "renew_interval_s": 0.2,
+        "lease_namespace": "fracgpu-system",
+    }
+    async with AsyncExitStack() as stack:
+        a = await _service(stack, fake, leader_election={**election, "identity": "a"})
+        b = await _service(stack, fake, leader_election={**election, "identity": "b"})
+        runs = [asyncio.create_task(s.run()) for s in (a, b)]
+        try:
+            await _eventually(
+                lambda: a.metrics.leader._value.get() + b.metrics.leader._value.get() == 1
+            )
+            fake.put(gpu_pod("p", 70, 4))
+            await _eventually(lambda: _status(fake).get("used", {}).get("core") == 70)
+            leader = fake.get("leases", "fracgpu-quota-controller", "fracgpu-system")
+            assert leader is not None
+            holder = leader["spec"]["holderIdentity"]
+            # The leader goes away; the other replica takes over within the lease duration.
+            index = 0 if holder == "a" else 1
+            runs[index].cancel()
+            await asyncio.gather(runs[index], return_exceptions=True)
+            other = (a, b)[1 - index]
+            await _eventually(lambda: other.metrics.leader._value.get() == 1, within_s=5)
+            fake.put(gpu_pod("q", 30, 4))
+            await _eventually(lambda: _status(fake).get("used", {}).get("core") == 100)
+        finally:
+            for run in runs:
+                run.cancel()
+            await asyncio.gather(*runs, return_exceptions=True)
+
+
+async def test_leader_election_exclusive(fake: FakeApiServer) -> None:
+    async with fake.api_client() as api:
+        config = LeaderElection(
+            lease_duration_s=1.0, renew_interval_s=0.2, lease_namespace="fracgpu-system"
+        )
+        running: list[str] = []
+
+        def work(name: str) -> Callable[[], Awaitable[None]]:
+            async def body() -> None:
+                running.append(name)
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    running.remove(name)
+
+            return body
+
+        electors = [
+            LeaderElector(api, config.model_copy(update={"identity": n})) for n in ("x", "y", "z")
+        ]
+        tasks = [asyncio.create_task(e.run(work(e.identity))) for e in electors]
+        try:
+            await _eventually(lambda: len(running) == 1)
+            await asyncio.sleep(1.5)  # several renewals: still exactly one
+            assert len(running) == 1
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
