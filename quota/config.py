@@ -21,7 +21,7 @@ class LeaderElection(BaseModel):
     lease_name: str = "fracgpu-quota-controller"
     lease_namespace: str | None = Field(
         default=None,
-        description="Default: $POD_NAMESPACE (downward API), else fracgpu-system.",
+        description="Default: $POD_NAMESPACE (downward API), else fracgpu.",
     )
     identity: str | None = Field(default=None, description="Default: $POD_NAME or hostname.")
     lease_duration_s: float = Field(
@@ -42,7 +42,7 @@ class LeaderElection(BaseModel):
         return self
 
     def namespace(self) -> str:
-        return self.lease_namespace or os.environ.get("POD_NAMESPACE") or "fracgpu-system"
+        return self.lease_namespace or os.environ.get("POD_NAMESPACE") or "fracgpu"
 
     def holder(self) -> str:
         return (

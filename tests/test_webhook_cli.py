@@ -132,3 +132,21 @@ def test_bad_config_names_the_key(capsys: pytest.CaptureFixture[str], tmp_path: 
     status, _, err = run(capsys, "review", "--config", str(config), "-")
     assert status == 2
     assert "admission: schedulerName: Extra inputs are not permitted" in err
+
+
+def test_review_with_quota_file(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    quota = tmp_path / "quota.yaml"
+    quota.write_text(
+        "apiVersion: fracgpu.io/v1\nkind: GPUQuota\nmetadata: {name: team-a, namespace: team-a}\n"
+        'spec: {gpu: "0.5", gpumem: 16Gi}\n'
+    )
+    pod = str(EXAMPLES / "pod-fraction.yaml")
+    status, out, _ = run(capsys, "review", "-o", "json", "--quota", str(quota), pod, pod)
+    assert status == 1
+    first, second = json.loads(out)
+    assert first["allowed"] is True
+    assert second["allowed"] is False
+    assert second["message"] == (
+        'GPU quota exceeded in namespace "team-a": this pod asks 0.30 card and 8192 MiB; '
+        'quota "team-a" allows 0.50 card (0.30 used) and 16384 MiB (8192 used)'
+    )

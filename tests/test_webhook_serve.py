@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import json
 import ssl
 from pathlib import Path
 
 import aiohttp
+import jsonpatch
 
 from certs.config import CertsConfig
 from tests.fakes.apiserver import FakeApiServer
@@ -30,7 +32,16 @@ def free_port() -> int:
 
 async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> None:
     async with FakeApiServer() as fake:
-        fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "fracgpu"}})
+        for ns in ("fracgpu", "team-a"):
+            fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        fake.put(
+            {
+                "apiVersion": "fracgpu.io/v1",
+                "kind": "GPUQuota",
+                "metadata": {"name": "team-a", "namespace": "team-a"},
+                "spec": {"gpu": "0.25"},
+            }
+        )
         fake.put(
             {
                 "apiVersion": "v1",
@@ -87,8 +98,22 @@ async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> N
             ]
             async with http.post(url + "/mutate", json=review) as resp:
                 reply = await resp.json()
-        patch = json.loads(base64.b64decode(reply["response"]["patch"]))
-        # 0.3 of an L4 (the only model the nodes report): floor(89 * 30 / 100) blocks.
-        assert patch[0]["value"]["limits"] == {"fracgpu.io/core": "30", "fracgpu.io/memory": "26"}
+            patch = json.loads(base64.b64decode(reply["response"]["patch"]))
+            # 0.3 of an L4 (the only model the nodes report): floor(89 * 30 / 100) blocks.
+            assert patch[0]["value"]["limits"] == {
+                "fracgpu.io/core": "30",
+                "fracgpu.io/memory": "26",
+            }
+            # The validating side sees the mutated pod and checks it against the GPUQuota.
+            validate = copy.deepcopy(review)
+            pod = jsonpatch.apply_patch(review["request"]["object"], patch)
+            pod["metadata"]["uid"] = "pod-uid-1"
+            validate["request"]["object"] = pod
+            async with http.post(url + "/validate", json=validate) as resp:
+                verdict = (await resp.json())["response"]
+        assert verdict["allowed"] is False
+        assert verdict["status"]["message"].startswith(
+            'GPU quota exceeded in namespace "team-a": this pod asks 0.30 card'
+        )
         stop.set()
         assert await asyncio.wait_for(server, 10) == 0

@@ -20,10 +20,17 @@ from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
 from webhook.resources import OPTIONAL_DIALECTS, Dialect
-from webhook.review import ManifestError, read_manifests, render_json, render_text, review_object
+from webhook.review import (
+    ManifestError,
+    apply_quota,
+    read_manifests,
+    render_json,
+    render_text,
+    review_object,
+)
 
 # Packages that contribute subcommands, in the order `fracgpu --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("certs.cli",)
+SUBCOMMAND_MODULES: tuple[str, ...] = ("quota.cli", "certs.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +79,12 @@ def _add_review(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("files", nargs="+", metavar="FILE")
     p.add_argument("-o", "--output", choices=["text", "json"], default="text")
     p.add_argument("--config", type=Path, help="the same YAML configuration `serve` reads")
+    p.add_argument(
+        "--quota",
+        type=Path,
+        metavar="FILE",
+        help="GPUQuota objects (YAML); pods are also checked against them, in order",
+    )
     _add_admission_flags(p)
     p.set_defaults(run=_run_review)
 
@@ -123,6 +136,8 @@ def _run_review(args: argparse.Namespace) -> int:
     config = admission_config(args)
     mutator = Mutator(config, Inventory(config.inventory.models))
     decisions = [review_object(mutator, src, obj) for src, obj in read_manifests(args.files)]
+    if args.quota is not None:
+        apply_quota(decisions, args.quota)
     (render_json if args.output == "json" else render_text)(decisions, sys.stdout)
     return 0 if all(d.allowed for d in decisions) else 1
 

@@ -92,6 +92,26 @@ def review_object(mutator: Mutator, source: str, obj: Any) -> Decision:
     )
 
 
+def apply_quota(decisions: list[Decision], quota_file: Path) -> None:
+    """Check the admitted Pods against GPUQuotas from a file, in order, as the server would.
+
+    Workloads are not charged: their pods are, when they are created.
+    """
+    from quota.model import QuotaError
+    from quota.offline import review_pods
+
+    admitted = [d for d in decisions if d.allowed and d.kind == "Pod" and d.object is not None]
+    try:
+        verdicts = review_pods(quota_file, [d.object for d in admitted if d.object is not None])
+    except (OSError, QuotaError) as exc:
+        raise ManifestError(str(exc)) from None
+    for decision, verdict in zip(admitted, verdicts, strict=True):
+        if not verdict.allowed:
+            decision.allowed = False
+            decision.message = verdict.message
+            decision.object = None
+
+
 def render_text(decisions: list[Decision], out: TextIO) -> None:
     """Mutated objects as YAML (ready for ``kubectl apply -f -``), decisions as comments."""
     for d in decisions:

@@ -25,6 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import open_serving
+from quota.config import QuotaConfig
+from quota.service import open_quota
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.kube import kube_client
@@ -44,6 +46,7 @@ class ServeConfig(BaseModel):
     server: ServerConfig = Field(default_factory=ServerConfig)
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     certs: CertsConfig = Field(default_factory=CertsConfig)
+    quota: QuotaConfig = Field(default_factory=QuotaConfig)
     kubeconfig: Path | None = None
     shutdown_delay_seconds: float = Field(
         3.0,
@@ -70,8 +73,13 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
             if v is not None
         }
     )
+    quota = config.quota
+    if args.standalone and quota.mode == "kubernetes":
+        # No cluster: GPUQuotas come from quota.file, if one is configured.
+        quota = quota.model_copy(update={"mode": "embedded"})
     return config.model_copy(
         update={
+            "quota": quota,
             "admission": admission,
             "server": server,
             "kubeconfig": args.kubeconfig or config.kubeconfig,
@@ -108,6 +116,11 @@ async def run_server(
         stack.push_async_callback(certificates.close)
         waiting["serving certificate"] = certificates.ready
         background: list[Awaitable[Any]] = [certificates.run()]
+        quota = await open_quota(config.quota, api, registry=registry)
+        stack.push_async_callback(quota.close)
+        reviewers["/validate"] = quota.reviewer
+        background.append(quota.run())
+        waiting["GPU quota"] = lambda: quota.ready() is None
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory)
             await stack.enter_async_context(informer)
