@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from certs.rotation import Request
 from certs.serving import ServingCertificates, open_serving
 from certs.sources import ManagedSource
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from tests.support import eventually
 from tests.test_certs_inject import webhook_configuration
 
 NS = "fracgpu"
@@ -33,14 +34,6 @@ CONFIG = CertsConfig(
 async def fake() -> AsyncIterator[FakeApiServer]:
     async with FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, NS), bookmark_interval=0.2) as f:
         yield f
-
-
-async def eventually(check: Callable[[], bool], within_s: float = 10.0) -> None:
-    async with asyncio.timeout(within_s):
-        while True:
-            if check():
-                return
-            await asyncio.sleep(0.02)
 
 
 def injected(fake: FakeApiServer, plural: str) -> set[bytes]:

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
-from kubernetes_asyncio import config as kube_config
 from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.inject import CaBundleInjector, with_bundle
 from certs.metrics import CertsMetrics
 from tests.fakes.apiserver import FakeApiServer
+from tests.support import eventually
 
 CONFIG = CertsConfig(
     mode="secret",
@@ -51,28 +49,6 @@ def bundles(fake: FakeApiServer, plural: str, name: str) -> list[bytes | None]:
         base64.b64decode(w["clientConfig"]["caBundle"]) if "caBundle" in w["clientConfig"] else None
         for w in obj["webhooks"]
     ]
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeApiServer]:
-    async with FakeApiServer(bookmark_interval=0.2) as server:
-        yield server
-
-
-@pytest.fixture
-async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[Any]:
-    path = fake.kubeconfig(tmp_path / "kubeconfig")
-    client = await kube_config.new_client_from_config(config_file=str(path), persist_config=False)
-    async with client:
-        yield client
-
-
-async def eventually(check: Callable[[], bool], within_s: float = 5.0) -> None:
-    async with asyncio.timeout(within_s):
-        while True:
-            if check():
-                return
-            await asyncio.sleep(0.02)
 
 
 def test_with_bundle_changes_only_the_ca_bundle() -> None:

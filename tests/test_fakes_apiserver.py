@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +20,6 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from tests.fakes.apiserver import FakeApiServer
 
 NS = "default"
-
-
-@pytest.fixture
-async def fake() -> AsyncIterator[FakeApiServer]:
-    async with FakeApiServer(bookmark_interval=0.2) as server:
-        yield server
-
-
-@pytest.fixture
-async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[Any]:
-    path = fake.kubeconfig(tmp_path / "kubeconfig")
-    api_client = await config.new_client_from_config(config_file=str(path), persist_config=False)
-    async with api_client:
-        yield api_client
 
 
 @pytest.fixture

@@ -4,7 +4,6 @@ and what the hook must not disturb in programs that never touch a GPU."""
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 
@@ -15,14 +14,6 @@ from tests.fakes.native_kit import (
     release_kit,
     sanitized_kit,
 )
-
-
-@pytest.fixture
-def kit() -> Iterator[Kit]:
-    k = sanitized_kit()
-    k.reset()
-    yield k
-    k.reset()
 
 
 @pytest.mark.parametrize("mode", ["proc", "proc-ptds", "proc-v1", "dlsym", "direct"])

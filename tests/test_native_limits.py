@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -25,14 +24,6 @@ from tests.fakes.native_kit import (
 )
 
 CARD = 16384 * MIB  # the fake card's size
-
-
-@pytest.fixture
-def kit() -> Iterator[Kit]:
-    k = sanitized_kit()
-    k.reset()
-    yield k
-    k.reset()
 
 
 def c_reads(kit: Kit, path: Path) -> tuple[int, str]:

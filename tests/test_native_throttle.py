@@ -10,23 +10,13 @@ target)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 
-from tests.fakes.native_kit import CUDA_SUCCESS, MIB, Kit, sanitized_kit
+from tests.fakes.native_kit import CUDA_SUCCESS, MIB, Kit
 
 KERNEL_US = 1000
 WINDOW_MS = 3000
 TOLERANCE = 0.08
-
-
-@pytest.fixture
-def kit() -> Iterator[Kit]:
-    k = sanitized_kit()
-    k.reset()
-    yield k
-    k.reset()
 
 
 def busy_fraction(kit: Kit, kind: str, percent: int | None) -> float:
