@@ -107,8 +107,10 @@ def test_hook_is_built_and_lands_where_the_device_plugin_installs_it_from() -> N
     assert f"cp {HOOK_IN_IMAGE} " in script
     # The node directory is the contract's host root; the preload file names the library at the
     # path the device plugin mounts it to inside GPU containers.
-    assert f"dir={contract.HOST_ROOT}/lib" in script
+    assert f"root={contract.HOST_ROOT}\n" in script
+    assert '"$root/lib/libfracgpu.so"' in script, "where the device plugin mounts the hook from"
     assert f"printf '%s\\n' {contract.CONTAINER_HOOK_LIBRARY} > " in script
+    assert '"$root/ld.so.preload"' in script, "where the device plugin mounts ld.so.preload from"
     assert init["image"] == daemonset["spec"]["template"]["spec"]["containers"][0]["image"]
     (mount,) = init["volumeMounts"]
     (volume,) = [
