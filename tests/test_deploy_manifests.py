@@ -206,6 +206,17 @@ def test_certs_section_is_accepted_by_the_certs_component(overlay: str) -> None:
         assert not certs.injects, "cert-manager's cainjector owns caBundle in this overlay"
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_quota_section_is_accepted_and_decides_within_the_webhook_timeout(overlay: str) -> None:
+    quota_config = pytest.importorskip(
+        "quota.config", reason="quota.config is not in this tree yet (branch quota)"
+    )
+    objs = render(overlay)
+    quota = quota_config.QuotaConfig.model_validate(config_of(objs)["quota"])
+    (vwc,) = of_kind(objs, "ValidatingWebhookConfiguration")
+    assert quota.timeout_s < vwc["webhooks"][0]["timeoutSeconds"]
+
+
 def _without(config: dict[str, Any], *paths: tuple[str, ...]) -> dict[str, Any]:
     out = copy.deepcopy(config)
     for path in paths:
