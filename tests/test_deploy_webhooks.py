@@ -217,7 +217,7 @@ def wrap(pod_obj: Obj, kind: str) -> Obj:
 
 
 ALWAYS = sorted(input_resources(enabled([])))
-DIALECT_ONLY = sorted(input_resources(OPTIONAL_DIALECTS))
+DIALECT_ONLY = sorted(input_resources(OPTIONAL_DIALECTS) - input_resources(enabled([])))
 
 
 def test_sample_resources_are_the_webhooks_own() -> None:

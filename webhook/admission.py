@@ -101,12 +101,15 @@ class AdmissionResponse(_Wire):
         encoded = None
         if patch:
             encoded = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode()
-        return cls(
+        # Built from values we made ourselves: skip validation on the admission hot path.
+        return cls.model_construct(
             uid=uid,
             allowed=True,
+            status=None,
             patch=encoded,
             patch_type="JSONPatch" if encoded else None,
             warnings=warnings or None,
+            audit_annotations=None,
             label=label or ("mutated" if encoded else "unchanged"),
         )
 

@@ -55,6 +55,9 @@ class AdmissionConfig(_Section):
         default_factory=dict, description="extra variables for GPU containers, if unset"
     )
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
+    allow_privileged: bool = Field(
+        False, description="admit privileged containers in GPU pods (they see every GPU)"
+    )
 
     @field_validator("dialects")
     @classmethod

@@ -130,7 +130,7 @@ def pinned_products(pod_spec: Mapping[str, Any]) -> tuple[str, frozenset[str]] |
     only if every term pins.
     """
     selector = pod_spec.get("nodeSelector") or {}
-    if isinstance(selector, Mapping):
+    if isinstance(selector, dict):
         for key in PRODUCT_LABELS:
             value = selector.get(key)
             if isinstance(value, str) and value:
@@ -150,7 +150,7 @@ def pinned_products(pod_spec: Mapping[str, Any]) -> tuple[str, frozenset[str]] |
         term_pin = None
         exprs = _dig(term, "matchExpressions")
         for expr in exprs if isinstance(exprs, list) else []:
-            if not isinstance(expr, Mapping):
+            if not isinstance(expr, dict):
                 continue
             if expr.get("key") in PRODUCT_LABELS and expr.get("operator") == "In":
                 raw = expr.get("values")
@@ -169,7 +169,7 @@ def pinned_products(pod_spec: Mapping[str, Any]) -> tuple[str, frozenset[str]] |
 def _dig(obj: object, *keys: str) -> object:
     """Walk nested maps of an untrusted object; None as soon as a level is missing or odd."""
     for key in keys:
-        if not isinstance(obj, Mapping):
+        if not isinstance(obj, dict):
             return None
         obj = obj.get(key)
     return obj

@@ -51,11 +51,13 @@ DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kube
 
 def escape(token: str) -> str:
     """RFC 6901 escaping for one JSON Pointer token (``fracgpu.io/request`` → ``…~1request``)."""
-    return token.replace("~", "~0").replace("/", "~1")
+    if "~" in token or "/" in token:
+        return token.replace("~", "~0").replace("/", "~1")
+    return token
 
 
 def pointer(*tokens: str | int) -> str:
-    return "".join(f"/{escape(str(t))}" for t in tokens)
+    return "/" + "/".join(escape(t) if isinstance(t, str) else str(t) for t in tokens)
 
 
 Located = tuple[str, int, Mapping[str, Any], ContainerResult]  # list, index, container, result
@@ -117,8 +119,8 @@ class Mutator:
             return Outcome()
         template: Any = obj
         for token in path:
-            template = template.get(token) if isinstance(template, Mapping) else None
-        if not isinstance(template, Mapping):
+            template = template.get(token) if isinstance(template, dict) else None
+        if not isinstance(template, dict):
             return Outcome()
         return self.mutate_pod(template, path)
 
@@ -126,10 +128,10 @@ class Mutator:
         """Mutate a Pod, or a pod template found at ``base`` inside its object."""
         outcome = Outcome()
         spec = pod.get("spec")
-        if not isinstance(spec, Mapping):
+        if not isinstance(spec, dict):
             return outcome
         raw_meta = pod.get("metadata")
-        meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, Mapping) else {}
+        meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
         choice = self.inventory.choose(spec)
         results: list[Located] = []
         for list_name in CONTAINER_LISTS:
@@ -137,7 +139,7 @@ class Mutator:
             if not isinstance(containers, list):
                 continue
             for index, container in enumerate(containers):
-                if not isinstance(container, Mapping):
+                if not isinstance(container, dict):
                     continue
                 name = str(container.get("name") or f"{list_name}[{index}]")
                 result = normalise_container(
@@ -155,11 +157,11 @@ class Mutator:
             return outcome
         ops = outcome.patch
         for list_name, index, container, result in results:
-            where: tuple[str | int, ...] = (*base, "spec", list_name, index)
+            where = f"{pointer(*base) if base else ''}/spec/{list_name}/{index}"
             if result.mentions_gpu or result.grant is not None:
                 self._container_ops(ops, where, container, result)
         if outcome.gpu:
-            view = _Pod(base, spec, meta, isinstance(raw_meta, Mapping), results)
+            view = _Pod(base, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
         return outcome
 
@@ -177,7 +179,7 @@ class Mutator:
             granted = result.grant.env() if result.grant else {}
             env = container.get("env")
             for var in env if isinstance(env, list) else []:
-                if not isinstance(var, Mapping):
+                if not isinstance(var, dict):
                     continue
                 var_name, value = str(var.get("name") or ""), var.get("value")
                 literal = "valueFrom" not in var
@@ -198,9 +200,19 @@ class Mutator:
                     )
             if not gpu:
                 continue
+            security = container.get("securityContext")
+            if (
+                isinstance(security, dict)
+                and security.get("privileged") is True
+                and not self.config.allow_privileged
+            ):
+                problems.append(
+                    f"{who}: is privileged; a privileged container sees every GPU of the node and "
+                    f"escapes its share; remove securityContext.privileged from GPU pods"
+                )
             mounts = container.get("volumeMounts")
             for mount in mounts if isinstance(mounts, list) else []:
-                path = mount.get("mountPath") if isinstance(mount, Mapping) else None
+                path = mount.get("mountPath") if isinstance(mount, dict) else None
                 if isinstance(path, str) and _reserved(path):
                     problems.append(
                         f"{who}: volume mount at {path} covers a path the fracgpu "
@@ -210,8 +222,8 @@ class Mutator:
         if gpu:
             volumes = spec.get("volumes")
             for volume in volumes if isinstance(volumes, list) else []:
-                host = volume.get("hostPath") if isinstance(volume, Mapping) else None
-                path = host.get("path") if isinstance(host, Mapping) else None
+                host = volume.get("hostPath") if isinstance(volume, dict) else None
+                path = host.get("path") if isinstance(host, dict) else None
                 if isinstance(path, str) and _host_reserved(path):
                     vol = json.dumps(volume.get("name"))
                     problems.append(
@@ -219,7 +231,7 @@ class Mutator:
                         f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
                     )
             annotations = meta.get("annotations")
-            for key in annotations if isinstance(annotations, Mapping) else {}:
+            for key in annotations if isinstance(annotations, dict) else {}:
                 if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
                     problems.append(
                         f"annotation {key} is reserved for fracgpu and cannot be set on a GPU "
@@ -230,12 +242,12 @@ class Mutator:
     def _container_ops(
         self,
         ops: list[dict[str, Any]],
-        where: tuple[str | int, ...],
+        where: str,
         container: Mapping[str, Any],
         result: ContainerResult,
     ) -> None:
         resources = container.get("resources")
-        assert isinstance(resources, Mapping)  # it named a GPU resource
+        assert isinstance(resources, dict)  # it named a GPU resource
         wanted = result.grant.resources() if result.grant else {}
         new: dict[str, Any] = {
             k: v for k, v in resources.items() if k not in ("limits", "requests")
@@ -247,13 +259,13 @@ class Mutator:
             if merged or part == "limits":
                 new[part] = merged
         if new != resources:
-            ops.append({"op": "replace", "path": pointer(*where, "resources"), "value": new})
+            ops.append({"op": "replace", "path": f"{where}/resources", "value": new})
         if result.grant is None:
             return
         desired = {**result.grant.env(), **self.config.env}
         env = container.get("env")
         have = (
-            {str(v.get("name")) for v in env if isinstance(v, Mapping)}
+            {str(v.get("name")) for v in env if isinstance(v, dict)}
             if isinstance(env, list)
             else set()
         )
@@ -261,11 +273,9 @@ class Mutator:
         if not missing:
             return
         if not isinstance(env, list):
-            ops.append({"op": "add", "path": pointer(*where, "env"), "value": missing})
+            ops.append({"op": "add", "path": f"{where}/env", "value": missing})
         else:
-            ops.extend(
-                {"op": "add", "path": pointer(*where, "env", "-"), "value": v} for v in missing
-            )
+            ops.extend({"op": "add", "path": f"{where}/env/-", "value": v} for v in missing)
 
     def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
         base, spec = pod.base, pod.spec
@@ -298,7 +308,7 @@ class Mutator:
     def _annotation_op(ops: list[dict[str, Any]], pod: _Pod) -> None:
         base = pod.base
         annotations = pod.meta.get("annotations")
-        existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, Mapping) else None
+        existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, dict) else None
         asked = {r.name: r.request for *_, r in pod.results if r.grant is not None}
         already_canonical = all(set(req) <= set(CANONICAL) for req in asked.values())
         if existing is not None and already_canonical:
@@ -308,7 +318,7 @@ class Mutator:
             return
         if not pod.has_meta:
             ops.append({"op": "add", "path": pointer(*base, "metadata"), "value": {}})
-        if not isinstance(annotations, Mapping):
+        if not isinstance(annotations, dict):
             ops.append(
                 {"op": "add", "path": pointer(*base, "metadata", "annotations"), "value": {}}
             )
@@ -319,18 +329,20 @@ class Mutator:
 
 def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
     if not outcome.allowed:
-        return AdmissionResponse.deny(uid, outcome.message, reason="Invalid", label="invalid")
+        return AdmissionResponse.deny(
+            uid, outcome.message, code=422, reason="Invalid", label="invalid"
+        )
     label = "gpu" if outcome.gpu else ("stripped" if outcome.patch else "no-gpu")
     return AdmissionResponse.allow(uid, outcome.patch, outcome.warnings, label=label)
 
 
 def _reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip())
+    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
     return any(norm == p or norm.startswith(p + "/") for p in RESERVED_CONTAINER_PATHS)
 
 
 def _host_reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip())
+    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
     return (
         norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD)
         or norm == HOST_ROOT
@@ -341,7 +353,7 @@ def _host_reserved(path: str) -> bool:
 def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:
     """True when an existing toleration already tolerates the taint ``wanted`` is for."""
     for t in present:
-        if not isinstance(t, Mapping):
+        if not isinstance(t, dict):
             continue
         if t.get("operator") == "Exists" and not t.get("key") and not t.get("effect"):
             return True  # tolerates everything

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from functools import lru_cache
 from typing import Literal
 
 _BINARY = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60}
@@ -60,16 +61,18 @@ def parse_quantity(raw: object) -> Quantity:
     YAML turns ``0.3`` into a float and ``3000`` into an int; both are converted through their
     shortest decimal text so that ``0.3`` is exactly 3/10. Booleans are not quantities.
     """
-    if isinstance(raw, bool) or raw is None:
+    if isinstance(raw, bool) or not isinstance(raw, str | int | float):
         raise QuantityError(f"{raw!r} is not a quantity")
+    return _parse(raw)
+
+
+# Admission parses the same few spellings ("300m", "8Gi") over and over; ``typed`` keeps
+# 1 and 1.0 apart (their texts differ in what they may mean).
+@lru_cache(maxsize=4096, typed=True)
+def _parse(raw: str | int | float) -> Quantity:
     if isinstance(raw, int):
         return Quantity(Decimal(raw), "decimal")
-    if isinstance(raw, float):
-        text = repr(raw)
-    elif isinstance(raw, str):
-        text = raw.strip()
-    else:
-        raise QuantityError(f"{raw!r} is not a quantity")
+    text = repr(raw) if isinstance(raw, float) else raw.strip()
     match = _QUANTITY.match(text)
     if match is None:
         raise QuantityError(f"{text!r} is not a quantity")

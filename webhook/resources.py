@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from webhook.quantity import Quantity, QuantityError, format_decimal, parse_quantity
@@ -89,7 +90,10 @@ def card_blocks(memory_mib: int) -> int:
 
 def format_cards(core: int) -> str:
     """Hundredths of a card as a user writes cards: 30 → ``0.3``, 200 → ``2``."""
-    return format_decimal(Decimal(core) / CORE_PER_CARD)
+    whole, hundredths = divmod(core, CORE_PER_CARD)
+    if not hundredths:
+        return str(whole)
+    return f"{whole}.{hundredths:02d}".rstrip("0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +206,11 @@ class _Ask:
 
 def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
     """Every resource name the webhook rewrites, given the enabled dialects."""
+    return _input_resources(enabled(dialects))
+
+
+@lru_cache(maxsize=16)
+def _input_resources(dialects: tuple[Dialect, ...]) -> frozenset[str]:
     names: set[str] = set()
     for dialect in dialects:
         names.update(DIALECT_RESOURCES[dialect])
@@ -210,6 +219,11 @@ def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
 
 def enabled(dialects: Iterable[Dialect]) -> tuple[Dialect, ...]:
     """The dialects in force: ours and the canonical form always, plus the enabled ones."""
+    return _enabled(frozenset(dialects))
+
+
+@lru_cache(maxsize=16)
+def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
     chosen = {Dialect.FRACGPU, Dialect.CANONICAL, *dialects}
     return tuple(d for d in Dialect if d in chosen)
 
@@ -227,11 +241,11 @@ def normalise_container(
     """
     result = ContainerResult(name)
     active = enabled(dialects)
-    mine = input_resources(active)
-    resources = resources if isinstance(resources, Mapping) else {}
+    mine = _input_resources(active)
+    resources = resources if isinstance(resources, dict) else {}
     limits = resources.get("limits") or {}
     requests = resources.get("requests") or {}
-    if not isinstance(limits, Mapping) or not isinstance(requests, Mapping):
+    if not isinstance(limits, dict) or not isinstance(requests, dict):
         result.errors.append(f"{container_ref(name)}: resources.limits and requests must be maps")
         return result
     asked = {k: v for k, v in limits.items() if k in mine}

@@ -1,5 +1,15 @@
-"""Fixtures of the e2e suite. Every test here needs a real cluster: without FRACGPU_E2E_KUBECONFIG
-the whole directory is skipped, with the reason, so `make test` stays offline."""
+"""Scaffolding for the end-to-end suite: a real cluster, or a clear skip.
+
+Every test under tests/e2e runs against the cluster whose kubeconfig path is in
+FRACGPU_E2E_KUBECONFIG, and is reported as skipped (with the reason) when that variable is unset,
+so `make test` on a machine without a cluster stays green and says why. A variable that is set but
+points at a missing file is an error, not a skip: the operator asked for e2e and it cannot run.
+
+Fixtures: `e2e_kubeconfig` (the path), `kube_api` (a kubernetes-asyncio ApiClient for it, closed
+after the test) and `e2e_namespace` (a fresh namespace, deleted after the test). For the admission
+scenarios (docs/e2e.md): `kubectl`, `webhook` (a local `fracgpu serve` the API server calls by
+URL), `webhook_configurations` (deploy/'s, registered for it) and `namespace` (one they select).
+"""
 
 from __future__ import annotations
 
@@ -7,15 +17,15 @@ import os
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.e2e.harness import (
     ENV_BIND,
     ENV_HOST,
-    ENV_KUBECONFIG,
     RUN_LABEL,
     Kubectl,
     LocalWebhook,
@@ -23,31 +33,77 @@ from tests.e2e.harness import (
     registered,
     rendered_webhook_configurations,
 )
+from tests.e2e.scenarios import gpu_pod, manifest
+from webhook.kube import NAMESPACES, KubeError, call_json, kube_client
 
+E2E_ENV = "FRACGPU_E2E_KUBECONFIG"
+_HERE = Path(__file__).parent
 SKIP_REASON = (
-    f"e2e: set {ENV_KUBECONFIG} to the kubeconfig of a disposable cluster (kind, k3d, or any "
-    f"cluster whose API server can reach this machine) to run it; see docs/e2e.md"
+    f"e2e: needs a real cluster; set {E2E_ENV} to its kubeconfig path "
+    "(see docs/testing.md for kind, k3d or any cluster)"
 )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = Path(__file__).parent
+    """Mark everything collected under tests/e2e as `e2e` (this hook sees the whole session)."""
     for item in items:
-        if here in Path(str(item.path)).parents:
+        if _HERE in item.path.parents:
             item.add_marker(pytest.mark.e2e)
-            if not os.environ.get(ENV_KUBECONFIG):
-                item.add_marker(pytest.mark.skip(reason=SKIP_REASON))
+
+
+@pytest.fixture(autouse=True)
+def _require_cluster() -> None:
+    """Autouse in this directory only: skip with the reason when no cluster is configured."""
+    if not os.environ.get(E2E_ENV):
+        pytest.skip(SKIP_REASON)
+
+
+@pytest.fixture
+def e2e_kubeconfig() -> Path:
+    path = Path(os.environ[E2E_ENV]).expanduser()
+    if not path.is_file():
+        pytest.fail(f"{E2E_ENV}={str(path)!r} is not a file; point it at a kubeconfig")
+    return path
+
+
+@pytest.fixture
+async def kube_api(e2e_kubeconfig: Path) -> AsyncIterator[Any]:
+    async with kube_client(e2e_kubeconfig) as api:
+        yield api
+
+
+@pytest.fixture
+async def e2e_namespace(kube_api: Any) -> AsyncIterator[str]:
+    """A namespace of the test's own (labelled so leftovers can be found), deleted afterwards."""
+    name = f"fracgpu-e2e-{secrets.token_hex(3)}"
+    body = {"metadata": {"name": name, "labels": {"fracgpu.io/e2e": "true"}}}
+    await call_json(kube_api, "POST", NAMESPACES.path(), body=body)
+    try:
+        yield name
+    finally:
+        try:
+            await call_json(kube_api, "DELETE", NAMESPACES.path(name=name))
+        except KubeError as err:
+            if err.status != 404:
+                raise
+
+
+# --- admission scenarios (tests/e2e/test_e2e_admission.py, docs/e2e.md) -------------------------
+# A local `fracgpu serve` that the cluster's API server calls by URL, and the webhook
+# configurations of deploy/ registered for it, once per session.
 
 
 @pytest.fixture(scope="session")
 def kubectl() -> Kubectl:
-    kubeconfig = os.environ[ENV_KUBECONFIG]
-    if not Path(kubeconfig).is_file():
-        pytest.fail(f"{ENV_KUBECONFIG}={kubeconfig}: no such file")
+    if not os.environ.get(E2E_ENV):
+        pytest.skip(SKIP_REASON)
+    kubeconfig = Path(os.environ[E2E_ENV]).expanduser()
+    if not kubeconfig.is_file():
+        pytest.fail(f"{E2E_ENV}={str(kubeconfig)!r} is not a file; point it at a kubeconfig")
     binary = shutil.which("kubectl")
     if binary is None:
-        pytest.fail("the e2e suite drives the cluster with kubectl; put kubectl on PATH")
-    kube = Kubectl(kubeconfig, binary)
+        pytest.fail("the admission scenarios drive the cluster with kubectl; put it on PATH")
+    kube = Kubectl(str(kubeconfig), binary)
     kube.ok("version")
     return kube
 
@@ -63,9 +119,8 @@ def webhook(
 ) -> Iterator[LocalWebhook]:
     host = os.environ.get(ENV_HOST, "127.0.0.1")
     bind = os.environ.get(ENV_BIND, host if host in ("127.0.0.1", "::1") else "0.0.0.0")
-    local = LocalWebhook(
-        tmp_path_factory.mktemp(f"webhook-{run_id}"), host, bind, kubectl.kubeconfig
-    )
+    workdir = tmp_path_factory.mktemp(f"webhook-{run_id}")
+    local = LocalWebhook(workdir, host, bind, kubectl.kubeconfig)
     local.start()
     try:
         yield local
@@ -76,7 +131,7 @@ def webhook(
 @pytest.fixture(scope="session")
 def webhook_configurations(
     kubectl: Kubectl, webhook: LocalWebhook, run_id: str
-) -> Iterator[list[dict[str, object]]]:
+) -> Iterator[list[dict[str, Any]]]:
     objs = for_local_webhook(rendered_webhook_configurations(), run_id, webhook)
     with registered(kubectl, objs):
         yield objs
@@ -86,14 +141,9 @@ def webhook_configurations(
 def namespace(kubectl: Kubectl, run_id: str, webhook_configurations: object) -> Iterator[str]:
     """A fresh namespace that the run's webhook configurations select; deleted afterwards."""
     name = f"fracgpu-e2e-{run_id}-{secrets.token_hex(2)}"
+    labels = {RUN_LABEL: run_id, "fracgpu.io/e2e": "true"}
     kubectl.apply(
-        [
-            {
-                "apiVersion": "v1",
-                "kind": "Namespace",
-                "metadata": {"name": name, "labels": {RUN_LABEL: run_id}},
-            }
-        ]
+        [{"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name, "labels": labels}}]
     )
     wait_until_admission_sees(kubectl, name)
     try:
@@ -104,9 +154,7 @@ def namespace(kubectl: Kubectl, run_id: str, webhook_configurations: object) -> 
 
 def wait_until_admission_sees(kubectl: Kubectl, namespace: str, timeout: float = 30) -> None:
     """The API server picks up new webhook configurations asynchronously: dry-run a GPU pod until
-    it comes back mutated (server-side dry-run runs admission and stores nothing)."""
-    from tests.e2e.scenarios import gpu_pod, manifest
-
+    it comes back mutated (server-side dry run runs admission and stores nothing)."""
     deadline = time.monotonic() + timeout
     last = ""
     while time.monotonic() < deadline:

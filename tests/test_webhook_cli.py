@@ -1,0 +1,134 @@
+"""`fracgpu review`: offline admission of manifests, as a user runs it."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from webhook.cli import main
+
+EXAMPLES = Path(__file__).parent.parent / "examples"
+H100 = ["--gpu-model", "NVIDIA-H100-80GB-HBM3=81559"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["--log-format", "text", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_review_json_one_entry_per_object(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(
+        capsys,
+        "review",
+        "-o",
+        "json",
+        *H100,
+        str(EXAMPLES / "pod-fraction.yaml"),
+        str(EXAMPLES / "deployment.yaml"),
+        str(EXAMPLES / "pod-invalid.yaml"),
+    )
+    assert status == 1  # one object is denied
+    entries = json.loads(out)
+    assert [(e["kind"], e["allowed"]) for e in entries] == [
+        ("Pod", True),
+        ("Deployment", True),
+        ("Pod", False),
+    ]
+    limits = entries[0]["object"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"fracgpu.io/core": "30", "fracgpu.io/memory": "32"}
+    assert entries[2]["message"].endswith("or a whole number of cards; got 1.5")
+    assert entries[2]["object"] is None
+
+
+def test_review_text_is_applyable_yaml(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = (
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\nspec:\n  containers:\n"
+        "  - name: c\n    resources: {limits: {fracgpu.io/gpu: '0.5', fracgpu.io/gpumem: 3000}}\n"
+        "---\napiVersion: v1\nkind: List\nitems:\n"
+        "- {apiVersion: v1, kind: Pod, metadata: {name: b}, spec: {containers: [{name: c}]}}\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(manifest))
+    status, out, _ = run(capsys, "review", "-")
+    assert status == 0
+    assert "# Pod/a (<stdin>#1): allowed, mutated" in out
+    assert '#   warning: container "c": 3000 MiB of GPU memory rounded up to 3072 MiB' in out
+    assert "# Pod/b (<stdin>#2): allowed, unchanged" in out
+
+
+def test_review_denies_without_inventory_and_says_what_to_configure(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    status, out, _ = run(capsys, "review", str(EXAMPLES / "deployment.yaml"))
+    assert status == 1
+    assert "not known to fracgpu" in out and "inventory.models" in out
+
+
+def test_review_config_file_and_dialects(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    manifest = tmp_path / "hami.json"
+    manifest.write_text(
+        json.dumps(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {"name": "h"},
+                "spec": {
+                    "containers": [
+                        {
+                            "name": "c",
+                            "resources": {
+                                "limits": {"nvidia.com/gpu": 1, "nvidia.com/gpumem": 4096}
+                            },
+                        }
+                    ]
+                },
+            }
+        )
+    )
+    status, out, _ = run(
+        capsys,
+        "review",
+        "-o",
+        "json",
+        "--config",
+        str(EXAMPLES / "config.yaml"),
+        "--dialect",
+        "hami",
+        str(manifest),
+    )
+    assert status == 0
+    (entry,) = json.loads(out)
+    assert entry["object"]["spec"]["containers"][0]["resources"]["limits"] == {
+        "fracgpu.io/core": "18",
+        "fracgpu.io/memory": "16",
+    }
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["review", "/nonexistent.yaml"], "fracgpu: /nonexistent.yaml: No such file or directory"),
+        (["review", "--gpu-model", "H100", "x"], "expected PRODUCT=MIB"),
+    ],
+)
+def test_usage_errors_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], expected: str
+) -> None:
+    status, _, err = run(capsys, *argv)
+    assert status == 2
+    assert expected in err
+
+
+def test_bad_config_names_the_key(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    config = tmp_path / "c.yaml"
+    config.write_text("admission:\n  schedulerName: x\n")
+    status, _, err = run(capsys, "review", "--config", str(config), "-")
+    assert status == 2
+    assert "admission: schedulerName: Extra inputs are not permitted" in err

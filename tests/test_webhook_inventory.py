@@ -1,0 +1,126 @@
+"""GPU inventory: models from node labels and configuration, and how pods pin a model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from webhook.inventory import Inventory, pinned_products
+from webhook.resources import Card
+
+H100 = {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3", "fracgpu.io/gpu.memory-mib": "81559"}
+L4_GFD = {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.memory": "23034"}
+
+
+def inventory() -> Inventory:
+    inv = Inventory({"Static-GPU": 16384})
+    inv.set_node("h1", H100)
+    inv.set_node("l1", L4_GFD)
+    inv.set_node("cpu", {"kubernetes.io/os": "linux"})
+    return inv
+
+
+def test_models_from_labels_and_config() -> None:
+    assert inventory().models() == {
+        "Static-GPU": Card("Static-GPU", 16384),
+        "NVIDIA-H100-80GB-HBM3": Card("NVIDIA-H100-80GB-HBM3", 81559),
+        "NVIDIA-L4": Card("NVIDIA-L4", 23034),
+    }
+
+
+def test_node_removal_and_relabel() -> None:
+    inv = inventory()
+    inv.remove_node("l1")
+    inv.set_node("h1", {})
+    assert set(inv.models()) == {"Static-GPU"}
+
+
+def test_unpinned_mixed_cluster_takes_smallest_and_warns() -> None:
+    choice = inventory().choose({})
+    assert choice.card == Card("Static-GPU", 16384)
+    assert choice.largest == Card("NVIDIA-H100-80GB-HBM3", 81559)
+    assert choice.warning is not None and "smallest of 3 GPU models" in choice.warning
+
+
+@pytest.mark.parametrize(
+    ("spec", "product"),
+    [
+        (
+            {"nodeSelector": {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+            "NVIDIA-H100-80GB-HBM3",
+        ),
+        ({"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"}}, "NVIDIA-L4"),
+        ({"nodeName": "h1"}, "NVIDIA-H100-80GB-HBM3"),
+        (
+            {
+                "affinity": {
+                    "nodeAffinity": {
+                        "requiredDuringSchedulingIgnoredDuringExecution": {
+                            "nodeSelectorTerms": [
+                                {
+                                    "matchExpressions": [
+                                        {
+                                            "key": "nvidia.com/gpu.product",
+                                            "operator": "In",
+                                            "values": ["NVIDIA-L4"],
+                                        }
+                                    ]
+                                }
+                            ]
+                        }
+                    }
+                }
+            },
+            "NVIDIA-L4",
+        ),
+    ],
+)
+def test_pinned(spec: dict[str, Any], product: str) -> None:
+    choice = inventory().choose(spec)
+    assert choice.card is not None and choice.card.product == product
+    assert choice.warning is None
+
+
+def test_pinned_to_unknown_model() -> None:
+    choice = inventory().choose({"nodeSelector": {"fracgpu.io/gpu.product": "NVIDIA-B200"}})
+    assert choice.card is None
+    assert "fracgpu.io/gpu.product=NVIDIA-B200" in choice.unknown
+
+
+@pytest.mark.parametrize(
+    "affinity",
+    [
+        None,
+        {"nodeAffinity": None},
+        {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": None}},
+        {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [
+                        {
+                            "matchExpressions": [
+                                {"key": "fracgpu.io/gpu.product", "operator": "In", "values": ["A"]}
+                            ]
+                        },
+                        {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["z"]}]},
+                    ]
+                }
+            }
+        },
+        {
+            "nodeAffinity": {
+                "requiredDuringSchedulingIgnoredDuringExecution": {
+                    "nodeSelectorTerms": [None, "x", {"matchExpressions": "y"}]
+                }
+            }
+        },
+    ],
+)
+def test_not_pinned(affinity: Any) -> None:
+    assert pinned_products({"affinity": affinity}) is None
+
+
+def test_nothing_known() -> None:
+    choice = Inventory().choose({})
+    assert choice.card is None and choice.unknown == "no GPU models are known to fracgpu"

@@ -1,0 +1,362 @@
+"""Pod and workload mutation: the patch applies to what the apiserver sent and is idempotent."""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any
+
+import jsonpatch
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from webhook.admission import AdmissionRequest
+from webhook.config import AdmissionConfig
+from webhook.inventory import Inventory
+from webhook.mutation import TEMPLATE_PATHS, Mutator
+from webhook.resources import Dialect
+
+INVENTORY = {"NVIDIA-H100-80GB-HBM3": 81559}
+
+
+def mutator(**config: Any) -> Mutator:
+    return Mutator(AdmissionConfig(**config), Inventory(INVENTORY))
+
+
+def pod(*containers: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"generateName": "rs-abc-", "labels": {"app": "x"}},
+        "spec": {"containers": list(containers), **spec},
+    }
+
+
+def container(name: str = "main", limits: dict[str, Any] | None = None, **extra: Any) -> Any:
+    c: dict[str, Any] = {"name": name, "image": "python:3.11"}
+    if limits is not None:
+        c["resources"] = {"limits": limits}
+    c.update(extra)
+    return c
+
+
+def apply(m: Mutator, obj: dict[str, Any], group: str = "", kind: str = "Pod") -> dict[str, Any]:
+    outcome = m.mutate(obj, group, kind)
+    assert outcome.allowed, outcome.errors
+    patched: dict[str, Any] = jsonpatch.apply_patch(obj, outcome.patch)
+    # Reinvocation on our own output changes nothing and warns nothing.
+    again = m.mutate(patched, group, kind)
+    assert again.allowed and again.patch == [], again.patch
+    return patched
+
+
+def test_fraction_is_rewritten_with_everything_design_3_adds() -> None:
+    obj = pod(container("train", {"fracgpu.io/gpu": "300m", "cpu": "2"}))
+    out = apply(mutator(), obj)
+    c = out["spec"]["containers"][0]
+    assert c["resources"] == {
+        "limits": {"cpu": "2", "fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+        "requests": {"fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+    }
+    assert c["env"] == [
+        {"name": "FRACGPU_GPU", "value": "0.3"},
+        {"name": "FRACGPU_MEMORY_MIB", "value": "24320"},
+    ]
+    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
+    assert out["spec"]["tolerations"] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    assert json.loads(out["metadata"]["annotations"]["fracgpu.io/request"]) == {
+        "train": {"fracgpu.io/gpu": "0.3"}
+    }
+    assert out["metadata"]["labels"] == {"app": "x"}  # untouched
+
+
+def test_no_gpu_pod_is_untouched() -> None:
+    outcome = mutator().mutate(pod(container("web", {"cpu": "1"})), "", "Pod")
+    assert outcome.allowed and outcome.patch == [] and not outcome.gpu
+
+
+def test_zero_gpu_is_stripped_without_gpu_additions() -> None:
+    out = apply(mutator(), pod(container("web", {"fracgpu.io/gpu": "0", "cpu": "1"})))
+    assert out["spec"]["containers"][0]["resources"] == {"limits": {"cpu": "1"}}
+    assert "schedulerName" not in out["spec"]
+
+
+def test_existing_env_tolerations_and_scheduler() -> None:
+    obj = pod(
+        container("a", {"fracgpu.io/gpu": "0.5"}, env=[{"name": "X", "value": "1"}]),
+        tolerations=[{"key": "nvidia.com/gpu", "operator": "Exists"}],
+        schedulerName="my-scheduler",
+    )
+    out = apply(mutator(), obj)
+    assert [e["name"] for e in out["spec"]["containers"][0]["env"]] == [
+        "X",
+        "FRACGPU_GPU",
+        "FRACGPU_MEMORY_MIB",
+    ]
+    assert out["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
+    assert out["spec"]["schedulerName"] == "my-scheduler"
+    out = apply(mutator(override_scheduler=True), obj)
+    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
+
+
+def test_default_scheduler_is_replaced_and_empty_name_leaves_it() -> None:
+    obj = pod(container("a", {"fracgpu.io/gpu": "1"}), schedulerName="default-scheduler")
+    assert apply(mutator(), obj)["spec"]["schedulerName"] == "fracgpu-scheduler"
+    assert apply(mutator(scheduler_name=""), obj)["spec"]["schedulerName"] == "default-scheduler"
+
+
+def test_init_containers_and_sidecars_and_multi_container() -> None:
+    obj = pod(
+        container("app", {"fracgpu.io/gpu": "0.2"}),
+        container("plain"),
+        initContainers=[
+            container("warmup", {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "4Gi"}),
+            container("proxy", {"fracgpu.io/gpu": "0.1"}, restartPolicy="Always"),
+        ],
+    )
+    out = apply(mutator(), obj)
+    inits = out["spec"]["initContainers"]
+    assert inits[0]["resources"]["limits"] == {"fracgpu.io/core": "50", "fracgpu.io/memory": "16"}
+    assert inits[1]["resources"]["limits"]["fracgpu.io/core"] == "10"
+    assert "env" not in out["spec"]["containers"][1]
+    recorded = json.loads(out["metadata"]["annotations"]["fracgpu.io/request"])
+    assert set(recorded) == {"app", "warmup", "proxy"}
+
+
+def test_denial_names_every_problem() -> None:
+    obj = pod(
+        container("a", {"fracgpu.io/gpu": "1.5"}),
+        container("b", {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "120"}),
+    )
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert not outcome.allowed and outcome.patch == []
+    assert outcome.message == (
+        'container "a": fracgpu.io/gpu must be a fraction between 0.01 and 1 with at most two '
+        "decimals, or a whole number of cards; got 1.5; "
+        'container "b": fracgpu.io/gpumem-percentage must be a whole percentage between 1 and 100; '
+        "got 120"
+    )
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        (
+            pod(
+                container(
+                    "a", {"fracgpu.io/gpu": "0.5"}, env=[{"name": "FRACGPU_GPU", "value": "1"}]
+                )
+            ),
+            'container "a": environment variable FRACGPU_GPU is set by fracgpu and cannot be '
+            'set in the pod spec (got "1"); remove it',
+        ),
+        (
+            pod(
+                container(
+                    "a", {"fracgpu.io/gpu": "0.5"}, env=[{"name": "FRACGPU_DISABLE", "value": "1"}]
+                )
+            ),
+            "FRACGPU_DISABLE is set by fracgpu",
+        ),
+        (
+            pod(
+                container(
+                    "a", {"cpu": "1"}, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+                )
+            ),
+            'container "a": environment variable NVIDIA_VISIBLE_DEVICES selects GPUs and is set '
+            "only by the fracgpu device plugin; remove it and request fracgpu.io/gpu instead",
+        ),
+        (
+            pod(
+                container("a", {"fracgpu.io/gpu": "0.5"}),
+                container(
+                    "b",
+                    env=[{"name": "NVIDIA_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {}}}],
+                ),
+            ),
+            'container "b": environment variable NVIDIA_VISIBLE_DEVICES',
+        ),
+        (
+            pod(
+                container(
+                    "a",
+                    {"fracgpu.io/gpu": "0.5"},
+                    volumeMounts=[{"name": "v", "mountPath": "/etc/ld.so.preload"}],
+                )
+            ),
+            'container "a": volume mount at /etc/ld.so.preload covers a path the fracgpu device',
+        ),
+        (
+            pod(
+                container(
+                    "a",
+                    {"fracgpu.io/gpu": "0.5"},
+                    volumeMounts=[{"name": "v", "mountPath": "/run/fracgpu/limits/../limits/"}],
+                )
+            ),
+            "volume mount at /run/fracgpu/limits/../limits/ covers",
+        ),
+        (
+            pod(
+                container("a", {"fracgpu.io/gpu": "0.5"}),
+                volumes=[{"name": "state", "hostPath": {"path": "/var/lib/fracgpu/containers"}}],
+            ),
+            'volume "state": hostPath /var/lib/fracgpu/containers holds fracgpu\'s node state',
+        ),
+    ],
+)
+def test_system_owned_settings_are_denied(obj: dict[str, Any], expected: str) -> None:
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert not outcome.allowed
+    assert expected in outcome.message
+
+
+def test_privileged_gpu_containers_are_denied_unless_allowed() -> None:
+    obj = pod(
+        container("a", {"fracgpu.io/gpu": "0.5"}),
+        container("debug", securityContext={"privileged": True}),
+    )
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert outcome.message == (
+        'container "debug": is privileged; a privileged container sees every GPU of the node and '
+        "escapes its share; remove securityContext.privileged from GPU pods"
+    )
+    assert mutator(allow_privileged=True).mutate(obj, "", "Pod").allowed
+    no_gpu = pod(container("debug", securityContext={"privileged": True}))
+    assert mutator().mutate(no_gpu, "", "Pod").allowed
+
+
+def test_reserved_annotation_is_denied() -> None:
+    obj = pod(container("a", {"fracgpu.io/gpu": "0.5"}))
+    obj["metadata"]["annotations"] = {"fracgpu.io/unlimited": "true"}
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert outcome.message == (
+        "annotation fracgpu.io/unlimited is reserved for fracgpu and cannot be set on a GPU pod; "
+        "remove it"
+    )
+
+
+def test_harmless_visible_devices_values_are_allowed() -> None:
+    env = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "void"}]
+    assert mutator().mutate(pod(container("a", env=env)), "", "Pod").allowed
+
+
+def deployment(kind: str, group: str, limits: dict[str, Any]) -> dict[str, Any]:
+    template = {
+        "metadata": {"labels": {"app": "x"}},
+        "spec": {"containers": [container("c", limits)]},
+    }
+    if kind == "CronJob":
+        spec: dict[str, Any] = {
+            "schedule": "* * * * *",
+            "jobTemplate": {"spec": {"template": template}},
+        }
+    else:
+        spec = {"selector": {"matchLabels": {"app": "x"}}, "template": template}
+    return {
+        "apiVersion": f"{group}/v1" if group else "v1",
+        "kind": kind,
+        "metadata": {"name": "w"},
+        "spec": spec,
+    }
+
+
+@pytest.mark.parametrize(("group", "kind"), [k for k in TEMPLATE_PATHS if k[1] != "Pod"])
+def test_workload_templates(group: str, kind: str) -> None:
+    obj = deployment(kind, group, {"fracgpu.io/gpu": 0.5})
+    out = apply(mutator(), obj, group, kind)
+    template: Any = out
+    for token in TEMPLATE_PATHS[(group, kind)]:
+        template = template[token]
+    limits = template["spec"]["containers"][0]["resources"]["limits"]
+    assert limits == {"fracgpu.io/core": "50", "fracgpu.io/memory": "159"}
+    assert "fracgpu.io/request" in template["metadata"]["annotations"]
+    # A pod made from the mutated template is already canonical: the webhook leaves it alone.
+    made = {"apiVersion": "v1", "kind": "Pod", **copy.deepcopy(template)}
+    assert mutator().mutate(made, "", "Pod").patch == []
+
+
+def test_template_without_metadata_gets_parents() -> None:
+    obj = deployment("Deployment", "apps", {"fracgpu.io/gpu": "1"})
+    del obj["spec"]["template"]["metadata"]
+    out = apply(mutator(), obj, "apps", "Deployment")
+    assert "fracgpu.io/request" in out["spec"]["template"]["metadata"]["annotations"]
+
+
+def test_unknown_kinds_pass() -> None:
+    assert mutator().mutate({"kind": "ConfigMap"}, "", "ConfigMap").patch == []
+
+
+def test_hami_dialect_when_enabled() -> None:
+    obj = pod(container("a", {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "25"}))
+    assert mutator().mutate(obj, "", "Pod").patch == []  # not ours unless enabled
+    out = apply(mutator(dialects=[Dialect.HAMI]), obj)
+    assert out["spec"]["containers"][0]["resources"]["limits"] == {
+        "fracgpu.io/core": "25",
+        "fracgpu.io/memory": "79",
+    }
+
+
+async def test_reviewer_answers_admission_requests() -> None:
+    m = mutator()
+    base = {"uid": "u1", "kind": {"group": "", "version": "v1", "kind": "Pod"}, "namespace": "ns"}
+    req = AdmissionRequest.model_validate(
+        {**base, "operation": "CREATE", "object": pod(container("a", {"fracgpu.io/gpu": "0.5"}))}
+    )
+    response = await m(req)
+    assert response.allowed and response.patch_type == "JSONPatch" and response.decoded_patch()
+    upd = AdmissionRequest.model_validate({**base, "operation": "UPDATE", "object": {}})
+    assert (await m(upd)).patch is None
+    delete = AdmissionRequest.model_validate({**base, "operation": "DELETE", "object": None})
+    assert (await m(delete)).allowed
+
+
+pod_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    lambda c: (
+        st.lists(c, max_size=3)
+        | st.dictionaries(
+            st.sampled_from(
+                [
+                    "spec",
+                    "containers",
+                    "initContainers",
+                    "resources",
+                    "limits",
+                    "requests",
+                    "env",
+                    "name",
+                    "value",
+                    "metadata",
+                    "annotations",
+                    "volumeMounts",
+                    "mountPath",
+                    "fracgpu.io/gpu",
+                    "tolerations",
+                    "volumes",
+                    "hostPath",
+                    "path",
+                    "nodeSelector",
+                    "affinity",
+                ]
+            ),
+            c,
+            max_size=4,
+        )
+    ),
+    max_leaves=25,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(obj=pod_json)
+def test_hostile_objects_never_raise_and_patches_apply(obj: Any) -> None:
+    if not isinstance(obj, dict):
+        obj = {"spec": obj}
+    outcome = mutator().mutate(obj, "", "Pod")
+    if outcome.allowed and outcome.patch:
+        jsonpatch.apply_patch(obj, outcome.patch)

@@ -1,0 +1,151 @@
+"""The ``fracgpu`` command (also installed as ``kubectl-fracgpu`` for ``kubectl fracgpu``).
+
+Each package adds its own subcommands through ``add_parser``; imports of heavy dependencies
+(gRPC, NVML, the Kubernetes client) happen inside the commands, so ``fracgpu review`` starts
+fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from webhook import log
+from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
+from webhook.inventory import Inventory
+from webhook.mutation import Mutator
+from webhook.resources import OPTIONAL_DIALECTS, Dialect
+from webhook.review import ManifestError, read_manifests, render_json, render_text, review_object
+
+# Packages that contribute subcommands, in the order `fracgpu --help` lists them.
+SUBCOMMAND_MODULES: tuple[str, ...] = ("certs.cli",)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fracgpu",
+        description="Fractional GPUs for Kubernetes: admission webhook, quota, device plugin.",
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument(
+        "--log-format",
+        choices=["json", "text"],
+        help="json (default when stderr is not a terminal) or text",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_serve(sub)
+    _add_review(sub)
+    for module in SUBCOMMAND_MODULES:
+        importlib.import_module(module).add_parser(sub)
+    return parser
+
+
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the admission webhook (mutation and quota) over HTTPS",
+        description="Run the admission webhook. With --standalone it needs no cluster: it "
+        "issues itself a certificate for localhost and uses the static GPU inventory.",
+    )
+    p.add_argument("--config", type=Path, help="YAML configuration (docs/operator-guide.md)")
+    p.add_argument("--standalone", action="store_true", help="no cluster: local certs, no watches")
+    p.add_argument("--host", help="listen address (default 0.0.0.0, or 127.0.0.1 standalone)")
+    p.add_argument("--port", type=int, help="listen port (default 8443)")
+    p.add_argument("--kubeconfig", type=Path, help="kubeconfig path (default: in-cluster)")
+    _add_admission_flags(p)
+    p.set_defaults(run=_run_serve)
+
+
+def _add_review(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "review",
+        help="apply the webhook's admission to manifests offline",
+        description="Read Pod and workload manifests (YAML or JSON, multi-document; - for "
+        "stdin) and print what admission would make of them. Exit status 1 when any object "
+        "is denied.",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE")
+    p.add_argument("-o", "--output", choices=["text", "json"], default="text")
+    p.add_argument("--config", type=Path, help="the same YAML configuration `serve` reads")
+    _add_admission_flags(p)
+    p.set_defaults(run=_run_review)
+
+
+def _add_admission_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gpu-model",
+        action="append",
+        default=[],
+        metavar="PRODUCT=MIB",
+        help="a GPU model and its memory, added to the inventory (repeatable)",
+    )
+    p.add_argument(
+        "--dialect",
+        action="append",
+        default=[],
+        choices=sorted(d.value for d in OPTIONAL_DIALECTS),
+        help="also accept another system's resource names (repeatable)",
+    )
+    p.add_argument("--scheduler-name", help="scheduler set on GPU pods ('' leaves it alone)")
+
+
+def admission_config(args: argparse.Namespace) -> AdmissionConfig:
+    """The admission section of --config, with command-line flags on top."""
+    raw = load_yaml(args.config).get("admission") or {}
+    try:
+        config = AdmissionConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise describe(exc, f"{args.config}: admission") from None
+    models = dict(config.inventory.models)
+    for item in args.gpu_model:
+        product, sep, mib = item.partition("=")
+        if not sep or not product or not mib.isdigit() or int(mib) < 256:
+            raise ConfigError(
+                f"--gpu-model {item!r}: expected PRODUCT=MIB with MIB a whole number of MiB "
+                f"(at least 256), e.g. NVIDIA-H100-80GB-HBM3=81559"
+            )
+        models[product] = int(mib)
+    updates: dict[str, object] = {
+        "inventory": config.inventory.model_copy(update={"models": models}),
+        "dialects": sorted({*config.dialects, *(Dialect(d) for d in args.dialect)}),
+    }
+    if args.scheduler_name is not None:
+        updates["scheduler_name"] = args.scheduler_name
+    return config.model_copy(update=updates)
+
+
+def _run_review(args: argparse.Namespace) -> int:
+    config = admission_config(args)
+    mutator = Mutator(config, Inventory(config.inventory.models))
+    decisions = [review_object(mutator, src, obj) for src, obj in read_manifests(args.files)]
+    (render_json if args.output == "json" else render_text)(decisions, sys.stdout)
+    return 0 if all(d.allowed for d in decisions) else 1
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from webhook.serve import serve
+
+    return serve(args, admission_config(args))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    log.configure(args.log_level, args.log_format or ("text" if sys.stderr.isatty() else "json"))
+    try:
+        status: int = args.run(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ConfigError, ManifestError) as exc:
+        print(f"fracgpu: {exc}", file=sys.stderr)
+        return 2
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,587 @@
+"""How fracgpu's components talk to Kubernetes: a client factory, raw JSON calls, and an informer.
+
+Objects stay plain dicts with the field names as on the wire (`metadata.resourceVersion`), read
+as raw JSON (`_preload_content=False`): faster than kubernetes-asyncio's model classes, and the
+same shape the admission webhook receives.
+
+The informer follows the loop that survives real API servers (reference §6.2; kubernetes-asyncio's
+`watch.Watch` does not relist on 410 and so cannot be used for this):
+
+1. list, paginated (`limit`/`continue`), and take the list's resourceVersion;
+2. rebuild the cache from scratch, emitting synthetic DELETED events for objects that vanished
+   while we were not watching (and ADDED/MODIFIED for what appeared or changed);
+3. watch from that version with `allowWatchBookmarks=true` and a jittered `timeoutSeconds`;
+4. advance the version on every event, bookmarks included;
+5. when the watch ends cleanly, watch again from the version reached;
+6. on 410 Gone (HTTP status or an ERROR event in the stream), or an expired `continue`: relist;
+7. on any other failure (connection refused or dropped, 5xx, timeouts): back off with jitter,
+   then watch again from the version reached (a version that has meanwhile been compacted gets a
+   410 and so a relist).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import logging
+import os
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import aiohttp
+from kubernetes_asyncio import config as kube_config
+from kubernetes_asyncio.client import ApiClient, Configuration
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+log = logging.getLogger(__name__)
+
+Obj = dict[str, Any]
+Key = tuple[str, str]  # (namespace or "", name)
+EventType = Literal["ADDED", "MODIFIED", "DELETED"]
+Handler = Callable[[EventType, Obj], Awaitable[None] | None]
+
+
+class KubeConfigError(RuntimeError):
+    """No way to reach a cluster was configured."""
+
+
+class KubeError(Exception):
+    """The API server answered with a failure `Status` (or something that is not JSON)."""
+
+    def __init__(self, status: int, reason: str, message: str, body: Obj | None = None) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+        self.body = body or {}
+
+
+# --- client factory ---------------------------------------------------------------------------
+
+
+async def load_configuration(
+    kubeconfig: Path | str | None = None, context: str | None = None
+) -> Any:
+    """A kubernetes-asyncio Configuration, from the first source that exists:
+    the given kubeconfig path; in-cluster (service account); $KUBECONFIG; ~/.kube/config."""
+    configuration = Configuration()
+    path = _kubeconfig_path(kubeconfig)
+    if path is None:
+        load_incluster: Any = kube_config.load_incluster_config  # untyped upstream
+        load_incluster(client_configuration=configuration)
+        return configuration
+    await kube_config.load_kube_config(
+        config_file=str(path),
+        context=context,
+        client_configuration=configuration,
+        persist_config=False,
+    )
+    return configuration
+
+
+def _kubeconfig_path(kubeconfig: Path | str | None) -> Path | None:
+    """The kubeconfig to read, or None for in-cluster configuration."""
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        return None
+    candidates: list[Path] = []
+    if kubeconfig is not None:
+        candidates.append(Path(kubeconfig))
+    else:
+        env = os.environ.get("KUBECONFIG", "").split(os.pathsep)[0]
+        candidates += [Path(env)] if env else []
+        candidates.append(Path("~/.kube/config").expanduser())
+    for candidate in candidates:
+        if candidate.is_file():
+            return candidate
+    if kubeconfig is not None:
+        raise KubeConfigError(
+            f"kubeconfig {str(kubeconfig)!r} does not exist; pass an existing path"
+        )
+    env_text = os.environ.get("KUBECONFIG")
+    env_note = f"KUBECONFIG={env_text!r} names no file" if env_text else "KUBECONFIG unset"
+    raise KubeConfigError(
+        "no Kubernetes configuration: not running in a pod (KUBERNETES_SERVICE_HOST unset), "
+        f"no kubeconfig given, {env_note} and ~/.kube/config absent; pass a kubeconfig "
+        "path or run in-cluster"
+    )
+
+
+@asynccontextmanager
+async def kube_client(
+    kubeconfig: Path | str | None = None, context: str | None = None
+) -> AsyncIterator[Any]:
+    """`async with kube_client(path) as api:` an ApiClient, closed (connections too) on exit."""
+    configuration = await load_configuration(kubeconfig, context)
+    client = ApiClient(configuration=configuration)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+# --- raw calls --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resource:
+    """Where a kind lives on the API server."""
+
+    group: str  # "" for the core group
+    version: str
+    plural: str
+    namespaced: bool
+
+    def path(self, namespace: str | None = None, name: str | None = None) -> str:
+        base = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        if self.namespaced and namespace is not None:
+            base += f"/namespaces/{namespace}"
+        base += f"/{self.plural}"
+        return base if name is None else f"{base}/{name}"
+
+
+PODS = Resource("", "v1", "pods", namespaced=True)
+NODES = Resource("", "v1", "nodes", namespaced=False)
+NAMESPACES = Resource("", "v1", "namespaces", namespaced=False)
+SECRETS = Resource("", "v1", "secrets", namespaced=True)
+EVENTS = Resource("", "v1", "events", namespaced=True)
+LEASES = Resource("coordination.k8s.io", "v1", "leases", namespaced=True)
+MUTATING_WEBHOOK_CONFIGURATIONS = Resource(
+    "admissionregistration.k8s.io", "v1", "mutatingwebhookconfigurations", namespaced=False
+)
+VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
+    "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
+)
+GPUQUOTAS = Resource("fracgpu.io", "v1", "gpuquotas", namespaced=True)
+
+
+async def open_request(
+    api: Any,
+    method: str,
+    path: str,
+    *,
+    query: Sequence[tuple[str, str]] = (),
+    body: Any = None,
+    content_type: str = "application/json",
+    timeout_s: tuple[float, float] | float | None = 30.0,
+) -> aiohttp.ClientResponse:
+    """Send a request through the ApiClient (its auth, TLS and connection pool) and return the
+    raw response unread. Raises KubeError for a non-2xx answer."""
+    response: aiohttp.ClientResponse = await api.call_api(
+        path,
+        method,
+        query_params=list(query),
+        header_params={"Accept": "application/json", "Content-Type": content_type},
+        body=body,
+        auth_settings=["BearerToken"],
+        _preload_content=False,
+        _request_timeout=timeout_s,
+    )
+    if not 200 <= response.status < 300:
+        raw = await response.read()
+        response.release()
+        raise _error(response.status, raw)
+    return response
+
+
+async def call_json(
+    api: Any,
+    method: str,
+    path: str,
+    *,
+    query: Sequence[tuple[str, str]] = (),
+    body: Any = None,
+    content_type: str = "application/json",
+    timeout_s: float = 30.0,
+) -> Obj:
+    """One request, its JSON answer as a dict. Raises KubeError for a failure."""
+    response = await open_request(
+        api, method, path, query=query, body=body, content_type=content_type, timeout_s=timeout_s
+    )
+    try:
+        raw = await response.read()
+    finally:
+        response.release()
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        raise KubeError(response.status, "BadResponse", f"not JSON: {raw[:200]!r}") from None
+    if not isinstance(data, dict):
+        raise KubeError(response.status, "BadResponse", f"not a JSON object: {raw[:200]!r}")
+    return data
+
+
+def _error(status: int, raw: bytes) -> KubeError:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and body.get("kind") == "Status":
+        return KubeError(
+            int(body.get("code") or status),
+            str(body.get("reason") or ""),
+            str(body.get("message") or ""),
+            body,
+        )
+    return KubeError(status, "Unknown", raw[:200].decode("utf-8", "replace"))
+
+
+def object_key(obj: Mapping[str, Any]) -> Key:
+    meta = obj.get("metadata") or {}
+    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+
+
+# --- informer ---------------------------------------------------------------------------------
+
+
+class _Relist(Exception):
+    """The version we hold is gone (410): only a fresh list can continue."""
+
+
+@dataclass
+class InformerStats:
+    """Counters for metrics and tests: how often each recovery path ran."""
+
+    lists: int = 0
+    relists_410: int = 0
+    watches: int = 0
+    bookmarks: int = 0
+    events: int = 0
+    errors: int = 0
+    handler_errors: int = 0
+
+
+class InformerMetrics:
+    """Prometheus series for any number of informers (label `informer`) in a given registry."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str = "fracgpu_informer") -> None:
+        self.lists = Counter(
+            f"{prefix}_lists",
+            "Complete lists (the initial one and every relist)",
+            ["informer"],
+            registry=registry,
+        )
+        self.relists_410 = Counter(
+            f"{prefix}_relists_410",
+            "Relists forced by 410 Gone (history compacted)",
+            ["informer"],
+            registry=registry,
+        )
+        self.errors = Counter(
+            f"{prefix}_errors",
+            "Failed list or watch requests (retried with backoff)",
+            ["informer"],
+            registry=registry,
+        )
+        self.events = Counter(
+            f"{prefix}_events",
+            "Changes delivered to handlers, synthetic ones included",
+            ["informer", "type"],
+            registry=registry,
+        )
+        self.objects = Gauge(
+            f"{prefix}_objects", "Objects in the cache", ["informer"], registry=registry
+        )
+        self.synced = Gauge(
+            f"{prefix}_synced",
+            "1 once the first list has been delivered",
+            ["informer"],
+            registry=registry,
+        )
+
+
+@dataclass
+class _Subscription:
+    queue: asyncio.Queue[tuple[EventType, Obj]] = field(default_factory=asyncio.Queue)
+
+
+class Informer:
+    """A cache of one kind's objects kept current by list + watch; see the module docstring.
+
+    Use `async with Informer(api, NODES, handler=...) as informer:` (or `start()`/`stop()`),
+    then `await informer.wait_synced()`. Handlers (plain or async functions of
+    `(event_type, obj)`) and `events()` iterators see every change in order, synthetic deletes
+    after a relist included. A failing handler is logged and does not stop the informer.
+    """
+
+    def __init__(
+        self,
+        api: Any,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str = "",
+        field_selector: str = "",
+        handler: Handler | None = None,
+        page_size: int = 500,
+        watch_timeout_s: float = 300.0,
+        request_timeout_s: float = 30.0,
+        backoff_initial_s: float = 0.5,
+        backoff_max_s: float = 30.0,
+        name: str | None = None,
+        metrics: InformerMetrics | None = None,
+    ) -> None:
+        self.api = api
+        self.metrics = metrics
+        self.resource = resource
+        self.namespace = namespace
+        self.label_selector = label_selector
+        self.field_selector = field_selector
+        self.page_size = page_size
+        self.watch_timeout_s = watch_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.backoff_initial_s = backoff_initial_s
+        self.backoff_max_s = backoff_max_s
+        self.name = name or resource.plural
+        self.resource_version = ""
+        self.synced = asyncio.Event()
+        self.stats = InformerStats()
+        self._cache: dict[Key, Obj] = {}
+        self._handlers: list[Handler] = [handler] if handler else []
+        self._subscriptions: list[_Subscription] = []
+        self._task: asyncio.Task[None] | None = None
+
+    # --- reading the cache ---
+
+    @property
+    def has_synced(self) -> bool:
+        return self.synced.is_set()
+
+    def get(self, name: str, namespace: str | None = None) -> Obj | None:
+        return self._cache.get((namespace or "", name))
+
+    def objects(self, namespace: str | None = None) -> list[Obj]:
+        return [o for k, o in self._cache.items() if namespace is None or k[0] == namespace]
+
+    def __len__(self) -> int:
+        return len(self._cache)
+
+    async def wait_synced(self, within_s: float | None = None) -> None:
+        await asyncio.wait_for(self.synced.wait(), within_s)
+
+    # --- consumers ---
+
+    def add_handler(self, handler: Handler) -> None:
+        self._handlers.append(handler)
+
+    async def events(self) -> AsyncIterator[tuple[EventType, Obj]]:
+        """Every change from now on, in order, until the iterator is closed."""
+        subscription = _Subscription()
+        self._subscriptions.append(subscription)
+        try:
+            while True:
+                yield await subscription.queue.get()
+        finally:
+            self._subscriptions.remove(subscription)
+
+    # --- lifecycle ---
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name=f"informer-{self.name}")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
+    async def __aenter__(self) -> Informer:
+        self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def run(self) -> None:
+        """List and watch until cancelled."""
+        backoff = self.backoff_initial_s
+        need_list = True
+        while True:
+            try:
+                if need_list:
+                    await self._list()
+                    need_list = False
+                    backoff = self.backoff_initial_s
+                await self._watch()
+                backoff = self.backoff_initial_s  # a watch that ended cleanly
+            except _Relist:
+                self.stats.relists_410 += 1
+                if self.metrics:
+                    self.metrics.relists_410.labels(self.name).inc()
+                need_list = True
+                log.info(
+                    "informer relists after 410 Gone",
+                    extra={"informer": self.name, "resource_version": self.resource_version},
+                )
+            except asyncio.CancelledError:
+                raise
+            except (KubeError, aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+                self.stats.errors += 1
+                if self.metrics:
+                    self.metrics.errors.labels(self.name).inc()
+                delay = random.uniform(backoff / 2, backoff)
+                log.warning(
+                    "informer request failed; retrying",
+                    extra={
+                        "informer": self.name,
+                        "error": str(err) or type(err).__name__,
+                        "retry_in_s": round(delay, 3),
+                        "relist": need_list,
+                    },
+                )
+                await asyncio.sleep(delay)
+                backoff = min(backoff * 2, self.backoff_max_s)
+
+    def _selectors(self) -> list[tuple[str, str]]:
+        query: list[tuple[str, str]] = []
+        if self.label_selector:
+            query.append(("labelSelector", self.label_selector))
+        if self.field_selector:
+            query.append(("fieldSelector", self.field_selector))
+        return query
+
+    async def _list(self) -> None:
+        path = self.resource.path(self.namespace)
+        fresh: dict[Key, Obj] = {}
+        token = ""
+        version = ""
+        while True:
+            query = self._selectors()
+            if self.page_size:
+                query.append(("limit", str(self.page_size)))
+            if token:
+                query.append(("continue", token))
+            try:
+                page = await call_json(
+                    self.api, "GET", path, query=query, timeout_s=self.request_timeout_s
+                )
+            except KubeError as err:
+                if err.status == 410:
+                    raise _Relist from err  # the continue token expired: start over
+                raise
+            for item in page.get("items") or []:
+                fresh[object_key(item)] = item
+            meta = page.get("metadata") or {}
+            version = str(meta.get("resourceVersion") or "")
+            token = str(meta.get("continue") or "")
+            if not token:
+                break
+        self.stats.lists += 1
+        await self._replace(fresh)
+        self.resource_version = version
+        log.debug(
+            "informer listed",
+            extra={"informer": self.name, "objects": len(fresh), "resource_version": version},
+        )
+        self.synced.set()
+        if self.metrics:
+            self.metrics.lists.labels(self.name).inc()
+            self.metrics.synced.labels(self.name).set(1)
+
+    async def _replace(self, fresh: dict[Key, Obj]) -> None:
+        """Swap in a fresh list: what vanished is DELETED, what is new ADDED, changes MODIFIED."""
+        old = self._cache
+        self._cache = dict(fresh)
+        for key, obj in old.items():
+            if key not in fresh:
+                await self._emit("DELETED", obj)
+        for key, obj in fresh.items():
+            before = old.get(key)
+            if before is None:
+                await self._emit("ADDED", obj)
+            elif _version(before) != _version(obj):
+                await self._emit("MODIFIED", obj)
+
+    async def _watch(self) -> None:
+        timeout = random.uniform(self.watch_timeout_s, 2 * self.watch_timeout_s)
+        query = [
+            *self._selectors(),
+            ("watch", "true"),
+            ("allowWatchBookmarks", "true"),
+            ("timeoutSeconds", str(int(timeout))),
+        ]
+        if self.resource_version:
+            query.append(("resourceVersion", self.resource_version))
+        self.stats.watches += 1
+        try:
+            response = await open_request(
+                self.api,
+                "GET",
+                self.resource.path(self.namespace),
+                query=query,
+                # No total limit: the server ends the watch; a silent connection fails the read.
+                timeout_s=(self.request_timeout_s, timeout + self.request_timeout_s),
+            )
+        except KubeError as err:
+            if err.status == 410:
+                raise _Relist from err
+            raise
+        try:
+            while True:
+                line = await response.content.readline()
+                if not line:
+                    return  # the server ended the watch: watch again from where we are
+                if line.strip():
+                    await self._apply(json.loads(line))
+        finally:
+            response.close()
+
+    async def _apply(self, event: Mapping[str, Any]) -> None:
+        kind = event.get("type")
+        obj = event.get("object")
+        if not isinstance(obj, dict):
+            raise ValueError(f"watch event without an object: {str(event)[:200]}")
+        if kind == "ERROR":
+            if obj.get("code") == 410:
+                raise _Relist
+            raise KubeError(
+                int(obj.get("code") or 500),
+                str(obj.get("reason") or ""),
+                str(obj.get("message") or ""),
+                obj,
+            )
+        version = _version(obj)
+        if kind == "BOOKMARK":
+            self.stats.bookmarks += 1
+            if version:
+                self.resource_version = version
+            return
+        if kind not in ("ADDED", "MODIFIED", "DELETED"):
+            raise ValueError(f"unknown watch event type {kind!r}")
+        key = object_key(obj)
+        if kind == "DELETED":
+            self._cache.pop(key, None)
+        else:
+            self._cache[key] = obj
+        if version:
+            self.resource_version = version
+        self.stats.events += 1
+        await self._emit(kind, obj)
+
+    async def _emit(self, kind: EventType, obj: Obj) -> None:
+        if self.metrics:
+            self.metrics.events.labels(self.name, kind).inc()
+            self.metrics.objects.labels(self.name).set(len(self._cache))
+        for handler in self._handlers:
+            try:
+                result = handler(kind, obj)
+                if inspect.isawaitable(result):
+                    await result
+            except Exception:
+                self.stats.handler_errors += 1
+                log.exception(
+                    "informer handler failed",
+                    extra={"informer": self.name, "event": kind, "object": object_key(obj)},
+                )
+        for subscription in self._subscriptions:
+            subscription.queue.put_nowait((kind, obj))
+
+
+def _version(obj: Mapping[str, Any]) -> str:
+    return str((obj.get("metadata") or {}).get("resourceVersion") or "")

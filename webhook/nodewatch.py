@@ -1,0 +1,30 @@
+"""Keeps the GPU inventory current from the cluster's Nodes (list + watch, relist on 410).
+
+Kept apart from :mod:`webhook.inventory` so that ``fracgpu review`` never imports the
+Kubernetes client.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from webhook.inventory import Inventory
+from webhook.kube import NODES, EventType, Informer
+
+
+def node_informer(api: Any, inventory: Inventory) -> Informer:
+    """An informer on Nodes whose events update ``inventory``; start it, then await its sync.
+
+    A relist replays vanished nodes as DELETED, so a node removed while the watch was down
+    does not linger in the inventory.
+    """
+
+    def on_event(kind: EventType, node: dict[str, Any]) -> None:
+        meta = node.get("metadata") or {}
+        name = str(meta.get("name") or "")
+        if kind == "DELETED":
+            inventory.remove_node(name)
+        else:
+            inventory.set_node(name, meta.get("labels") or {})
+
+    return Informer(api, NODES, handler=on_event, name="gpu-inventory")

@@ -1,0 +1,189 @@
+"""``fracgpu serve``: the admission server with everything it keeps running beside it.
+
+Beside the HTTPS listener run: the certificate keeper (reload, rotation, caBundle injection),
+the Node watch that keeps the GPU inventory current, and the quota service. The server is
+ready (``/readyz``) only once the inventory has synced, so a new replica never sizes pods
+against an empty inventory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from certs.config import CertsConfig
+from certs.material import CA_BUNDLE
+from certs.serving import open_serving
+from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
+from webhook.inventory import Inventory
+from webhook.kube import kube_client
+from webhook.metrics import AdmissionMetrics
+from webhook.mutation import Mutator
+from webhook.nodewatch import node_informer
+from webhook.server import Reviewer, build_app
+
+log = logging.getLogger(__name__)
+
+
+class ServeConfig(BaseModel):
+    """The sections of the configuration file that ``serve`` reads."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
+    certs: CertsConfig = Field(default_factory=CertsConfig)
+    kubeconfig: Path | None = None
+    shutdown_delay_seconds: float = Field(
+        3.0,
+        ge=0,
+        description="after SIGTERM, keep answering (not ready) this long so that Service "
+        "endpoints drop the replica before it stops",
+    )
+
+
+def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
+    raw = load_yaml(args.config)
+    raw.pop("admission", None)  # already read, with flags applied
+    try:
+        config = ServeConfig.model_validate(raw)
+    except ValidationError as exc:
+        raise describe(exc, str(args.config)) from None
+    server = config.server.model_copy(
+        update={
+            k: v
+            for k, v in {
+                "host": args.host or ("127.0.0.1" if args.standalone else None),
+                "port": args.port,
+            }.items()
+            if v is not None
+        }
+    )
+    return config.model_copy(
+        update={
+            "admission": admission,
+            "server": server,
+            "kubeconfig": args.kubeconfig or config.kubeconfig,
+        }
+    )
+
+
+def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
+    config = load(args, admission)
+    return asyncio.run(run_server(config, standalone=args.standalone))
+
+
+async def run_server(
+    config: ServeConfig, *, standalone: bool, stop: asyncio.Event | None = None
+) -> int:
+    """Serve until ``stop`` is set (by default: until SIGTERM or SIGINT); the exit status."""
+    registry = CollectorRegistry()
+    inventory = Inventory(config.admission.inventory.models)
+    reviewers: dict[str, Reviewer] = {"/mutate": Mutator(config.admission, inventory)}
+    waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
+    stopping: list[str] = []
+
+    def readiness() -> str | None:
+        why = stopping + [name for name, ready in waiting.items() if not ready()]
+        return ", ".join(why) or None
+
+    async with contextlib.AsyncExitStack() as stack:
+        api = None
+        if not standalone:
+            api = await stack.enter_async_context(kube_client(config.kubeconfig))
+        certificates = await open_serving(
+            config.certs, standalone=standalone, registry=registry, api=api
+        )
+        stack.push_async_callback(certificates.close)
+        waiting["serving certificate"] = certificates.ready
+        background: list[Awaitable[Any]] = [certificates.run()]
+        if api is not None and config.admission.inventory.watch_nodes:
+            informer = node_informer(api, inventory)
+            await stack.enter_async_context(informer)
+            waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
+
+        app = build_app(reviewers, metrics=AdmissionMetrics(registry), readiness=readiness)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        stack.push_async_callback(runner.cleanup)
+        site = web.TCPSite(
+            runner, config.server.host, config.server.port, ssl_context=certificates.context
+        )
+        await site.start()
+        log.info(
+            "serving admission",
+            extra={
+                "host": config.server.host,
+                "port": config.server.port,
+                "standalone": standalone,
+                "paths": sorted(reviewers),
+            },
+        )
+        if standalone:
+            _print_try_it(config, config.certs.directory / CA_BUNDLE)
+        status = await _until_stopped(background, stop)
+        stopping.append("shutting down")
+        delay = config.shutdown_delay_seconds if status == 0 else 0.0
+        log.info("shutting down", extra={"delay_s": delay})
+        await asyncio.sleep(delay)
+    log.info("stopped")
+    return status
+
+
+async def _until_stopped(background: list[Awaitable[Any]], stop: asyncio.Event | None) -> int:
+    """Run the background jobs until stopped (0) or until one of them fails (1)."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(job) for job in background]
+    failed = asyncio.ensure_future(_first_failure(tasks))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait([stopped, failed], return_when="FIRST_COMPLETED")
+    status = 0
+    if failed.done() and failed.exception() is not None:
+        log.error("a background task failed; stopping", exc_info=failed.exception())
+        status = 1
+    for task in [*tasks, failed, stopped]:
+        task.cancel()
+    for task in tasks:
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+    return status
+
+
+async def _first_failure(tasks: list[asyncio.Future[Any]]) -> None:
+    """Return (raising) as soon as any background task fails; they are meant to run forever."""
+    for done in asyncio.as_completed(tasks):
+        await done
+        raise RuntimeError("a background task ended unexpectedly")
+
+
+def _print_try_it(config: ServeConfig, ca_file: Path) -> None:
+    url = f"https://{config.server.host}:{config.server.port}"
+    ca = f"--cacert {ca_file} "
+    print(
+        f"""
+fracgpu admission webhook on {url} (standalone)
+Try it from another terminal:
+  curl {ca}{url}/healthz
+  curl {ca}-H 'Content-Type: application/json' --data @examples/admissionreview-pod.json \\
+       {url}/mutate
+  .venv/bin/fracgpu review --config examples/config.yaml examples/pod-fraction.yaml
+Stop with Ctrl-C.
+""",
+        file=sys.stderr,
+        flush=True,
+    )
