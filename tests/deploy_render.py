@@ -84,3 +84,42 @@ def pod_specs(objs: list[Obj]) -> Iterator[tuple[Obj, Obj]]:
     for obj in objs:
         if obj["kind"] in ("Deployment", "DaemonSet"):
             yield obj, obj["spec"]["template"]["spec"]
+
+
+# What a ServiceAccount may do: (scope, API group, resource, name, verb), where scope is a
+# namespace or "cluster" and name "*any*" when the rule names no resourceNames.
+Grant = tuple[str, str, str, str, str]
+
+
+def _expand(scope: str, rules: list[Obj]) -> set[Grant]:
+    out: set[Grant] = set()
+    for rule in rules:
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                for name in rule.get("resourceNames") or ["*any*"]:
+                    for verb in rule["verbs"]:
+                        out.add((scope, group, resource, name, verb))
+    return out
+
+
+def grants_of(objs: list[Obj], account: str) -> tuple[set[Grant], set[str]]:
+    """What a ServiceAccount may do through roles in these objects, and the built-in roles it is
+    bound to (by name, as 'cluster:NAME' or 'NAMESPACE:NAME')."""
+    grants: set[Grant] = set()
+    builtin: set[str] = set()
+    for binding in of_kind(objs, "ClusterRoleBinding") + of_kind(objs, "RoleBinding"):
+        subjects = binding.get("subjects") or []
+        if not any(
+            s["kind"] == "ServiceAccount" and s["name"] == account and s["namespace"] == NAMESPACE
+            for s in subjects
+        ):
+            continue
+        ref = binding["roleRef"]
+        scope = binding["metadata"].get("namespace", "cluster")
+        matches = [o for o in of_kind(objs, ref["kind"]) if o["metadata"]["name"] == ref["name"]]
+        if not matches:
+            builtin.add(f"{scope}:{ref['name']}")
+            continue
+        (role,) = matches
+        grants |= _expand(scope, role["rules"])
+    return grants, builtin

@@ -7,49 +7,11 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
-
-Grant = tuple[
-    str, str, str, str, str
-]  # scope (namespace or "cluster"), group, resource, name, verb
+from tests.deploy_render import NAMESPACE, OVERLAYS, Grant, find, grants_of, of_kind, render
 
 SA_WEBHOOK = "fracgpu-webhook"
 SA_PLUGIN = "fracgpu-device-plugin"
 SA_SCHEDULER = "fracgpu-scheduler"
-
-
-def _expand(scope: str, rules: list[Obj]) -> set[Grant]:
-    out: set[Grant] = set()
-    for rule in rules:
-        for group in rule["apiGroups"]:
-            for resource in rule["resources"]:
-                for name in rule.get("resourceNames") or ["*any*"]:
-                    for verb in rule["verbs"]:
-                        out.add((scope, group, resource, name, verb))
-    return out
-
-
-def grants_of(objs: list[Obj], account: str) -> tuple[set[Grant], set[str]]:
-    """What a ServiceAccount may do through roles in these objects, and the built-in roles it is
-    bound to (by name, as 'cluster:NAME' or 'NAMESPACE:NAME')."""
-    grants: set[Grant] = set()
-    builtin: set[str] = set()
-    for binding in of_kind(objs, "ClusterRoleBinding") + of_kind(objs, "RoleBinding"):
-        subjects = binding.get("subjects") or []
-        if not any(
-            s["kind"] == "ServiceAccount" and s["name"] == account and s["namespace"] == NAMESPACE
-            for s in subjects
-        ):
-            continue
-        ref = binding["roleRef"]
-        scope = binding["metadata"].get("namespace", "cluster")
-        matches = [o for o in of_kind(objs, ref["kind"]) if o["metadata"]["name"] == ref["name"]]
-        if not matches:
-            builtin.add(f"{scope}:{ref['name']}")
-            continue
-        (role,) = matches
-        grants |= _expand(scope, role["rules"])
-    return grants, builtin
 
 
 def _all(scope: str, group: str, resource: str, verbs: str, name: str = "*any*") -> set[Grant]:
@@ -69,15 +31,20 @@ WEBHOOK_OWN_CERTS = (
         "cluster",
         "admissionregistration.k8s.io",
         "mutatingwebhookconfigurations",
-        "get watch update patch",
+        "get update patch",
         "fracgpu-mutate",
     )
     | _all(
         "cluster",
         "admissionregistration.k8s.io",
         "validatingwebhookconfigurations",
-        "get watch update patch",
+        "get update patch",
         "fracgpu-validate",
+    )
+    # certs.inject's informers list and watch the whole kind (tests/test_deploy_serve.py).
+    | _all("cluster", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "list watch")
+    | _all(
+        "cluster", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "list watch"
     )
 )
 
@@ -102,7 +69,11 @@ def test_webhook_configuration_grants_name_the_deployed_configurations() -> None
         for wc in of_kind(objs, "MutatingWebhookConfiguration")
         + of_kind(objs, "ValidatingWebhookConfiguration")
     }
-    granted = {(g[2], g[3]) for g in WEBHOOK_OWN_CERTS if g[1] == "admissionregistration.k8s.io"}
+    granted = {
+        (g[2], g[3])
+        for g in WEBHOOK_OWN_CERTS
+        if g[1] == "admissionregistration.k8s.io" and g[3] != "*any*"
+    }
     assert granted == names
     find(objs, "Secret", "fracgpu-webhook-tls")
 
