@@ -4,15 +4,20 @@ its certificates verify for the address the API server dials."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import json
 import ssl
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
-from tests.deploy_render import kubectl
+from tests.deploy_render import ROOT, kubectl
 from tests.e2e.harness import (
     RUN_LABEL,
     LocalWebhook,
@@ -20,7 +25,18 @@ from tests.e2e.harness import (
     issue_certificates,
     rendered_webhook_configurations,
 )
+from tests.fakes.apiserver import FakeApiServer
 from webhook import server
+from webhook.serve import ServeConfig
+
+EXAMPLE = ROOT / "examples" / "admissionreview-pod.json"
+
+
+def test_local_webhook_config_is_one_serve_accepts(tmp_path: Path) -> None:
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    assert config.certs.mode == "files" and not config.certs.injects
+    assert (config.server.host, config.server.port) == ("127.0.0.1", local.port)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "host.k3d.internal"])
@@ -72,3 +88,35 @@ def test_certificates_verify_for_the_dialled_host(tmp_path: Path, host: str) -> 
     _handshake(cert, key, ca, host)
     with pytest.raises(ssl.SSLCertVerificationError):
         _handshake(cert, key, ca, "example.org")
+
+
+async def test_local_webhook_runs_the_real_cli_and_stops(tmp_path: Path) -> None:
+    """The harness's `fracgpu serve` process, against the fake API server: ready, answering
+    /mutate over TLS with the harness's CA, and stopped cleanly (and restartable)."""
+    async with FakeApiServer() as fake:
+        kubeconfig = str(fake.kubeconfig(tmp_path / "kubeconfig"))
+        local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", kubeconfig)
+        try:
+            await asyncio.to_thread(local.start)
+            review = json.loads(EXAMPLE.read_text())
+            reply = await asyncio.to_thread(_post, local, server.MUTATE_PATH, review)
+            assert reply["response"]["uid"] == review["request"]["uid"]
+            assert reply["response"]["allowed"] is True
+            await asyncio.to_thread(local.stop)
+            assert local.process is None
+            await asyncio.to_thread(local.start)
+        finally:
+            await asyncio.to_thread(local.stop)
+
+
+def _post(local: LocalWebhook, path: str, body: dict[str, object]) -> dict[str, Any]:
+    context = ssl.create_default_context(cadata=local.ca_pem.decode())
+    request = urllib.request.Request(
+        local.url(path),
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    with urllib.request.urlopen(request, context=context, timeout=10) as response:
+        data: dict[str, Any] = json.loads(response.read())
+        return data
