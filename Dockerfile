@@ -16,7 +16,7 @@ WORKDIR /src
 # The C header is generated from the Python contract module at build time (native/Makefile).
 COPY deviceplugin/ deviceplugin/
 COPY native/ native/
-RUN make -C native PYTHON=python3 \
+RUN make -C native PYTHON=python3 CC=gcc \
  && test -f native/build/libfracgpu.so
 
 # --- the Python distribution, installed into a virtual environment with pinned dependencies ----
