@@ -42,6 +42,7 @@ KEY_MEMORY_BYTES = "memory_bytes"
 KEY_COMPUTE_PERCENT = "compute_percent"
 MAX_FILE_BYTES = 4096
 MAX_DEVICES = 16
+MAX_MEMORY_BYTES = 2**63 - 1  # what native/'s reader holds (int64)
 
 RESERVED_CONTAINER_PATHS = (CONTAINER_ROOT, CONTAINER_HOOK_DIR, LD_SO_PRELOAD)
 
@@ -62,8 +63,11 @@ class Limits:
         for uuid in self.devices:
             if not uuid or not uuid.isascii() or any(c in uuid for c in ",= \t\r\n#"):
                 raise LimitsError(f"devices: {uuid!r} is not a card UUID")
-        if self.memory_bytes <= 0:
-            raise LimitsError(f"memory_bytes must be positive, got {self.memory_bytes}")
+        if not 0 < self.memory_bytes <= MAX_MEMORY_BYTES:
+            raise LimitsError(
+                f"memory_bytes must be 1 to {MAX_MEMORY_BYTES} (the C reader's range), "
+                f"got {self.memory_bytes}"
+            )
         if not 1 <= self.compute_percent <= 100:
             raise LimitsError(f"compute_percent must be 1–100, got {self.compute_percent}")
 
@@ -146,6 +150,7 @@ def c_header() -> str:
         "FRACGPU_KEY_COMPUTE_PERCENT": KEY_COMPUTE_PERCENT,
         "FRACGPU_MAX_FILE_BYTES": MAX_FILE_BYTES,
         "FRACGPU_MAX_DEVICES": MAX_DEVICES,
+        "FRACGPU_MAX_MEMORY_BYTES": MAX_MEMORY_BYTES,
     }
     lines = [
         "/* Generated from deviceplugin/contract.py by `python -m deviceplugin.contract c-header`.",

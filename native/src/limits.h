@@ -1,0 +1,32 @@
+/* The limits file reader: the C half of deviceplugin/contract.py (format version 1). */
+#ifndef FRACGPU_LIMITS_H
+#define FRACGPU_LIMITS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fracgpu_contract.h"
+
+#define FG_UUID_MAX 96
+
+typedef struct {
+    int ndevices;
+    char devices[FRACGPU_MAX_DEVICES][FG_UUID_MAX];
+    uint64_t memory_bytes;
+    int compute_percent;
+} fg_limits;
+
+typedef enum {
+    FG_LIMITS_OK = 0,      /* parsed; enforce */
+    FG_LIMITS_ABSENT = 1,  /* no file: the hook is a pure pass-through */
+    FG_LIMITS_INVALID = 2, /* unreadable or malformed: see why */
+} fg_limits_status;
+
+/* Parse text (not NUL-terminated, len bytes). On FG_LIMITS_INVALID, why holds one line. */
+fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, char *why,
+                                 size_t why_len);
+
+/* Read and parse the file at path. ENOENT is FG_LIMITS_ABSENT; every other failure is invalid. */
+fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, size_t why_len);
+
+#endif

@@ -1,0 +1,706 @@
+/* Device memory: every allocation path is charged to the container's share before the driver is
+ * asked (so racing processes can never pass the limit), and every free releases exactly what its
+ * allocation charged, looked up in a per-process table keyed by pointer or handle. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hook.h"
+#include "region.h"
+
+/* ---- what each live allocation charged --------------------------------------------------- */
+
+typedef enum { K_PTR = 1, K_PTR_V1, K_POOL, K_VMM, K_ARRAY, K_MIPMAP } fg_kind;
+
+typedef struct {
+    uint64_t key; /* 0: empty */
+    uint64_t bytes;
+    int32_t dev;
+    int32_t kind;
+    CUmemoryPool pool;
+} fg_rec;
+
+/* Sharded open-addressing tables: a mutex per shard, never one for the whole process. */
+#define SHARDS 64
+typedef struct {
+    pthread_mutex_t mu;
+    fg_rec *slots;
+    size_t cap, len;
+    char pad[64];
+} fg_shard;
+static fg_shard shards[SHARDS];
+static pthread_once_t shards_once = PTHREAD_ONCE_INIT;
+
+static void shards_init(void) {
+    for (int i = 0; i < SHARDS; i++) pthread_mutex_init(&shards[i].mu, NULL);
+}
+
+static uint64_t mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return x;
+}
+static uint64_t make_key(fg_kind kind, uint64_t v) { return (v * 8u) ^ (uint64_t)kind; }
+
+static int table_put_locked(fg_shard *s, const fg_rec *r) {
+    if ((s->len + 1) * 2 > s->cap) {
+        size_t ncap = s->cap ? s->cap * 2 : 16;
+        fg_rec *n = calloc(ncap, sizeof *n);
+        if (!n) return -1;
+        for (size_t i = 0; i < s->cap; i++) {
+            if (!s->slots[i].key) continue;
+            size_t j = mix(s->slots[i].key) & (ncap - 1);
+            while (n[j].key) j = (j + 1) & (ncap - 1);
+            n[j] = s->slots[i];
+        }
+        free(s->slots);
+        s->slots = n;
+        s->cap = ncap;
+    }
+    size_t j = mix(r->key) & (s->cap - 1);
+    while (s->slots[j].key && s->slots[j].key != r->key) j = (j + 1) & (s->cap - 1);
+    if (!s->slots[j].key) s->len++;
+    s->slots[j] = *r;
+    return 0;
+}
+
+static bool rec_put(fg_kind kind, uint64_t v, int dev, uint64_t bytes, CUmemoryPool pool) {
+    pthread_once(&shards_once, shards_init);
+    fg_rec r = {make_key(kind, v), bytes, dev, (int32_t)kind, pool};
+    fg_shard *s = &shards[mix(r.key) % SHARDS];
+    pthread_mutex_lock(&s->mu);
+    int rc = table_put_locked(s, &r);
+    pthread_mutex_unlock(&s->mu);
+    return rc == 0;
+}
+
+static bool rec_take(fg_kind kind, uint64_t v, fg_rec *out) {
+    pthread_once(&shards_once, shards_init);
+    uint64_t key = make_key(kind, v);
+    fg_shard *s = &shards[mix(key) % SHARDS];
+    bool found = false;
+    pthread_mutex_lock(&s->mu);
+    if (s->cap) {
+        size_t mask = s->cap - 1, i = mix(key) & mask;
+        while (s->slots[i].key && s->slots[i].key != key) i = (i + 1) & mask;
+        if (s->slots[i].key == key) {
+            *out = s->slots[i];
+            found = true;
+            /* Backward-shift deletion keeps probe chains intact without tombstones. */
+            size_t j = i;
+            for (;;) {
+                s->slots[i].key = 0;
+                for (;;) {
+                    j = (j + 1) & mask;
+                    if (!s->slots[j].key) goto done;
+                    size_t home = mix(s->slots[j].key) & mask;
+                    if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+                    break;
+                }
+                s->slots[i] = s->slots[j];
+                i = j;
+            }
+        done:
+            s->len--;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return found;
+}
+
+static void pools_after_fork(void);
+
+void fg_memory_after_fork(void) {
+    /* The parent's allocations are not the child's to free: start from an empty table. */
+    pools_after_fork();
+    for (int i = 0; i < SHARDS; i++) {
+        pthread_mutex_init(&shards[i].mu, NULL);
+        free(shards[i].slots);
+        shards[i].slots = NULL;
+        shards[i].cap = shards[i].len = 0;
+    }
+}
+
+/* ---- which granted card ------------------------------------------------------------------- */
+
+#define MAX_ORDINALS 64
+static _Atomic int ordinal_index[MAX_ORDINALS]; /* 0 unknown, else index + 1, or -1 not granted */
+
+static int uuid_index(const char *uuid) {
+    for (int i = 0; i < fg.limits.ndevices; i++)
+        if (strcmp(fg.limits.devices[i], uuid) == 0) return i;
+    return -1;
+}
+
+int fg_device_index(CUdevice dev) {
+    if (dev < 0 || dev >= MAX_ORDINALS || !fg_real.cuDeviceGetUuid) return -1;
+    int cached = atomic_load_explicit(&ordinal_index[dev], memory_order_relaxed);
+    if (FG_LIKELY(cached != 0)) return cached > 0 ? cached - 1 : -1;
+    CUuuid u;
+    if (fg_real.cuDeviceGetUuid(&u, dev) != CUDA_SUCCESS) return -1;
+    const unsigned char *b = (const unsigned char *)u.bytes;
+    char s[64];
+    snprintf(s, sizeof s,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1],
+             b[2], b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14],
+             b[15]);
+    int idx = uuid_index(s);
+    int expected = 0;
+    if (atomic_compare_exchange_strong(&ordinal_index[dev], &expected, idx >= 0 ? idx + 1 : -1) &&
+        idx < 0 && fg.mode == FG_MODE_ENFORCE)
+        fg_log("card %s (device %d) is not in the limits file's devices; its memory is refused",
+               s, dev);
+    return idx;
+}
+
+int fg_nvml_device_index(nvmlDevice_t dev) {
+    char uuid[NVML_DEVICE_UUID_BUFFER_SIZE];
+    if (!fg_real.nvmlDeviceGetUUID ||
+        fg_real.nvmlDeviceGetUUID(dev, uuid, sizeof uuid) != NVML_SUCCESS)
+        return -1;
+    return uuid_index(uuid);
+}
+
+/* The card index of the calling thread's current context: >=0 index; -1 no context (the driver
+ * will refuse the call itself); -2 a card this container was not granted. */
+static int current_index(void) {
+    CUdevice d;
+    if (!fg_real.cuCtxGetDevice || fg_real.cuCtxGetDevice(&d) != CUDA_SUCCESS) return -1;
+    int idx = fg_device_index(d);
+    return idx >= 0 ? idx : -2;
+}
+
+/* Charge bytes to card idx; false means answer CUDA_ERROR_OUT_OF_MEMORY. */
+static bool charge(int idx, uint64_t bytes) {
+    if (fg.mode == FG_MODE_DENY || idx == -2) return false;
+    return fg_region_charge(idx, bytes, fg.limits.memory_bytes);
+}
+
+/* Common shape of the plain allocators: enforce, call, record or refund. */
+#define ENFORCED() (fg.mode != FG_MODE_INERT)
+
+FG_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
+    fg_init();
+    if (!fg_real.cuMemAlloc_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAlloc_v2(dptr, bytes);
+    int idx = current_index();
+    if (idx == -1) return fg_real.cuMemAlloc_v2(dptr, bytes);
+    if (!charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fg_real.cuMemAlloc_v2(dptr, bytes);
+    if (r != CUDA_SUCCESS || !rec_put(K_PTR, *dptr, idx, bytes, NULL)) {
+        if (r == CUDA_SUCCESS) fg_real.cuMemFree_v2(*dptr), r = CUDA_ERROR_OUT_OF_MEMORY;
+        fg_region_release(idx, bytes);
+    }
+    return r;
+}
+
+FG_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytes) {
+    fg_init();
+    if (!fg_real.cuMemAlloc) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAlloc(dptr, bytes);
+    int idx = current_index();
+    if (idx == -1) return fg_real.cuMemAlloc(dptr, bytes);
+    if (!charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fg_real.cuMemAlloc(dptr, bytes);
+    if (r != CUDA_SUCCESS || !rec_put(K_PTR_V1, *dptr, idx, bytes, NULL)) {
+        if (r == CUDA_SUCCESS) fg_real.cuMemFree(*dptr), r = CUDA_ERROR_OUT_OF_MEMORY;
+        fg_region_release(idx, bytes);
+    }
+    return r;
+}
+
+FG_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
+                                      size_t height, unsigned int elem) {
+    fg_init();
+    if (!fg_real.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !dptr || !pitch || width == 0 || height == 0)
+        return fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+    int idx = current_index();
+    if (idx == -1) return fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+    /* The driver pads rows to its pitch alignment (at most 512 bytes on current cards); charge
+     * the padded worst case first, then settle on the pitch it chose. */
+    uint64_t row = ((uint64_t)width + 511) / 512 * 512, worst;
+    if (__builtin_mul_overflow(row, (uint64_t)height, &worst)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!charge(idx, worst)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
+    if (r != CUDA_SUCCESS) {
+        fg_region_release(idx, worst);
+        return r;
+    }
+    uint64_t bytes = (uint64_t)*pitch * height;
+    if (bytes < worst) {
+        fg_region_release(idx, worst - bytes);
+    } else if (bytes > worst && !charge(idx, bytes - worst)) {
+        fg_real.cuMemFree_v2(*dptr);
+        fg_region_release(idx, worst);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (!rec_put(K_PTR, *dptr, idx, bytes, NULL)) {
+        fg_real.cuMemFree_v2(*dptr);
+        fg_region_release(idx, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return r;
+}
+
+/* Managed memory can migrate to the host, but it can also fill the card: counted in full. */
+FG_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned int flags) {
+    fg_init();
+    if (!fg_real.cuMemAllocManaged) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAllocManaged(dptr, bytes, flags);
+    int idx = current_index();
+    if (idx == -1) return fg_real.cuMemAllocManaged(dptr, bytes, flags);
+    if (!charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fg_real.cuMemAllocManaged(dptr, bytes, flags);
+    if (r != CUDA_SUCCESS || !rec_put(K_PTR, *dptr, idx, bytes, NULL)) {
+        if (r == CUDA_SUCCESS) fg_real.cuMemFree_v2(*dptr), r = CUDA_ERROR_OUT_OF_MEMORY;
+        fg_region_release(idx, bytes);
+    }
+    return r;
+}
+
+/* Frees: forget the record first (so a racing allocation may reuse the address), then free;
+ * if the driver refuses, the record goes back. */
+static CUresult free_recorded(fg_kind kind, uint64_t key, CUresult (*do_free)(uint64_t)) {
+    fg_rec rec;
+    bool had = ENFORCED() && rec_take(kind, key, &rec);
+    CUresult r = do_free(key);
+    if (!had) return r;
+    if (r == CUDA_SUCCESS)
+        fg_region_release(rec.dev, rec.bytes);
+    else
+        rec_put(kind, key, rec.dev, rec.bytes, rec.pool);
+    return r;
+}
+
+static CUresult real_free_v1(uint64_t p) { return fg_real.cuMemFree((CUdeviceptr_v1)p); }
+static CUresult real_release(uint64_t h) { return fg_real.cuMemRelease(h); }
+static CUresult real_array_destroy(uint64_t a) {
+    return fg_real.cuArrayDestroy((CUarray)(uintptr_t)a);
+}
+static CUresult real_mipmap_destroy(uint64_t a) {
+    return fg_real.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)a);
+}
+
+static CUresult free_any(CUdeviceptr p, CUstream s, bool async, __typeof__(cuMemFreeAsync) *real);
+
+FG_EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    fg_init();
+    if (!fg_real.cuMemFree_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED()) return fg_real.cuMemFree_v2(p);
+    return free_any(p, NULL, false, NULL);
+}
+
+FG_EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
+    fg_init();
+    if (!fg_real.cuMemFree) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_recorded(K_PTR_V1, p, real_free_v1);
+}
+
+/* ---- stream-ordered allocations: charged by what their pool reserves ---------------------- */
+
+/* A pool keeps freed memory for reuse and grows in chunks, so what it holds on the card is its
+ * reserved size, not the sum of live allocations. The hook charges each pool's reserved bytes:
+ * before an allocation it charges the growth the allocation may need, afterwards it settles on
+ * what the driver reports, and frees, trims and destroys settle again. */
+typedef struct {
+    CUmemoryPool pool;
+    int dev;
+    uint64_t charged;
+} fg_pool;
+#define MAX_POOLS 256
+static fg_pool pools[MAX_POOLS];
+static int npools;
+static pthread_mutex_t pools_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static void pools_after_fork(void) {
+    pthread_mutex_init(&pools_mu, NULL);
+    npools = 0;
+}
+
+static fg_pool *pool_find(CUmemoryPool p, int dev, bool create) {
+    for (int i = 0; i < npools; i++)
+        if (pools[i].pool == p) return &pools[i];
+    if (!create || npools == MAX_POOLS) return NULL;
+    pools[npools] = (fg_pool){p, dev, 0};
+    return &pools[npools++];
+}
+
+static uint64_t pool_attr(CUmemoryPool p, CUmemPool_attribute a) {
+    cuuint64_t v = 0;
+    if (!fg_real.cuMemPoolGetAttribute || fg_real.cuMemPoolGetAttribute(p, a, &v) != CUDA_SUCCESS)
+        return 0;
+    return v;
+}
+
+/* Bring the charge to what the pool now reserves. Growth the driver already made is forced
+ * (it is on the card); false when that leaves the container beyond its limit. */
+static bool pool_settle(fg_pool *fp) {
+    uint64_t reserved = pool_attr(fp->pool, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    if (reserved < fp->charged) {
+        fg_region_release(fp->dev, fp->charged - reserved);
+    } else if (reserved > fp->charged) {
+        fg_region_force(fp->dev, reserved - fp->charged);
+    }
+    fp->charged = reserved;
+    return fg_region_used(fp->dev) <= fg.limits.memory_bytes;
+}
+
+typedef CUresult (*pool_alloc_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream, void *);
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream stream,
+                           pool_alloc_fn call, void *real, CUresult (*free_async)(CUdeviceptr,
+                                                                                    CUstream)) {
+    int idx = current_index();
+    if (idx == -1 || !dptr || bytes == 0) return call(dptr, bytes, pool, stream, real);
+    if (fg.mode == FG_MODE_DENY || idx == -2) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!pool) {
+        CUdevice d;
+        if (!fg_real.cuDeviceGetMemPool || fg_real.cuCtxGetDevice(&d) != CUDA_SUCCESS ||
+            fg_real.cuDeviceGetMemPool(&pool, d) != CUDA_SUCCESS)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pthread_mutex_lock(&pools_mu);
+    fg_pool *fp = pool_find(pool, idx, true);
+    if (!fp) {
+        pthread_mutex_unlock(&pools_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    pool_settle(fp);
+    uint64_t used = pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+    uint64_t growth = used + bytes > fp->charged ? used + bytes - fp->charged : 0;
+    if (growth && !fg_region_charge(idx, growth, fg.limits.memory_bytes)) {
+        pthread_mutex_unlock(&pools_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    fp->charged += growth;
+    CUresult r = call(dptr, bytes, pool, stream, real);
+    if (r == CUDA_SUCCESS && !pool_settle(fp)) {
+        /* The pool grew by more than the allocation (chunk rounding) and that passed the limit. */
+        free_async(*dptr, stream);
+        if (fg_real.cuMemPoolTrimTo) fg_real.cuMemPoolTrimTo(pool, 0);
+        pool_settle(fp);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (r != CUDA_SUCCESS) {
+        pool_settle(fp);
+    } else {
+        rec_put(K_POOL, *dptr, idx, bytes, pool);
+    }
+    pthread_mutex_unlock(&pools_mu);
+    return r;
+}
+
+static CUresult call_default(CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream s, void *f) {
+    (void)p;
+    return ((__typeof__(cuMemAllocAsync) *)f)(d, n, s);
+}
+static CUresult call_from_pool(CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream s, void *f) {
+    return ((__typeof__(cuMemAllocFromPoolAsync) *)f)(d, n, p, s);
+}
+
+#define ASYNC_ALLOC(name, free_name)                                                           \
+    FG_EXPORT CUresult name(CUdeviceptr *dptr, size_t bytes, CUstream stream) {                \
+        fg_init();                                                                             \
+        if (!fg_real.name) return CUDA_ERROR_NOT_INITIALIZED;                                  \
+        if (!ENFORCED()) return fg_real.name(dptr, bytes, stream);                             \
+        return pool_alloc(dptr, bytes, NULL, stream, call_default, (void *)fg_real.name,       \
+                          fg_real.free_name);                                                  \
+    }
+ASYNC_ALLOC(cuMemAllocAsync, cuMemFreeAsync)
+ASYNC_ALLOC(cuMemAllocAsync_ptsz, cuMemFreeAsync_ptsz)
+
+#define POOL_ALLOC(name, free_name)                                                            \
+    FG_EXPORT CUresult name(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool,                \
+                            CUstream stream) {                                                 \
+        fg_init();                                                                             \
+        if (!fg_real.name) return CUDA_ERROR_NOT_INITIALIZED;                                  \
+        if (!ENFORCED() || !pool) return fg_real.name(dptr, bytes, pool, stream);              \
+        return pool_alloc(dptr, bytes, pool, stream, call_from_pool, (void *)fg_real.name,     \
+                          fg_real.free_name);                                                  \
+    }
+POOL_ALLOC(cuMemAllocFromPoolAsync, cuMemFreeAsync)
+POOL_ALLOC(cuMemAllocFromPoolAsync_ptsz, cuMemFreeAsync_ptsz)
+
+/* cuMemFreeAsync also frees cuMemAlloc memory, and cuMemFree stream-ordered memory: whichever
+ * record the pointer has is settled. */
+static CUresult free_any(CUdeviceptr p, CUstream s, bool async, __typeof__(cuMemFreeAsync) *real) {
+    fg_rec rec;
+    if (rec_take(K_PTR, p, &rec)) { /* the common case takes no process-wide lock */
+        CUresult r = async ? real(p, s) : fg_real.cuMemFree_v2(p);
+        if (r == CUDA_SUCCESS)
+            fg_region_release(rec.dev, rec.bytes);
+        else
+            rec_put(K_PTR, p, rec.dev, rec.bytes, NULL);
+        return r;
+    }
+    pthread_mutex_lock(&pools_mu);
+    bool had = rec_take(K_POOL, p, &rec);
+    CUresult r = async ? real(p, s) : fg_real.cuMemFree_v2(p);
+    if (had && r != CUDA_SUCCESS) {
+        rec_put(K_POOL, p, rec.dev, rec.bytes, rec.pool);
+    } else if (had) {
+        fg_pool *fp = pool_find(rec.pool, rec.dev, false);
+        if (fp) pool_settle(fp);
+    }
+    pthread_mutex_unlock(&pools_mu);
+    return r;
+}
+
+static CUresult free_async(CUdeviceptr p, CUstream s, __typeof__(cuMemFreeAsync) *real) {
+    if (!ENFORCED()) return real(p, s);
+    return free_any(p, s, true, real);
+}
+
+FG_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s) {
+    fg_init();
+    if (!fg_real.cuMemFreeAsync) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_async(p, s, fg_real.cuMemFreeAsync);
+}
+
+FG_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
+    fg_init();
+    if (!fg_real.cuMemFreeAsync_ptsz) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_async(p, s, fg_real.cuMemFreeAsync_ptsz);
+}
+
+FG_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {
+    fg_init();
+    if (!fg_real.cuMemPoolTrimTo) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED()) return fg_real.cuMemPoolTrimTo(pool, keep);
+    pthread_mutex_lock(&pools_mu);
+    CUresult r = fg_real.cuMemPoolTrimTo(pool, keep);
+    fg_pool *fp = pool_find(pool, 0, false);
+    if (fp) pool_settle(fp);
+    pthread_mutex_unlock(&pools_mu);
+    return r;
+}
+
+FG_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool) {
+    fg_init();
+    if (!fg_real.cuMemPoolDestroy) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED()) return fg_real.cuMemPoolDestroy(pool);
+    pthread_mutex_lock(&pools_mu);
+    CUresult r = fg_real.cuMemPoolDestroy(pool);
+    fg_pool *fp = pool_find(pool, 0, false);
+    if (r == CUDA_SUCCESS && fp) {
+        fg_region_release(fp->dev, fp->charged);
+        *fp = pools[--npools];
+    }
+    pthread_mutex_unlock(&pools_mu);
+    return r;
+}
+
+/* ---- virtual memory management ----------------------------------------------------------- */
+
+FG_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
+                               const CUmemAllocationProp *prop, unsigned long long flags) {
+    fg_init();
+    if (!fg_real.cuMemCreate) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !h || !prop || bytes == 0 ||
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return fg_real.cuMemCreate(h, bytes, prop, flags);
+    int idx = fg_device_index(prop->location.id);
+    if (!charge(idx < 0 ? -2 : idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = fg_real.cuMemCreate(h, bytes, prop, flags);
+    if (r != CUDA_SUCCESS || !rec_put(K_VMM, *h, idx, bytes, NULL)) {
+        if (r == CUDA_SUCCESS) fg_real.cuMemRelease(*h), r = CUDA_ERROR_OUT_OF_MEMORY;
+        fg_region_release(idx, bytes);
+    }
+    return r;
+}
+
+FG_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    fg_init();
+    if (!fg_real.cuMemRelease) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_recorded(K_VMM, h, real_release);
+}
+
+/* ---- arrays ------------------------------------------------------------------------------ */
+
+static uint64_t format_bytes(CUarray_format f) {
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8:
+    case CU_AD_FORMAT_SIGNED_INT8:
+        return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16:
+    case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF:
+        return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32:
+    case CU_AD_FORMAT_SIGNED_INT32:
+    case CU_AD_FORMAT_FLOAT:
+        return 4;
+    default:
+        return 16; /* formats this hook does not know are charged as the widest texel */
+    }
+}
+
+static uint64_t dim(size_t v) { return v ? (uint64_t)v : 1; }
+
+/* Sizes come from the caller: a product that overflows must not wrap into a small charge. */
+static uint64_t mul_sat(uint64_t a, uint64_t b) {
+    uint64_t r;
+    return __builtin_mul_overflow(a, b, &r) ? UINT64_MAX : r;
+}
+static uint64_t add_sat(uint64_t a, uint64_t b) { return a > UINT64_MAX - b ? UINT64_MAX : a + b; }
+
+static uint64_t array_bytes(size_t w, size_t h, size_t d, CUarray_format f, unsigned ch) {
+    uint64_t texels = mul_sat(mul_sat(dim(w), dim(h)), dim(d));
+    return mul_sat(texels, format_bytes(f) * (ch ? ch : 1));
+}
+
+static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *a, unsigned levels) {
+    uint64_t total = 0;
+    size_t w = a->Width, h = a->Height, d = a->Depth;
+    for (unsigned l = 0; l < (levels ? levels : 1) && l < 64; l++) {
+        total = add_sat(total, array_bytes(w, h, d, a->Format, a->NumChannels));
+        w = w > 1 ? w / 2 : w;
+        h = h > 1 ? h / 2 : h;
+        d = d > 1 ? d / 2 : d;
+    }
+    return total;
+}
+
+#define ARRAY_CREATE(kind, handle_t, call, bytes_expr)                                         \
+    {                                                                                          \
+        int idx = current_index();                                                             \
+        if (idx == -1) return call;                                                            \
+        uint64_t bytes = (bytes_expr);                                                         \
+        if (!charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;                              \
+        CUresult r = call;                                                                     \
+        if (r != CUDA_SUCCESS || !rec_put(kind, (uint64_t)(uintptr_t)*out, idx, bytes, NULL)) { \
+            fg_region_release(idx, bytes);                                                     \
+            if (r == CUDA_SUCCESS) r = CUDA_ERROR_OUT_OF_MEMORY;                               \
+        }                                                                                      \
+        return r;                                                                              \
+    }
+
+FG_EXPORT CUresult cuArrayCreate_v2(CUarray *out, const CUDA_ARRAY_DESCRIPTOR *a) {
+    fg_init();
+    if (!fg_real.cuArrayCreate_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !out || !a) return fg_real.cuArrayCreate_v2(out, a);
+    ARRAY_CREATE(K_ARRAY, CUarray, fg_real.cuArrayCreate_v2(out, a),
+                 array_bytes(a->Width, a->Height, 0, a->Format, a->NumChannels))
+}
+
+FG_EXPORT CUresult cuArray3DCreate_v2(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR *a) {
+    fg_init();
+    if (!fg_real.cuArray3DCreate_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !out || !a) return fg_real.cuArray3DCreate_v2(out, a);
+    ARRAY_CREATE(K_ARRAY, CUarray, fg_real.cuArray3DCreate_v2(out, a),
+                 array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels))
+}
+
+FG_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_ARRAY3D_DESCRIPTOR *a,
+                                          unsigned int levels) {
+    fg_init();
+    if (!fg_real.cuMipmappedArrayCreate) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !out || !a) return fg_real.cuMipmappedArrayCreate(out, a, levels);
+    ARRAY_CREATE(K_MIPMAP, CUmipmappedArray, fg_real.cuMipmappedArrayCreate(out, a, levels),
+                 mipmap_bytes(a, levels))
+}
+
+FG_EXPORT CUresult cuArrayDestroy(CUarray a) {
+    fg_init();
+    if (!fg_real.cuArrayDestroy) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_recorded(K_ARRAY, (uint64_t)(uintptr_t)a, real_array_destroy);
+}
+
+FG_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) {
+    fg_init();
+    if (!fg_real.cuMipmappedArrayDestroy) return CUDA_ERROR_NOT_INITIALIZED;
+    return free_recorded(K_MIPMAP, (uint64_t)(uintptr_t)a, real_mipmap_destroy);
+}
+
+/* ---- what the container is told it has ---------------------------------------------------- */
+
+static uint64_t share_total(uint64_t card_total) {
+    if (fg.mode == FG_MODE_DENY) return 0;
+    return card_total < fg.limits.memory_bytes ? card_total : fg.limits.memory_bytes;
+}
+
+static void share_info(int idx, uint64_t card_free, uint64_t card_total, uint64_t *free_out,
+                       uint64_t *total_out) {
+    uint64_t total = share_total(card_total);
+    uint64_t used = fg.mode == FG_MODE_DENY ? 0 : fg_region_used(idx);
+    uint64_t left = used < total ? total - used : 0;
+    *total_out = total;
+    *free_out = left < card_free ? left : card_free;
+}
+
+FG_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b) {
+    fg_init();
+    if (!fg_real.cuMemGetInfo_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuMemGetInfo_v2(free_b, total_b);
+    if (r != CUDA_SUCCESS || !ENFORCED() || !free_b || !total_b) return r;
+    int idx = current_index();
+    if (idx == -1) return r;
+    uint64_t f, t;
+    share_info(idx < 0 ? -1 : idx, *free_b, idx < 0 ? 0 : *total_b, &f, &t);
+    *free_b = (size_t)f;
+    *total_b = (size_t)t;
+    return r;
+}
+
+FG_EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b) {
+    fg_init();
+    if (!fg_real.cuMemGetInfo) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuMemGetInfo(free_b, total_b);
+    if (r != CUDA_SUCCESS || !ENFORCED() || !free_b || !total_b) return r;
+    int idx = current_index();
+    if (idx == -1) return r;
+    uint64_t f, t;
+    share_info(idx < 0 ? -1 : idx, *free_b, idx < 0 ? 0 : *total_b, &f, &t);
+    *free_b = (unsigned int)f;
+    *total_b = (unsigned int)t;
+    return r;
+}
+
+FG_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    fg_init();
+    if (!fg_real.cuDeviceTotalMem_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuDeviceTotalMem_v2(bytes, dev);
+    if (r == CUDA_SUCCESS && ENFORCED() && bytes)
+        *bytes = fg_device_index(dev) < 0 ? 0 : (size_t)share_total(*bytes);
+    return r;
+}
+
+FG_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev) {
+    fg_init();
+    if (!fg_real.cuDeviceTotalMem) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuDeviceTotalMem(bytes, dev);
+    if (r == CUDA_SUCCESS && ENFORCED() && bytes)
+        *bytes = fg_device_index(dev) < 0 ? 0 : (unsigned int)share_total(*bytes);
+    return r;
+}
+
+FG_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *m) {
+    fg_init_nvml();
+    if (!fg_real.nvmlDeviceGetMemoryInfo) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t r = fg_real.nvmlDeviceGetMemoryInfo(dev, m);
+    if (r != NVML_SUCCESS || !ENFORCED() || !m) return r;
+    int idx = fg_nvml_device_index(dev);
+    uint64_t f, t;
+    share_info(idx, m->free, idx < 0 ? 0 : m->total, &f, &t);
+    m->total = t;
+    m->free = f;
+    m->used = t - f;
+    return r;
+}
+
+FG_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *m) {
+    fg_init_nvml();
+    if (!fg_real.nvmlDeviceGetMemoryInfo_v2) return NVML_ERROR_UNINITIALIZED;
+    nvmlReturn_t r = fg_real.nvmlDeviceGetMemoryInfo_v2(dev, m);
+    if (r != NVML_SUCCESS || !ENFORCED() || !m) return r;
+    int idx = fg_nvml_device_index(dev);
+    uint64_t f, t;
+    share_info(idx, m->free, idx < 0 ? 0 : m->total, &f, &t);
+    m->total = t;
+    m->reserved = 0;
+    m->free = f;
+    m->used = t - f;
+    return r;
+}

@@ -1,0 +1,744 @@
+/* A fake libcuda.so.1 for GPU-less tests: simulated device memory, memory pools, VMM handles,
+ * arrays, kernels and graphs on a simulated clock. Strict like the real driver: every call before
+ * cuInit fails with CUDA_ERROR_NOT_INITIALIZED, calls without a current context fail with
+ * CUDA_ERROR_INVALID_CONTEXT, unknown pointers and handles are rejected, and device memory runs
+ * out at the simulated card's size.
+ *
+ * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
+ * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
+ * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4). */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "cuda_api.h"
+
+#define EXPORT __attribute__((visibility("default")))
+#define MAX_DEV 8
+#define MAGIC_CTX 0x43545831u
+#define MAGIC_POOL 0x504f4f4cu
+#define MAGIC_ARRAY 0x41525259u
+#define MAGIC_MOD 0x4d4f4431u
+#define MAGIC_FN 0x464e4331u
+#define MAGIC_GRAPH 0x47524631u
+#define MAGIC_EXEC 0x47455831u
+#define CHUNK (32ull << 20)
+#define UTIL_WINDOW_NS 100000000ull
+
+struct CUctx_st { unsigned magic; int dev; };
+struct CUmemPoolHandle_st { unsigned magic; int dev; uint64_t reserved, used; };
+struct CUarray_st { unsigned magic; int dev; uint64_t bytes; };
+struct CUmipmappedArray_st { unsigned magic; int dev; uint64_t bytes; };
+struct CUmod_st { unsigned magic; };
+struct CUfunc_st { unsigned magic; };
+struct CUgraph_st { unsigned magic; };
+struct CUgraphExec_st { unsigned magic; unsigned kernels; };
+
+typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM } akind;
+typedef struct { uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool; } alloc_t;
+
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+static atomic_bool initialised;
+static int ndev = 1;
+static uint64_t dev_total = 16384ull << 20;
+static uint64_t dev_used[MAX_DEV];
+static alloc_t *allocs;
+static size_t nallocs, capallocs;
+static uint64_t next_addr = 0x7f0000000000ull, next_addr_v1 = 0x10000000ull, next_handle = 1;
+static struct CUmemPoolHandle_st default_pool[MAX_DEV];
+static struct CUmemPoolHandle_st *current_pool[MAX_DEV];
+static _Thread_local CUcontext current;
+static uint64_t kernel_ns, queue_ns = 20000000ull;
+static unsigned graph_kernels = 4;
+
+/* The simulated clock: the card runs kernels one after another; busy intervals are kept so NVML
+ * can report utilisation over its window. */
+typedef struct { uint64_t start, end; } span;
+#define SPANS 8192
+static span spans[MAX_DEV][SPANS];
+static size_t nspan[MAX_DEV];
+static uint64_t busy_until[MAX_DEV];
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t env_u64(const char *name, uint64_t dflt) {
+    const char *v = getenv(name);
+    return v && *v ? strtoull(v, NULL, 10) : dflt;
+}
+
+#define NEED_INIT() \
+    do { if (!atomic_load(&initialised)) return CUDA_ERROR_NOT_INITIALIZED; } while (0)
+#define NEED_CTX() \
+    do { NEED_INIT(); if (!current) return CUDA_ERROR_INVALID_CONTEXT; } while (0)
+
+EXPORT CUresult cuInit(unsigned int flags) {
+    if (flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    if (!atomic_load(&initialised)) {
+        ndev = (int)env_u64("FAKE_CUDA_DEVICES", 1);
+        if (ndev < 1 || ndev > MAX_DEV) ndev = 1;
+        dev_total = env_u64("FAKE_CUDA_MEMORY_MIB", 16384) << 20;
+        kernel_ns = env_u64("FAKE_CUDA_KERNEL_US", 0) * 1000;
+        queue_ns = env_u64("FAKE_CUDA_QUEUE_US", 20000) * 1000;
+        graph_kernels = (unsigned)env_u64("FAKE_CUDA_GRAPH_KERNELS", 4);
+        for (int i = 0; i < MAX_DEV; i++) {
+            default_pool[i] = (struct CUmemPoolHandle_st){MAGIC_POOL, i, 0, 0};
+            current_pool[i] = &default_pool[i];
+        }
+        atomic_store(&initialised, true);
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDriverGetVersion(int *v) {
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    *v = 12040;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGetCount(int *n) {
+    NEED_INIT();
+    if (!n) return CUDA_ERROR_INVALID_VALUE;
+    *n = ndev;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuDeviceGet(CUdevice *d, int ordinal) {
+    NEED_INIT();
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    if (ordinal < 0 || ordinal >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *d = ordinal;
+    return CUDA_SUCCESS;
+}
+
+/* Card i's UUID is GPU-10111213-1415-1617-1819-1a1b1c1d1e0<i>. */
+EXPORT CUresult cuDeviceGetUuid(CUuuid *u, CUdevice d) {
+    NEED_INIT();
+    if (!u) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    for (int k = 0; k < 15; k++) u->bytes[k] = (char)(0x10 + k);
+    u->bytes[15] = (char)d;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetUuid_v2(CUuuid *u, CUdevice d) { return cuDeviceGetUuid(u, d); }
+
+EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice d) {
+    NEED_INIT();
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *bytes = dev_total;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice d) {
+    size_t b;
+    CUresult r = cuDeviceTotalMem_v2(&b, d);
+    if (r == CUDA_SUCCESS) *bytes = b > 0xffffffffu ? 0xffffffffu : (unsigned)b;
+    return r;
+}
+
+EXPORT CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice d) {
+    NEED_INIT();
+    if (!ctx) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    CUcontext c = calloc(1, sizeof *c);
+    c->magic = MAGIC_CTX;
+    c->dev = d;
+    current = c;
+    *ctx = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxDestroy_v2(CUcontext c) {
+    NEED_INIT();
+    if (!c || c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
+    c->magic = 0;
+    if (current == c) current = NULL;
+    free(c);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxSetCurrent(CUcontext c) {
+    NEED_INIT();
+    if (c && c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
+    current = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetDevice(CUdevice *d) {
+    NEED_CTX();
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    *d = current->dev;
+    return CUDA_SUCCESS;
+}
+
+/* ---- memory ------------------------------------------------------------------------------ */
+
+static alloc_t *find_locked(uint64_t key, akind kind) {
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].key == key && allocs[i].kind == kind) return &allocs[i];
+    return NULL;
+}
+
+static void add_locked(uint64_t key, akind kind, int dev, uint64_t bytes, CUmemoryPool pool) {
+    if (nallocs == capallocs) {
+        capallocs = capallocs ? capallocs * 2 : 64;
+        allocs = realloc(allocs, capallocs * sizeof *allocs);
+    }
+    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool};
+}
+
+static void remove_locked(alloc_t *a) { *a = allocs[--nallocs]; }
+
+static CUresult take_device_memory_locked(int dev, uint64_t bytes) {
+    if (bytes > dev_total - dev_used[dev]) return CUDA_ERROR_OUT_OF_MEMORY;
+    dev_used[dev] += bytes;
+    return CUDA_SUCCESS;
+}
+
+static CUresult alloc_ptr(CUdeviceptr *p, uint64_t bytes, akind kind) {
+    NEED_CTX();
+    if (!p || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(current->dev, bytes);
+    if (r == CUDA_SUCCESS) {
+        uint64_t *next = kind == A_PTR_V1 ? &next_addr_v1 : &next_addr;
+        *p = *next;
+        *next += (bytes + 511) & ~511ull;
+        add_locked(*p, kind, current->dev, bytes, NULL);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+static CUresult free_key(uint64_t key, akind kind, CUresult bad) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(key, kind);
+    if (!a) {
+        pthread_mutex_unlock(&mu);
+        return bad;
+    }
+    dev_used[a->dev] -= a->bytes;
+    remove_locked(a);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t bytes) { return alloc_ptr(p, bytes, A_PTR); }
+EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *p, unsigned int bytes) {
+    CUdeviceptr wide = 0;
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = alloc_ptr(&wide, bytes, A_PTR_V1);
+    if (r == CUDA_SUCCESS) *p = (CUdeviceptr_v1)wide;
+    return r;
+}
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *p, size_t bytes, unsigned int flags) {
+    if (flags != 1 && flags != 2) return CUDA_ERROR_INVALID_VALUE; /* GLOBAL or HOST */
+    return alloc_ptr(p, bytes, A_PTR);
+}
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size_t h,
+                                   unsigned int elem) {
+    NEED_CTX();
+    if (!pitch || w == 0 || h == 0 || (elem != 4 && elem != 8 && elem != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t pt = (w + 511) & ~(size_t)511;
+    CUresult r = alloc_ptr(p, (uint64_t)pt * h, A_PTR);
+    if (r == CUDA_SUCCESS) *pitch = pt;
+    return r;
+}
+static CUresult free_pool_allocation(CUdeviceptr d);
+EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
+    if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = free_key(p, A_PTR, CUDA_ERROR_INVALID_VALUE);
+    /* As with cudaFree, stream-ordered memory may be freed here too. */
+    return r == CUDA_ERROR_INVALID_VALUE ? free_pool_allocation(p) : r;
+}
+EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
+    if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
+    return free_key(p, A_PTR_V1, CUDA_ERROR_INVALID_VALUE);
+}
+
+EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b) {
+    NEED_CTX();
+    if (!free_b || !total_b) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    *free_b = dev_total - dev_used[current->dev];
+    *total_b = dev_total;
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b) {
+    size_t f, t;
+    if (!free_b || !total_b) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = cuMemGetInfo_v2(&f, &t);
+    if (r == CUDA_SUCCESS) {
+        *free_b = f > 0xffffffffu ? 0xffffffffu : (unsigned)f;
+        *total_b = t > 0xffffffffu ? 0xffffffffu : (unsigned)t;
+    }
+    return r;
+}
+
+/* ---- pools ---------------------------------------------------------------------------------- */
+
+static bool pool_ok(CUmemoryPool p) { return p && p->magic == MAGIC_POOL; }
+
+EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *p, CUdevice d) {
+    NEED_INIT();
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *p = &default_pool[d];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *p, CUdevice d) {
+    NEED_INIT();
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    *p = current_pool[d];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolCreate(CUmemoryPool *p, const CUmemPoolProps *props) {
+    NEED_INIT();
+    if (!p || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE ||
+        props->location.id < 0 || props->location.id >= ndev)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUmemoryPool pool = calloc(1, sizeof *pool);
+    pool->magic = MAGIC_POOL;
+    pool->dev = props->location.id;
+    *p = pool;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolDestroy(CUmemoryPool p) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    if (!pool_ok(p) || (p >= &default_pool[0] && p < &default_pool[MAX_DEV])) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    for (size_t i = 0; i < nallocs;)
+        if (allocs[i].kind == A_POOL && allocs[i].pool == p)
+            remove_locked(&allocs[i]);
+        else
+            i++;
+    dev_used[p->dev] -= p->reserved;
+    p->magic = 0;
+    pthread_mutex_unlock(&mu);
+    free(p);
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool p, CUmemPool_attribute a, void *v) {
+    NEED_INIT();
+    if (!pool_ok(p) || !v) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = CUDA_SUCCESS;
+    if (a == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        *(cuuint64_t *)v = p->reserved;
+    else if (a == CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        *(cuuint64_t *)v = p->used;
+    else if (a == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        *(cuuint64_t *)v = 0;
+    else
+        r = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool p, size_t keep) {
+    NEED_INIT();
+    if (!pool_ok(p)) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    uint64_t target = p->used > keep ? p->used : keep;
+    target = (target + (2ull << 20) - 1) & ~((2ull << 20) - 1);
+    if (target < p->reserved) {
+        dev_used[p->dev] -= p->reserved - target;
+        p->reserved = target;
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool p, CUstream s) {
+    NEED_CTX();
+    if (!dptr || bytes == 0 || !pool_ok(p)) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = CUDA_SUCCESS;
+    if (p->used + bytes > p->reserved) {
+        uint64_t grow = (p->used + bytes - p->reserved + CHUNK - 1) / CHUNK * CHUNK;
+        r = take_device_memory_locked(p->dev, grow);
+        if (r == CUDA_SUCCESS) p->reserved += grow;
+    }
+    if (r == CUDA_SUCCESS) {
+        p->used += bytes;
+        *dptr = next_addr;
+        next_addr += (bytes + 511) & ~511ull;
+        add_locked(*dptr, A_POOL, p->dev, bytes, p);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *d, size_t n, CUstream s) {
+    NEED_CTX();
+    return pool_alloc(d, n, current_pool[current->dev], s);
+}
+EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s) {
+    return cuMemAllocAsync(d, n, s);
+}
+EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *d, size_t n, CUmemoryPool p, CUstream s) {
+    return pool_alloc(d, n, p, s);
+}
+EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t n, CUmemoryPool p,
+                                             CUstream s) {
+    return pool_alloc(d, n, p, s);
+}
+static CUresult free_pool_allocation(CUdeviceptr d) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(d, A_POOL);
+    if (!a) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    a->pool->used -= a->bytes; /* stays reserved in the pool until trimmed */
+    remove_locked(a);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+/* Frees stream-ordered memory, and cuMemAlloc memory as well (the driver allows both). */
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+    CUresult r = free_pool_allocation(d);
+    return r == CUDA_ERROR_INVALID_VALUE ? free_key(d, A_PTR, r) : r;
+}
+EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s) { return cuMemFreeAsync(d, s); }
+
+/* ---- VMM ------------------------------------------------------------------------------------ */
+
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
+                            const CUmemAllocationProp *prop, unsigned long long flags) {
+    NEED_INIT();
+    if (!h || !prop || bytes == 0 || flags != 0 ||
+        prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || prop->location.id < 0 ||
+        prop->location.id >= ndev || bytes % (2u << 20) != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(prop->location.id, bytes);
+    if (r == CUDA_SUCCESS) {
+        *h = next_handle++;
+        add_locked(*h, A_VMM, prop->location.id, bytes, NULL);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    return free_key(h, A_VMM, CUDA_ERROR_INVALID_VALUE);
+}
+
+/* ---- arrays ------------------------------------------------------------------------------- */
+
+static uint64_t texel(CUarray_format f, unsigned ch) {
+    uint64_t b = 0;
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: b = 1; break;
+    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16: case CU_AD_FORMAT_HALF:
+        b = 2; break;
+    case CU_AD_FORMAT_UNSIGNED_INT32: case CU_AD_FORMAT_SIGNED_INT32: case CU_AD_FORMAT_FLOAT:
+        b = 4; break;
+    default: return 0;
+    }
+    return (ch == 1 || ch == 2 || ch == 4) ? b * ch : 0;
+}
+static uint64_t one(size_t v) { return v ? v : 1; }
+
+static CUresult make_array(void **out, unsigned magic, uint64_t bytes) {
+    NEED_CTX();
+    if (!out || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(current->dev, bytes);
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS) return r;
+    struct CUarray_st *a = calloc(1, sizeof *a);
+    *a = (struct CUarray_st){magic, current->dev, bytes};
+    *out = a;
+    return CUDA_SUCCESS;
+}
+static CUresult drop_array(void *p, unsigned magic) {
+    NEED_INIT();
+    struct CUarray_st *a = p;
+    if (!a || a->magic != magic) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&mu);
+    dev_used[a->dev] -= a->bytes;
+    pthread_mutex_unlock(&mu);
+    a->magic = 0;
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuArrayCreate_v2(CUarray *out, const CUDA_ARRAY_DESCRIPTOR *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * texel(d->Format, d->NumChannels));
+}
+EXPORT CUresult cuArray3DCreate_v2(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * one(d->Depth) *
+                          texel(d->Format, d->NumChannels));
+}
+EXPORT CUresult cuArrayDestroy(CUarray a) { return drop_array(a, MAGIC_ARRAY); }
+EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                       unsigned int levels) {
+    if (!d || levels == 0) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t total = 0;
+    size_t w = d->Width, h = d->Height, z = d->Depth;
+    for (unsigned l = 0; l < levels; l++) {
+        total += one(w) * one(h) * one(z) * texel(d->Format, d->NumChannels);
+        w = w > 1 ? w / 2 : w;
+        h = h > 1 ? h / 2 : h;
+        z = z > 1 ? z / 2 : z;
+    }
+    return make_array((void **)out, MAGIC_ARRAY + 1, total);
+}
+EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) {
+    return drop_array(a, MAGIC_ARRAY + 1);
+}
+
+/* ---- kernels, graphs and the clock -------------------------------------------------------- */
+
+static struct CUmod_st the_module = {MAGIC_MOD};
+static struct CUfunc_st the_function = {MAGIC_FN};
+
+EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
+    NEED_CTX();
+    if (!m || !image) return CUDA_ERROR_INVALID_VALUE;
+    *m = &the_module;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
+    NEED_CTX();
+    if (!f || !name) return CUDA_ERROR_INVALID_VALUE;
+    if (!m || m->magic != MAGIC_MOD) return CUDA_ERROR_INVALID_HANDLE;
+    *f = &the_function;
+    return CUDA_SUCCESS;
+}
+
+/* Queue work of ns on the current card; block while the queue is too far ahead of the clock. */
+static CUresult run_work(uint64_t ns) {
+    int d = current->dev;
+    pthread_mutex_lock(&mu);
+    uint64_t now = now_ns();
+    if (busy_until[d] < now) busy_until[d] = now;
+    uint64_t start = busy_until[d];
+    busy_until[d] += ns;
+    if (ns) {
+        size_t n = nspan[d];
+        if (n && spans[d][(n - 1) % SPANS].end == start)
+            spans[d][(n - 1) % SPANS].end = busy_until[d];
+        else
+            spans[d][n % SPANS] = (span){start, busy_until[d]}, nspan[d]++;
+    }
+    uint64_t ahead = busy_until[d] - now;
+    pthread_mutex_unlock(&mu);
+    if (ahead > queue_ns) {
+        uint64_t wait = ahead - queue_ns;
+        struct timespec ts = {(time_t)(wait / 1000000000ull), (long)(wait % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                       unsigned by, unsigned bz) {
+    NEED_CTX();
+    if (!f || f->magic != MAGIC_FN) return CUDA_ERROR_INVALID_HANDLE;
+    if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    /* Kernels that take no simulated time cost nothing more: the benchmark's baseline. */
+    return kernel_ns ? run_work(kernel_ns) : CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuLaunchKernel(FRACGPU_LAUNCH_PARAMS, void **extra) {
+    return launch(f, gx, gy, gz, bx, by, bz);
+}
+EXPORT CUresult cuLaunchKernel_ptsz(FRACGPU_LAUNCH_PARAMS, void **extra) {
+    return launch(f, gx, gy, gz, bx, by, bz);
+}
+EXPORT CUresult cuLaunchCooperativeKernel(FRACGPU_LAUNCH_PARAMS) {
+    return launch(f, gx, gy, gz, bx, by, bz);
+}
+EXPORT CUresult cuLaunchCooperativeKernel_ptsz(FRACGPU_LAUNCH_PARAMS) {
+    return launch(f, gx, gy, gz, bx, by, bz);
+}
+EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *c, CUfunction f, void **p, void **e) {
+    if (!c) return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, c->gridDimX, c->gridDimY, c->gridDimZ, c->blockDimX, c->blockDimY,
+                  c->blockDimZ);
+}
+EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, void **p, void **e) {
+    return cuLaunchKernelEx(c, f, p, e);
+}
+
+static struct CUgraph_st the_graph = {MAGIC_GRAPH};
+EXPORT CUresult cuGraphCreate(CUgraph *g, unsigned int flags) {
+    NEED_CTX();
+    if (!g || flags) return CUDA_ERROR_INVALID_VALUE;
+    *g = &the_graph;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *x, CUgraph g, unsigned long long fl) {
+    NEED_CTX();
+    if (!x || !g || g->magic != MAGIC_GRAPH) return CUDA_ERROR_INVALID_VALUE;
+    static struct CUgraphExec_st execs[64];
+    static atomic_int nexec;
+    int k = atomic_fetch_add(&nexec, 1);
+    if (k >= 64) return CUDA_ERROR_OUT_OF_MEMORY;
+    execs[k] = (struct CUgraphExec_st){MAGIC_EXEC, graph_kernels};
+    *x = &execs[k];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphLaunch(CUgraphExec x, CUstream s) {
+    NEED_CTX();
+    if (!x || x->magic != MAGIC_EXEC) return CUDA_ERROR_INVALID_HANDLE;
+    return run_work(kernel_ns * x->kernels);
+}
+EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec x, CUstream s) { return cuGraphLaunch(x, s); }
+
+EXPORT CUresult cuCtxSynchronize(void) {
+    NEED_CTX();
+    pthread_mutex_lock(&mu);
+    uint64_t until = busy_until[current->dev];
+    pthread_mutex_unlock(&mu);
+    uint64_t now = now_ns();
+    if (until > now) {
+        struct timespec ts = {(time_t)((until - now) / 1000000000ull),
+                              (long)((until - now) % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+    return CUDA_SUCCESS;
+}
+
+/* ---- what the fake NVML reads --------------------------------------------------------------- */
+
+EXPORT int fakecuda_device_count(void) { return atomic_load(&initialised) ? ndev : 0; }
+
+EXPORT void fakecuda_memory(int d, uint64_t *total, uint64_t *used) {
+    pthread_mutex_lock(&mu);
+    *total = dev_total;
+    *used = dev_used[d];
+    pthread_mutex_unlock(&mu);
+}
+
+/* Percent of the last UTIL_WINDOW_NS the card spent running kernels. */
+EXPORT unsigned fakecuda_utilization(int d) {
+    pthread_mutex_lock(&mu);
+    uint64_t now = now_ns(), from = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, busy = 0;
+    size_t n = nspan[d];
+    for (size_t k = 0; k < n && k < SPANS; k++) {
+        span s = spans[d][(n - 1 - k) % SPANS];
+        if (s.end <= from) break;
+        uint64_t a = s.start > from ? s.start : from, b = s.end < now ? s.end : now;
+        if (b > a) busy += b - a;
+    }
+    pthread_mutex_unlock(&mu);
+    return (unsigned)(busy * 100 / UTIL_WINDOW_NS);
+}
+
+/* ---- cuGetProcAddress -------------------------------------------------------------------- */
+
+typedef struct { const char *name; int since; bool ptsz; void *fn; } proc;
+#define P(n, v) {#n, v, false, (void *)n}
+#define PT(base, n, v) {#base, v, true, (void *)n}
+static const proc procs[] = {
+    P(cuInit, 2000), P(cuDriverGetVersion, 2020), P(cuDeviceGet, 2000),
+    P(cuDeviceGetCount, 2000), P(cuDeviceGetUuid, 9020), {"cuDeviceGetUuid", 11040, false,
+    (void *)cuDeviceGetUuid_v2}, {"cuDeviceTotalMem", 2000, false, (void *)cuDeviceTotalMem},
+    {"cuDeviceTotalMem", 3020, false, (void *)cuDeviceTotalMem_v2},
+    {"cuCtxCreate", 3020, false, (void *)cuCtxCreate_v2}, {"cuCtxDestroy", 4000, false,
+    (void *)cuCtxDestroy_v2}, P(cuCtxSetCurrent, 4000), P(cuCtxGetDevice, 2000),
+    P(cuCtxSynchronize, 2000),
+    {"cuMemGetInfo", 2000, false, (void *)cuMemGetInfo},
+    {"cuMemGetInfo", 3020, false, (void *)cuMemGetInfo_v2},
+    {"cuMemAlloc", 2000, false, (void *)cuMemAlloc},
+    {"cuMemAlloc", 3020, false, (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch", 3020, false, (void *)cuMemAllocPitch_v2},
+    P(cuMemAllocManaged, 6000),
+    {"cuMemFree", 2000, false, (void *)cuMemFree}, {"cuMemFree", 3020, false, (void *)cuMemFree_v2},
+    P(cuMemAllocAsync, 11020), PT(cuMemAllocAsync, cuMemAllocAsync_ptsz, 11020),
+    P(cuMemAllocFromPoolAsync, 11020),
+    PT(cuMemAllocFromPoolAsync, cuMemAllocFromPoolAsync_ptsz, 11020),
+    P(cuMemFreeAsync, 11020), PT(cuMemFreeAsync, cuMemFreeAsync_ptsz, 11020),
+    P(cuDeviceGetDefaultMemPool, 11020), P(cuDeviceGetMemPool, 11020), P(cuMemPoolCreate, 11020),
+    P(cuMemPoolDestroy, 11020), P(cuMemPoolGetAttribute, 11020), P(cuMemPoolTrimTo, 11020),
+    P(cuMemCreate, 10020), P(cuMemRelease, 10020),
+    {"cuArrayCreate", 3020, false, (void *)cuArrayCreate_v2},
+    {"cuArray3DCreate", 3020, false, (void *)cuArray3DCreate_v2}, P(cuArrayDestroy, 2000),
+    P(cuMipmappedArrayCreate, 5000), P(cuMipmappedArrayDestroy, 5000),
+    P(cuModuleLoadData, 2000), P(cuModuleGetFunction, 2000),
+    P(cuLaunchKernel, 4000), PT(cuLaunchKernel, cuLaunchKernel_ptsz, 7000),
+    P(cuLaunchKernelEx, 11060), PT(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, 11060),
+    P(cuLaunchCooperativeKernel, 9000),
+    PT(cuLaunchCooperativeKernel, cuLaunchCooperativeKernel_ptsz, 9000),
+    P(cuGraphCreate, 10000), {"cuGraphInstantiate", 11040, false,
+    (void *)cuGraphInstantiateWithFlags}, P(cuGraphInstantiateWithFlags, 11040),
+    P(cuGraphLaunch, 10000), PT(cuGraphLaunch, cuGraphLaunch_ptsz, 10000),
+    P(cuGetProcAddress, 11030), {"cuGetProcAddress", 12000, false, (void *)cuGetProcAddress_v2},
+};
+
+/* With FAKE_CUDA_PROC_INTERNAL=1, cuGetProcAddress hands out internal entry points (other
+ * addresses than the exported symbols) for the memory calls, to test the hook's fallback. */
+static CUresult internal_alloc_v2(CUdeviceptr *p, size_t n) { return alloc_ptr(p, n, A_PTR); }
+static CUresult internal_free_v2(CUdeviceptr p) { return cuMemFree_v2(p); }
+static CUresult internal_info_v2(size_t *f, size_t *t) { return cuMemGetInfo_v2(f, t); }
+static CUresult internal_alloc_async_ptsz(CUdeviceptr *d, size_t n, CUstream s) {
+    return cuMemAllocAsync(d, n, s);
+}
+static void *internal_entry(void *fn) {
+    static int on = -1;
+    if (on < 0) on = env_u64("FAKE_CUDA_PROC_INTERNAL", 0) != 0;
+    if (!on) return fn;
+    if (fn == (void *)cuMemAlloc_v2) return (void *)internal_alloc_v2;
+    if (fn == (void *)cuMemFree_v2) return (void *)internal_free_v2;
+    if (fn == (void *)cuMemGetInfo_v2) return (void *)internal_info_v2;
+    if (fn == (void *)cuMemAllocAsync_ptsz) return (void *)internal_alloc_async_ptsz;
+    return fn;
+}
+
+static CUresult lookup(const char *sym, void **pfn, int version, cuuint64_t flags,
+                       CUdriverProcAddressQueryResult *status) {
+    if (!sym || !pfn) return CUDA_ERROR_INVALID_VALUE;
+    if (flags > CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM) return CUDA_ERROR_INVALID_VALUE;
+    bool want_ptsz = flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
+    const proc *best = NULL;
+    bool known = false;
+    for (size_t i = 0; i < sizeof procs / sizeof procs[0]; i++) {
+        const proc *p = &procs[i];
+        if (strcmp(p->name, sym) != 0) continue;
+        known = true;
+        if (p->since > version || (p->ptsz && !want_ptsz)) continue;
+        if (!best || p->since > best->since || (p->ptsz && !best->ptsz)) best = p;
+    }
+    *pfn = NULL;
+    if (!best) {
+        if (status)
+            *status = known ? CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT
+                            : CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+        return CUDA_ERROR_NOT_FOUND;
+    }
+    *pfn = internal_entry(best->fn);
+    if (status) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int version, cuuint64_t flags) {
+    return lookup(sym, pfn, version, flags, NULL);
+}
+EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int version, cuuint64_t flags,
+                                    CUdriverProcAddressQueryResult *status) {
+    return lookup(sym, pfn, version, flags, status);
+}
