@@ -33,7 +33,7 @@ from webhook.kube import kube_client
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
-from webhook.server import Reviewer, build_app
+from webhook.server import MUTATE_PATH, Reviewer, build_app
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ async def run_server(
     """Serve until ``stop`` is set (by default: until SIGTERM or SIGINT); the exit status."""
     registry = CollectorRegistry()
     inventory = Inventory(config.admission.inventory.models)
-    reviewers: dict[str, Reviewer] = {"/mutate": Mutator(config.admission, inventory)}
+    reviewers: dict[str, Reviewer] = {MUTATE_PATH: Mutator(config.admission, inventory)}
     waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
     stopping: list[str] = []
 

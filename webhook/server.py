@@ -21,6 +21,14 @@ from webhook.metrics import AdmissionMetrics
 
 log = logging.getLogger(__name__)
 
+# The admission paths the webhook configurations in deploy/ call (tests/test_deploy_webhooks.py
+# checks the manifests against these), and the probe paths the Deployment uses.
+MUTATE_PATH = "/mutate"
+VALIDATE_PATH = "/validate"
+HEALTH_PATH = "/healthz"
+READY_PATH = "/readyz"
+METRICS_PATH = "/metrics"
+
 Reviewer = Callable[[AdmissionRequest], Awaitable[AdmissionResponse]]
 Readiness = Callable[[], str | None]  # None when ready, else why not
 # Large pods (many env vars, volumes) exceed aiohttp's 1 MiB default; controller-runtime and
@@ -52,9 +60,9 @@ def build_app(
         body = generate_latest(metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/readyz", readyz)
-    app.router.add_get("/metrics", prometheus)
+    app.router.add_get(HEALTH_PATH, healthz)
+    app.router.add_get(READY_PATH, readyz)
+    app.router.add_get(METRICS_PATH, prometheus)
     return app
 
 

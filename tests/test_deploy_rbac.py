@@ -1,0 +1,131 @@
+"""RBAC in deploy/ is the least each component needs (DESIGN §7): every grant is listed here, so
+adding one is a reviewed change to this test, and the general rules hold in every overlay."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.deploy_render import NAMESPACE, OVERLAYS, Grant, find, grants_of, of_kind, render
+
+SA_WEBHOOK = "fracgpu-webhook"
+SA_PLUGIN = "fracgpu-device-plugin"
+SA_SCHEDULER = "fracgpu-scheduler"
+
+
+def _all(scope: str, group: str, resource: str, verbs: str, name: str = "*any*") -> set[Grant]:
+    return {(scope, group, resource, name, v) for v in verbs.split()}
+
+
+WEBHOOK_CORE = (
+    _all("cluster", "", "nodes", "get list watch")
+    | _all("cluster", "", "pods", "get list watch")
+    | _all("cluster", "fracgpu.io", "gpuquotas", "get list watch update patch")
+    | _all("cluster", "fracgpu.io", "gpuquotas/status", "get list watch update patch")
+    | _all(NAMESPACE, "coordination.k8s.io", "leases", "get list watch create update patch")
+)
+WEBHOOK_OWN_CERTS = (
+    _all(NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-webhook-tls")
+    | _all(
+        "cluster",
+        "admissionregistration.k8s.io",
+        "mutatingwebhookconfigurations",
+        "get update patch",
+        "fracgpu-mutate",
+    )
+    | _all(
+        "cluster",
+        "admissionregistration.k8s.io",
+        "validatingwebhookconfigurations",
+        "get update patch",
+        "fracgpu-validate",
+    )
+    # certs.inject's informers list and watch the whole kind (tests/test_deploy_serve.py).
+    | _all("cluster", "admissionregistration.k8s.io", "mutatingwebhookconfigurations", "list watch")
+    | _all(
+        "cluster", "admissionregistration.k8s.io", "validatingwebhookconfigurations", "list watch"
+    )
+)
+
+
+@pytest.mark.parametrize("overlay", ["default", "dialects"])
+def test_webhook_grants_with_its_own_certificates(overlay: str) -> None:
+    grants, builtin = grants_of(render(overlay), SA_WEBHOOK)
+    assert grants == WEBHOOK_CORE | WEBHOOK_OWN_CERTS
+    assert builtin == set()
+
+
+def test_webhook_grants_with_cert_manager() -> None:
+    grants, builtin = grants_of(render("cert-manager"), SA_WEBHOOK)
+    assert grants == WEBHOOK_CORE
+    assert builtin == set()
+
+
+def test_webhook_configuration_grants_name_the_deployed_configurations() -> None:
+    objs = render("default")
+    names = {
+        (wc["kind"].lower() + "s", wc["metadata"]["name"])
+        for wc in of_kind(objs, "MutatingWebhookConfiguration")
+        + of_kind(objs, "ValidatingWebhookConfiguration")
+    }
+    granted = {
+        (g[2], g[3])
+        for g in WEBHOOK_OWN_CERTS
+        if g[1] == "admissionregistration.k8s.io" and g[3] != "*any*"
+    }
+    assert granted == names
+    find(objs, "Secret", "fracgpu-webhook-tls")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_device_plugin_may_only_read_and_patch_nodes(overlay: str) -> None:
+    grants, builtin = grants_of(render(overlay), SA_PLUGIN)
+    assert grants == _all("cluster", "", "nodes", "get patch")
+    assert builtin == set()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_scheduler_has_the_stock_roles_and_its_own_lease(overlay: str) -> None:
+    grants, builtin = grants_of(render(overlay), SA_SCHEDULER)
+    assert builtin == {
+        "cluster:system:kube-scheduler",
+        "cluster:system:volume-scheduler",
+        "kube-system:extension-apiserver-authentication-reader",
+    }
+    assert grants == _all(NAMESPACE, "coordination.k8s.io", "leases", "create") | _all(
+        NAMESPACE, "coordination.k8s.io", "leases", "get update", "fracgpu-scheduler"
+    )
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_general_rules(overlay: str) -> None:
+    objs = render(overlay)
+    for role in of_kind(objs, "ClusterRole") + of_kind(objs, "Role"):
+        where = f"{role['kind']} {role['metadata']['name']}"
+        assert "aggregationRule" not in role, where
+        for rule in role["rules"]:
+            fields: list[Any] = [
+                *rule["apiGroups"],
+                *rule["resources"],
+                *rule["verbs"],
+                *rule.get("resourceNames", []),
+            ]
+            assert "*" not in fields, f"{where}: wildcard in {rule}"
+            assert "nonResourceURLs" not in rule, where
+            assert not {"escalate", "bind", "impersonate", "delete", "deletecollection"} & set(
+                rule["verbs"]
+            ), f"{where}: {rule['verbs']}"
+            if role["kind"] == "ClusterRole":
+                assert "secrets" not in rule["resources"], f"{where}: Secrets cluster-wide"
+            if "secrets" in rule["resources"]:
+                assert rule.get("resourceNames"), f"{where}: Secrets not restricted by name"
+    for binding in of_kind(objs, "ClusterRoleBinding") + of_kind(objs, "RoleBinding"):
+        assert binding["roleRef"]["name"] != "cluster-admin"
+        for subject in binding["subjects"]:
+            assert subject["kind"] == "ServiceAccount", binding["metadata"]["name"]
+            assert subject["namespace"] == NAMESPACE
+    accounts = {sa["metadata"]["name"] for sa in of_kind(objs, "ServiceAccount")}
+    assert accounts == {SA_WEBHOOK, SA_PLUGIN, SA_SCHEDULER}
+    for workload in of_kind(objs, "Deployment") + of_kind(objs, "DaemonSet"):
+        assert workload["spec"]["template"]["spec"]["serviceAccountName"] in accounts
