@@ -33,7 +33,7 @@ from webhook.kube import kube_client
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
-from webhook.server import MUTATE_PATH, Reviewer, build_app
+from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ async def run_server(
         background: list[Awaitable[Any]] = [certificates.run()]
         quota = await open_quota(config.quota, api, registry=registry)
         stack.push_async_callback(quota.close)
-        reviewers["/validate"] = quota.reviewer
+        reviewers[VALIDATE_PATH] = quota.reviewer
         background.append(quota.run())
         waiting["GPU quota"] = lambda: quota.ready() is None
         if api is not None and config.admission.inventory.watch_nodes:
