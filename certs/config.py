@@ -73,9 +73,10 @@ class CertsConfig(BaseModel):
     # caBundle injection: None means "yes, unless mode is files" (cert-manager's cainjector
     # owns caBundle then, through the cert-manager.io/inject-ca-from annotation).
     inject: bool | None = None
-    mutating_webhook_configurations: list[str] = Field(default_factory=lambda: ["fracgpu-webhook"])
+    # The names deploy/ gives the two configurations (a test checks that they agree).
+    mutating_webhook_configurations: list[str] = Field(default_factory=lambda: ["fracgpu-mutate"])
     validating_webhook_configurations: list[str] = Field(
-        default_factory=lambda: ["fracgpu-webhook"]
+        default_factory=lambda: ["fracgpu-validate"]
     )
 
     # files mode: a mounted kubernetes.io/tls Secret (cert-manager writes tls.crt, tls.key,

@@ -81,8 +81,8 @@ async def test_in_cluster_issue_inject_show(
 ) -> None:
     kubeconfig = str(fake.kubeconfig(tmp_path / "kubeconfig"))
     cluster = ["--mode", "secret", "--kubeconfig", kubeconfig]
-    fake.put(webhook_configuration("MutatingWebhookConfiguration", "fracgpu-webhook"))
-    fake.put(webhook_configuration("ValidatingWebhookConfiguration", "fracgpu-webhook"))
+    fake.put(webhook_configuration("MutatingWebhookConfiguration", "fracgpu-mutate"))
+    fake.put(webhook_configuration("ValidatingWebhookConfiguration", "fracgpu-validate"))
 
     # The CLI runs its own event loop; the fake serves on this one.
     assert await asyncio.to_thread(run, "certs", "issue", *cluster) == 0
@@ -99,7 +99,7 @@ async def test_in_cluster_issue_inject_show(
 
     assert await asyncio.to_thread(run, "certs", "inject", *cluster) == 0
     assert "caBundle written into 2 webhook(s)" in capsys.readouterr().out
-    obj = fake.get("mutatingwebhookconfigurations", "fracgpu-webhook")
+    obj = fake.get("mutatingwebhookconfigurations", "fracgpu-mutate")
     assert obj is not None
     assert base64.b64decode(obj["webhooks"][0]["clientConfig"]["caBundle"]) == (
         material.bundle_pem()

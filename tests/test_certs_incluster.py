@@ -36,8 +36,13 @@ async def fake() -> AsyncIterator[FakeApiServer]:
         yield f
 
 
+MUTATING = CONFIG.mutating_webhook_configurations[0]
+VALIDATING = CONFIG.validating_webhook_configurations[0]
+NAMES = {"mutatingwebhookconfigurations": MUTATING, "validatingwebhookconfigurations": VALIDATING}
+
+
 def injected(fake: FakeApiServer, plural: str) -> set[bytes]:
-    obj = fake.get(plural, "fracgpu-webhook")
+    obj = fake.get(plural, NAMES[plural])
     assert obj is not None
     return {base64.b64decode(w["clientConfig"].get("caBundle", "")) for w in obj["webhooks"]}
 
@@ -46,8 +51,8 @@ async def test_replicas_share_one_certificate_and_keep_cabundle_current(
     fake: FakeApiServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    fake.put(webhook_configuration("MutatingWebhookConfiguration", "fracgpu-webhook"))
-    fake.put(webhook_configuration("ValidatingWebhookConfiguration", "fracgpu-webhook"))
+    fake.put(webhook_configuration("MutatingWebhookConfiguration", MUTATING))
+    fake.put(webhook_configuration("ValidatingWebhookConfiguration", VALIDATING))
     kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
     clients: list[Any] = []
     replicas: list[ServingCertificates] = []
@@ -68,7 +73,7 @@ async def test_replicas_share_one_certificate_and_keep_cabundle_current(
         tasks = [asyncio.create_task(r.run()) for r in replicas]
         bundle = replicas[0].ca_bundle_pem()
         for plural in ("mutatingwebhookconfigurations", "validatingwebhookconfigurations"):
-            await eventually(lambda p=plural: injected(fake, p) == {bundle})
+            await eventually(lambda p=plural: injected(fake, p) == {bundle}, within_s=10)
 
         # One replica starts a CA rotation (as `fracgpu certs rotate --ca` would).
         source = replicas[0].source
@@ -78,13 +83,15 @@ async def test_replicas_share_one_certificate_and_keep_cabundle_current(
         # Every replica loads it, the overlap bundle is injected, and after ca_propagation the
         # serving certificate moves to the new CA everywhere.
         await eventually(
-            lambda: injected(fake, "mutatingwebhookconfigurations") == {rotated.bundle_pem()}
+            lambda: injected(fake, "mutatingwebhookconfigurations") == {rotated.bundle_pem()},
+            within_s=10,
         )
         await eventually(
             lambda: (
                 all(r.state.leaf.issuer == rotated.ca.cert.subject for r in replicas)
                 and len({r.state.digest() for r in replicas}) == 1
-            )
+            ),
+            within_s=10,
         )
         assert replicas[1].state.trusted == rotated.trusted
     finally:

@@ -346,3 +346,18 @@ def config_dialects(overlay: str) -> list[Dialect]:
     from tests.deploy_render import config_of
 
     return [Dialect(d) for d in config_of(render(overlay))["admission"].get("dialects", [])]
+
+
+def test_certs_defaults_name_the_deployed_webhook_configurations() -> None:
+    from certs.config import CertsConfig
+
+    rendered = {
+        (o["kind"], o["metadata"]["name"])
+        for o in render("default")
+        if o["kind"].endswith("WebhookConfiguration")
+    }
+    defaults = CertsConfig()
+    assert rendered == {
+        ("MutatingWebhookConfiguration", defaults.mutating_webhook_configurations[0]),
+        ("ValidatingWebhookConfiguration", defaults.validating_webhook_configurations[0]),
+    }
