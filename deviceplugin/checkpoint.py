@@ -1,0 +1,74 @@
+"""The plugin's own checkpoint: which device IDs it allocated to which container directory.
+
+Written after every change with temp file + fsync + rename + directory fsync, so a crash leaves the
+old checkpoint or the new one. It records each card's UUID by index: a checkpoint written for
+different cards (a card replaced under the same index) is refused rather than mis-mapped, and
+recovery then relies on PodResources alone.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from deviceplugin.allocator import Allocation
+from deviceplugin.inventory import Card
+
+log = logging.getLogger(__name__)
+
+VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used (corrupt, another version, other cards)."""
+
+
+def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) -> None:
+    document = {
+        "version": VERSION,
+        "cards": {str(c.index): c.uuid for c in cards},
+        "allocations": [a.to_json() for a in allocations],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(document, fh, separators=(",", ":"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read(path: Path, cards: Mapping[int, Card]) -> list[Allocation]:
+    """The allocations of a checkpoint written for these cards; [] when there is none."""
+    try:
+        document: Any = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
+    if not isinstance(document, dict) or document.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path} has an unsupported format")
+    expected = {str(i): c.uuid for i, c in cards.items()}
+    recorded = document.get("cards")
+    if recorded != expected:
+        raise CheckpointError(
+            f"checkpoint {path} was written for cards {recorded}, this node has {expected}"
+        )
+    try:
+        return [Allocation.from_json(a) for a in document["allocations"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path} has a malformed allocation: {exc}") from exc
