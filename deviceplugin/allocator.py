@@ -294,8 +294,12 @@ class Allocator:
 
     def allocate(self, kind: Kind, ids: list[str], resource: str) -> Allocation:
         """Record one Allocate container request; raise AllocationError if it can never work."""
-        by_card = self._parse(kind, ids, resource)
-        self._check_shape(kind, by_card, resource)
+        try:
+            by_card = self._parse(kind, ids, resource)
+            self._check_shape(kind, by_card, resource)
+        except AllocationError:
+            self._abandon_half(kind)
+            raise
         cards = frozenset(by_card)
         with self._cond:
             self._expire_half()
@@ -338,6 +342,16 @@ class Allocator:
             self._half = _Half(kind, cards, allocation.key, self._clock() + self.pair_window_s)
             self._changed()
             return allocation
+
+    def _abandon_half(self, kind: Kind) -> None:
+        """The container's second Allocate failed: kubelet rejects the pod and frees its first."""
+        with self._cond:
+            self._expire_half()
+            half = self._half
+            if half is not None and half.kind is not kind:
+                self._half = None
+                self._drop(half.key, why="partner allocation failed")
+                self._changed()
 
     def _add(self, allocation: Allocation) -> None:
         self._allocations[allocation.key] = allocation
@@ -428,9 +442,14 @@ class Allocator:
             fitting = [c for c in candidates if len(free[c]) >= size]
             if not fitting:
                 return []
+            # The other resource comes next and must fit on the same card, but its size is not
+            # known yet. Requests are close to proportional (the webhook's defaults make them
+            # so), so prefer cards whose other resource has at least the same share free.
+            share = size / (CORE_PER_CARD if kind is Kind.CORE else max(self.blocks.values()))
+            balanced = [c for c in fitting if self._other_free_share(kind, c) >= share]
             # Best fit: the card left with the least free after this container, so fractions
             # pack onto partly used cards and whole cards stay whole.
-            return [min(fitting, key=lambda c: (len(free[c]) - size, c))]
+            return [min(balanced or fitting, key=lambda c: (len(free[c]) - size, c))]
         whole = [c for c in candidates if full(c)]
         if kind is Kind.CORE:
             if size % CORE_PER_CARD:
@@ -444,6 +463,13 @@ class Allocator:
         if len(whole) < need:
             return []
         return self._numa_pick(whole, need)
+
+    def _other_free_share(self, kind: Kind, card: int) -> float:
+        other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
+        total = self.blocks[card] if other is Kind.MEMORY else CORE_PER_CARD
+        with self._cond:
+            used = sum(1 for device in self._owner if device.startswith(f"g{card}-{other.value}"))
+        return (total - used) / total if total else 0.0
 
     def _numa_pick(self, whole: list[int], need: int) -> list[int]:
         """Whole cards, as few NUMA nodes as possible: best-fitting node first."""

@@ -38,6 +38,7 @@ class Config:
     health_wait_ms: int = 200
     health_probe_interval_s: float = 5.0
     health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
+    health_error_backoff_s: float = 1.0  # pause after an NVML error before rebuilding events
 
     @property
     def core_resource(self) -> str:

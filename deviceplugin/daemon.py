@@ -50,6 +50,7 @@ class Daemon:
             wait_ms=config.health_wait_ms,
             probe_interval_s=config.health_probe_interval_s,
             quiet_s=config.health_quiet_s,
+            error_backoff_s=config.health_error_backoff_s,
             on_event=lambda card, reason: plugin.metrics.health_events.labels(
                 str(card), reason
             ).inc(),

@@ -50,6 +50,7 @@ class HealthMonitor:
         wait_ms: int = 200,
         probe_interval_s: float = 5.0,
         quiet_s: float = 30.0,
+        error_backoff_s: float = 1.0,
         on_event: EventCallback | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -60,6 +61,7 @@ class HealthMonitor:
         self.wait_ms = wait_ms
         self.probe_interval_s = probe_interval_s
         self.quiet_s = quiet_s
+        self.error_backoff_s = error_backoff_s
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -96,7 +98,7 @@ class HealthMonitor:
             except Exception:  # a bug here must not silence health for good
                 self.errors += 1
                 log.exception("health loop failed; retrying")
-                self._stop.wait(1.0)
+                self._stop.wait(self.error_backoff_s)
             if self._clock() >= next_probe:
                 self._probe_all()
                 next_probe = self._clock() + self.probe_interval_s
@@ -105,7 +107,7 @@ class HealthMonitor:
         self.errors += 1
         log.warning("NVML error; rebuilding the event set", extra={"op": what, "error": str(exc)})
         self._free_event_set()
-        self._stop.wait(1.0)
+        self._stop.wait(self.error_backoff_s)
 
     def _create_event_set(self) -> Any:
         event_set = pynvml.nvmlEventSetCreate()

@@ -63,7 +63,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         seen = -1
         log.info("ListAndWatch opened", extra={"resource": self.resource})
         while context.is_active() and not self._stopping.is_set():
-            version = allocator.wait_for_change(seen, timeout=1.0)
+            version = allocator.wait_for_change(seen, timeout=0.25)
             if version == seen:
                 continue
             seen = version
@@ -156,7 +156,7 @@ class Endpoint:
     def stop(self) -> None:
         self._stopping.set()
         if self._server is not None:
-            self._server.stop(grace=0.5).wait(2)
+            self._server.stop(grace=0.1).wait(2)
             self._server = None
 
 

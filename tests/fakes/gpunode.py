@@ -54,6 +54,7 @@ class GpuNode:
             "health_wait_ms": 50,
             "health_probe_interval_s": 0.1,
             "health_quiet_s": 0.3,
+            "health_error_backoff_s": 0.05,
         }
         defaults.update(config)
         self.config = Config(**defaults)

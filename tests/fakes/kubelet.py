@@ -109,6 +109,8 @@ class FakeKubelet:
         self.register_calls: list[pb.RegisterRequest] = []
         self.calls: list[tuple[str, str]] = []  # (resource, rpc) in order
         self.violations: list[str] = []
+        # (monotonic time, resource, healthy count) for every ListAndWatch message received
+        self.history: list[tuple[float, str, int]] = []
         self._server: grpc.Server | None = None
         self._pr_server: grpc.Server | None = None
         self._pr_failures = 0
@@ -208,6 +210,8 @@ class FakeKubelet:
             resource.devices = devices
             resource.topology = topology
             resource.messages += 1
+            healthy = sum(1 for h in devices.values() if h == "Healthy")
+            self.history.append((time.monotonic(), resource.name, healthy))
             self._lock.notify_all()
 
     def _violation(self, text: str) -> None:
