@@ -73,6 +73,8 @@ class Allocation:
     cards: tuple[int, ...]
     created: float  # wall-clock seconds
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # PodResources confirmed that one container holds exactly these core and memory IDs
+    verified: bool = False
 
     @property
     def dir_name(self) -> str | None:
@@ -88,6 +90,7 @@ class Allocation:
             "memory": list(self.memory),
             "cards": list(self.cards),
             "created": self.created,
+            "verified": self.verified,
         }
 
     @classmethod
@@ -98,6 +101,7 @@ class Allocation:
             cards=tuple(int(c) for c in data["cards"]),
             created=float(data["created"]),
             key=str(data["key"]),
+            verified=bool(data.get("verified", False)),
         )
 
 
@@ -147,6 +151,11 @@ class Allocator:
         self._health: dict[int, tuple[bool, str]] = {i: (True, "") for i in self.cards}
         self._allocations: dict[str, Allocation] = {}
         self._owner: dict[str, str] = {}  # device ID -> allocation key
+        # card -> kind -> allocated numbers, kept in step with _owner (read on every list)
+        self._in_use: dict[int, dict[Kind, set[int]]] = {
+            i: {Kind.CORE: set(), Kind.MEMORY: set()} for i in self.cards
+        }
+        self._lists: dict[Kind, tuple[object, list[ListedDevice]]] = {}
         self._half: _Half | None = None
         self._cond = threading.Condition()
         self.version = 0
@@ -197,33 +206,62 @@ class Allocator:
             ]
 
     def _used(self) -> dict[int, dict[Kind, set[int]]]:
-        used: dict[int, dict[Kind, set[int]]] = {
-            i: {Kind.CORE: set(), Kind.MEMORY: set()} for i in self.cards
-        }
-        for device in self._owner:
+        return self._in_use
+
+    def _own(self, device: str, key: str) -> None:
+        if device not in self._owner:
             parsed = DeviceId.parse(device)
-            if parsed.card in used:
-                used[parsed.card][parsed.kind].add(parsed.number)
-        return used
+            if parsed.card in self._in_use:
+                self._in_use[parsed.card][parsed.kind].add(parsed.number)
+        self._owner[device] = key
+
+    def _disown(self, device: str) -> None:
+        if self._owner.pop(device, None) is not None:
+            parsed = DeviceId.parse(device)
+            if parsed.card in self._in_use:
+                self._in_use[parsed.card][parsed.kind].discard(parsed.number)
+
+    def _card_states(self, kind: Kind) -> tuple[tuple[bool, frozenset[int] | None], ...]:
+        """Per card: (healthy, allocated numbers when the free ones are stranded, else None).
+
+        The device list is a function of this alone, so it is cheap to tell whether a change
+        (most allocations) altered anything kubelet sees. Lock held.
+        """
+        self._expire_half()
+        half = self._half
+        other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
+        states = []
+        for i in sorted(self.cards):
+            other_total = self.blocks[i] if kind is Kind.CORE else CORE_PER_CARD
+            other_free = other_total - len(self._in_use[i][other])
+            partner_pending = half is not None and half.kind is other and i in half.cards
+            stranded = not (other_free > 0 or partner_pending)
+            states.append(
+                (self._health[i][0], frozenset(self._in_use[i][kind]) if stranded else None)
+            )
+        return tuple(states)
+
+    def signature(self, kind: Kind) -> object:
+        """Equal signatures mean equal device lists (ListAndWatch skips identical resends)."""
+        with self._cond:
+            return self._card_states(kind)
 
     def devices(self, kind: Kind) -> list[ListedDevice]:
         """The complete ListAndWatch list for one resource, with the honesty rule applied."""
         with self._cond:
-            self._expire_half()
-            used = self._used()
-            half = self._half
+            states = self._card_states(kind)
+            cached = self._lists.get(kind)
+            if cached is not None and cached[0] == states:
+                return cached[1]
             listed = []
-            for i, card in sorted(self.cards.items()):
-                healthy = self._health[i][0]
+            for (i, card), (healthy, stranded) in zip(
+                sorted(self.cards.items()), states, strict=True
+            ):
                 total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[i]
-                other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
-                other_total = self.blocks[i] if kind is Kind.CORE else CORE_PER_CARD
-                other_free = other_total - len(used[i][other])
-                partner_pending = half is not None and half.kind is other and i in half.cards
-                free_usable = other_free > 0 or partner_pending
                 for n in range(total):
-                    ok = healthy and (n in used[i][kind] or free_usable)
+                    ok = healthy and (stranded is None or n in stranded)
                     listed.append(ListedDevice(str(DeviceId(i, kind, n)), ok, card.numa_node))
+            self._lists[kind] = (states, listed)
             return listed
 
     # ---- health ------------------------------------------------------------------------
@@ -329,7 +367,7 @@ class Allocator:
                 else:
                     partner.memory = tuple(ids)
                 for device in ids:
-                    self._owner[device] = partner.key
+                    self._own(device, partner.key)
                 self._changed()
                 return partner
             allocation = Allocation(
@@ -356,7 +394,7 @@ class Allocator:
     def _add(self, allocation: Allocation) -> None:
         self._allocations[allocation.key] = allocation
         for device in allocation.ids():
-            self._owner[device] = allocation.key
+            self._own(device, allocation.key)
 
     def _drop(self, key: str, *, why: str) -> None:
         allocation = self._allocations.pop(key, None)
@@ -364,7 +402,7 @@ class Allocator:
             return
         for device in allocation.ids():
             if self._owner.get(device) == key:
-                del self._owner[device]
+                self._disown(device)
         log.info(
             "allocation freed",
             extra={"cards": list(allocation.cards), "dir": allocation.dir_name, "why": why},
@@ -468,7 +506,7 @@ class Allocator:
         other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
         total = self.blocks[card] if other is Kind.MEMORY else CORE_PER_CARD
         with self._cond:
-            used = sum(1 for device in self._owner if device.startswith(f"g{card}-{other.value}"))
+            used = len(self._in_use[card][other])
         return (total - used) / total if total else 0.0
 
     def _numa_pick(self, whole: list[int], need: int) -> list[int]:
@@ -495,6 +533,23 @@ class Allocator:
             if len(keys) != 1 or None in keys:
                 return None
             return self._allocations[next(iter(keys))]  # type: ignore[index]
+
+    def verify(self, core: Iterable[str], memory: Iterable[str]) -> Allocation:
+        """Record that PodResources lists one container holding exactly these IDs."""
+        core, memory = sorted(core), sorted(memory)
+        known = self.find(Kind.CORE, core)
+        with self._cond:
+            if (
+                known is not None
+                and known.key in self._allocations
+                and sorted(known.core) == core
+                and sorted(known.memory) == memory
+            ):
+                known.verified = True
+                return known
+        adopted = self.adopt(core, memory)
+        adopted.verified = True
+        return adopted
 
     def adopt(self, core: list[str], memory: list[str]) -> Allocation:
         """Record a container learnt from PodResources (PreStartContainer, restart recovery)."""

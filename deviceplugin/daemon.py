@@ -40,6 +40,8 @@ class Daemon:
         self.plugin = plugin
         plugin.install_host_files()
         plugin.recover()
+        plugin.checkpointer.start()
+        plugin.start_verifier()
         if config.node_name:
             self.publisher = NodePublisher(config, cards, plugin.allocator)
             self.publisher.start()
@@ -102,6 +104,8 @@ class Daemon:
         if self._reconciler is not None:
             self._reconciler.join(timeout=5)
         if self.plugin is not None:
+            self.plugin.stop_verifier()
+            self.plugin.checkpointer.stop()
             self.plugin.podresources.close()
         inventory.shutdown_nvml()
         log.info("device plugin stopped")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import shutil
 import threading
 import time
@@ -64,8 +65,14 @@ class DevicePlugin:
             config.podresources_socket, config.podresources_timeout_s
         )
         self.resources = {Kind.CORE: config.core_resource, Kind.MEMORY: config.memory_resource}
-        self._save_lock = threading.Lock()
+        self.checkpointer = checkpoint.CheckpointWriter(
+            config.checkpoint_path, self.cards.values(), self.allocator.allocations
+        )
         self.reconciled = False  # one successful reconciliation since start
+        self._verify: queue.Queue[Allocation | None] = queue.Queue()
+        self._verifier: threading.Thread | None = None
+        self.verify_retries = 3
+        self.verify_spacing_s = 0.05
 
     def resource(self, kind: Kind) -> str:
         return self.resources[kind]
@@ -96,6 +103,8 @@ class DevicePlugin:
         response = pb.ContainerAllocateResponse()
         if kind is Kind.CORE:
             self._core_response(allocation, ids, response)
+        if allocation.core and allocation.memory and self._verifier is not None:
+            self._verify.put(allocation)  # both halves are in: prepare PreStartContainer
         # The memory resource's response is empty on purpose: the core resource's response
         # already carries every mount, and two resources mounting the same container path
         # would conflict.
@@ -152,6 +161,13 @@ class DevicePlugin:
             raise PreStartError(f"{self.resource(kind)}: PreStartContainer named no device IDs")
         wanted = frozenset(ids)
         resource = self.resource(kind)
+        known = self.allocator.find(kind, ids)
+        held = None if known is None else (known.core if kind is Kind.CORE else known.memory)
+        if known is not None and known.verified and frozenset(held or ()) == wanted:
+            # The second resource's call, or a container restart: PodResources already told
+            # us which container holds exactly these IDs, and IDs are exclusive until kubelet
+            # reassigns them (in an Allocate, which replaces this record).
+            return self._write_limits(f"container {known.dir_name}", known.core, known.memory)
         matches = [c for c in self._list() if c.ids(resource) == wanted]
         if len(matches) != 1:
             raise NotListedError(
@@ -161,10 +177,18 @@ class DevicePlugin:
         container = matches[0]
         core = container.ids(self.config.core_resource)
         memory = container.ids(self.config.memory_resource)
+        path = self._write_limits(container.name, core, memory)
+        before = len(self.allocator.allocations())
+        self.allocator.verify(core, memory)
+        if len(self.allocator.allocations()) != before or known is None:
+            self.save()
+        return path
+
+    def _write_limits(self, name: str, core: Iterable[str], memory: Iterable[str]) -> Path:
         limits = limits_for(
-            container.name,
-            core,
-            memory,
+            name,
+            frozenset(core),
+            frozenset(memory),
             self.cards,
             block_mib=self.config.block_mib,
             core_resource=self.config.core_resource,
@@ -172,30 +196,69 @@ class DevicePlugin:
         )
         limits_dir, shared_dir = self._container_dirs(core)
         shared_dir.mkdir(parents=True, exist_ok=True)
-        path = limits.write_atomic(limits_dir)
-        known = self.allocator.find(Kind.CORE, core)
-        if known is None or set(known.memory) != memory:
-            self.allocator.adopt(sorted(core), sorted(memory))
-            self.save()
-        log.info(
-            "limits written",
-            extra={
-                "container": container.name,
-                "devices": list(limits.devices),
-                "memory_bytes": limits.memory_bytes,
-                "compute_percent": limits.compute_percent,
-                "dir": limits_dir.parent.name,
-            },
-        )
+        path = limits_dir / contract.LIMITS_FILE
+        try:
+            current = path.read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError):
+            current = None
+        if current != limits.render():  # PreStart repeats per resource and per restart
+            limits.write_atomic(limits_dir)
+            log.info(
+                "limits written",
+                extra={
+                    "container": name,
+                    "devices": list(limits.devices),
+                    "memory_bytes": limits.memory_bytes,
+                    "compute_percent": limits.compute_percent,
+                    "dir": limits_dir.parent.name,
+                },
+            )
         return path
+
+    # ---- ahead of PreStartContainer -----------------------------------------------------
+
+    def start_verifier(self) -> None:
+        """Verify new allocations through PodResources before kubelet asks for PreStart.
+
+        kubelet calls PreStartContainer well after admission (after the pod sandbox exists), so
+        the List it needs can usually be done in between; PreStartContainer then only checks the
+        limits file. When the verifier has not finished, PreStartContainer lists by itself.
+        """
+        self._verifier = threading.Thread(target=self._run_verifier, name="verify", daemon=True)
+        self._verifier.start()
+
+    def stop_verifier(self) -> None:
+        if self._verifier is not None:
+            self._verify.put(None)
+            self._verifier.join(timeout=5)
+            self._verifier = None
+
+    def _run_verifier(self) -> None:
+        while (allocation := self._verify.get()) is not None:
+            for attempt in range(self.verify_retries):
+                if attempt:
+                    time.sleep(self.verify_spacing_s)
+                try:
+                    if self._verify_one(allocation):
+                        break
+                except (PodResourcesError, PreStartError, OSError) as exc:
+                    log.info("early verification skipped", extra={"error": str(exc)})
+                    break
+
+    def _verify_one(self, allocation: Allocation) -> bool:
+        core = frozenset(allocation.core)
+        for container in self._list():
+            if container.ids(self.config.core_resource) == core:
+                memory = container.ids(self.config.memory_resource)
+                self._write_limits(container.name, core, memory)
+                self.allocator.verify(core, memory)
+                return True
+        return False
 
     # ---- state -------------------------------------------------------------------------
 
     def save(self) -> None:
-        with self._save_lock:
-            checkpoint.write(
-                self.config.checkpoint_path, self.cards.values(), self.allocator.allocations()
-            )
+        self.checkpointer.request()
 
     def recover(self) -> None:
         """Rebuild state after a start: checkpoint first, then PodResources (when it answers)."""

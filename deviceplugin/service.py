@@ -61,12 +61,17 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     ) -> Iterator[pb.ListAndWatchResponse]:
         allocator = self.plugin.allocator
         seen = -1
+        sent: object = None
         log.info("ListAndWatch opened", extra={"resource": self.resource})
         while context.is_active() and not self._stopping.is_set():
             version = allocator.wait_for_change(seen, timeout=0.25)
             if version == seen:
                 continue
             seen = version
+            signature = allocator.signature(self.kind)
+            if signature == sent:
+                continue  # most allocations change nothing kubelet sees (allocated stays Healthy)
+            sent = signature
             response = pb.ListAndWatchResponse()
             for device in allocator.devices(self.kind):
                 entry = response.devices.add(ID=device.id, health=HEALTH[device.healthy])

@@ -273,13 +273,28 @@ def test_nvml_wait_errors_never_stop_health_watching() -> None:
 def test_prestart_retries_while_podresources_fails_then_succeeds() -> None:
     with gpu_node(cards(1)) as node:
         p = pod("slow", (10, 5))
+        # The plugin's early verification (after admission) and then PreStart find it failing.
+        node.kubelet.fail_podresources(2)
+        calls = node.kubelet.list_calls
         held = node.kubelet.admit(p)["c0"]
-        node.kubelet.fail_podresources(1)
+        assert node.kubelet.wait_for(lambda: node.kubelet.list_calls > calls)
         with pytest.raises(PreStartFailed) as failure:
             node.kubelet.start_container(p, "c0")
         assert failure.value.code == grpc.StatusCode.UNAVAILABLE
         node.kubelet.start_container(p, "c0")  # kubelet retries
         assert limits_of(node, held[CORE]).compute_percent == 10
+
+
+def test_limits_are_ready_before_prestart_and_prestart_then_skips_podresources() -> None:
+    with gpu_node(cards(1)) as node:
+        p = pod("early", (20, 10))
+        held = node.kubelet.admit(p)["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        assert node.kubelet.wait_for(path.exists)
+        calls = node.kubelet.list_calls
+        node.kubelet.start_container(p, "c0")
+        assert node.kubelet.list_calls == calls
+        assert limits_of(node, held[CORE]).compute_percent == 20
 
 
 def test_container_without_memory_gets_a_clear_prestart_error() -> None:
