@@ -78,7 +78,8 @@ def read(path: Path, cards: Mapping[int, Card]) -> list[Allocation]:
 class CheckpointWriter:
     """Writes the checkpoint off the RPC path: Allocate marks it dirty, a thread writes it.
 
-    Coalescing keeps the fsyncs out of kubelet's Allocate latency. A crash before the write loses
+    Coalescing (at most one write per ``min_interval_s``) keeps the fsyncs and the JSON work out
+    of kubelet's Allocate latency. A crash before the write loses
     nothing that matters: kubelet records every allocation it made and lists it in PodResources,
     from which recovery adopts what the checkpoint lacks. ``flush`` writes synchronously (stop).
     Until ``start`` is called, ``request`` writes synchronously.
@@ -89,8 +90,11 @@ class CheckpointWriter:
         path: Path,
         cards: Iterable[Card],
         snapshot: Callable[[], list[Allocation]],
+        *,
+        min_interval_s: float = 0.1,
     ) -> None:
         self.path = path
+        self.min_interval_s = min_interval_s
         self.cards = list(cards)
         self._snapshot = snapshot
         self._dirty = threading.Event()
@@ -130,6 +134,8 @@ class CheckpointWriter:
                 return
             try:
                 self.flush()
+                # A burst of Allocates (a pod's containers) is written once, not per call.
+                self._stop.wait(self.min_interval_s)
             except OSError as exc:
                 log.error("checkpoint write failed; retrying", extra={"error": str(exc)})
                 self._stop.wait(1.0)
