@@ -15,6 +15,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 
 MAX_ID_LENGTH = 63
 
@@ -42,6 +43,10 @@ class DeviceId:
 
     @classmethod
     def parse(cls, text: str) -> DeviceId:
+        return _parse(text)
+
+    @classmethod
+    def _parse_uncached(cls, text: str) -> DeviceId:
         match = _ID.fullmatch(text)
         if match is None:
             raise DeviceIdError(
@@ -49,6 +54,12 @@ class DeviceId:
                 f"(expected g<card>-c<n> or g<card>-m<n>)"
             )
         return cls(int(match[1]), Kind(match[2]), int(match[3]))
+
+
+# Every list, preference and Allocate parses the same few thousand IDs of this node again.
+@lru_cache(maxsize=65536)
+def _parse(text: str) -> DeviceId:
+    return DeviceId._parse_uncached(text)
 
 
 def core_id(card: int, number: int) -> str:
