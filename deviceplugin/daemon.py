@@ -12,7 +12,6 @@ from deviceplugin import inventory
 from deviceplugin.config import Config
 from deviceplugin.health import HealthMonitor
 from deviceplugin.http import serve
-from deviceplugin.inventory import Card
 from deviceplugin.node import NodePublisher
 from deviceplugin.plugin import DevicePlugin
 from deviceplugin.podresources import PodResourcesError
@@ -131,4 +130,4 @@ def run(config: Config) -> int:
     return 0
 
 
-__all__ = ["Card", "Daemon", "run"]
+__all__ = ["Daemon", "run"]
