@@ -585,12 +585,20 @@ class Allocator:
                 freed.append(allocation)
                 self._drop(key, why="no longer listed by kubelet")
             for core, memory in containers:
-                if any(i not in self._owner for i in (*core, *memory)):
-                    known = {self._owner[i] for i in (*core, *memory) if i in self._owner}
-                    for key in known:
-                        self._drop(key, why="superseded by PodResources")
-                    cards = {DeviceId.parse(i).card for i in (*core, *memory)}
-                    self._add(Allocation(tuple(core), tuple(memory), tuple(sorted(cards)), 0.0))
+                ids = (*core, *memory)
+                owners = {self._owner[i] for i in ids if i in self._owner}
+                if len(owners) == 1 and all(i in self._owner for i in ids):
+                    record = self._allocations[next(iter(owners))]
+                    if sorted(record.core) == sorted(core) and sorted(record.memory) == sorted(
+                        memory
+                    ):
+                        continue
+                # Unknown, or held differently than recorded (kubelet reassigned IDs while
+                # this plugin was not looking): kubelet's listing wins.
+                for owner in owners:
+                    self._drop(owner, why="superseded by PodResources")
+                cards = {DeviceId.parse(i).card for i in (*core, *memory)}
+                self._add(Allocation(tuple(core), tuple(memory), tuple(sorted(cards)), 0.0))
             self._changed()
         return freed
 

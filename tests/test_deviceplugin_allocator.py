@@ -198,3 +198,13 @@ def test_kubelet_reusing_ids_replaces_a_stale_allocation() -> None:
 def test_container_dir_name_depends_only_on_the_set_of_ids() -> None:
     assert container_dir_name(["g0-c2", "g0-c1"]) == container_dir_name(["g0-c1", "g0-c2"])
     assert container_dir_name(["g0-c1"]) != container_dir_name(["g0-c2"])
+
+
+def test_reconcile_replaces_a_record_whose_ids_kubelet_gave_to_another_container() -> None:
+    alloc = make(1)
+    take(alloc, 30, 4)
+    # While the plugin was not looking, the pod ended and a new container got part of its IDs.
+    core = [core_id(0, n) for n in range(10)]
+    memory = [memory_id(0, 0)]
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    assert [(set(a.core), set(a.memory)) for a in alloc.allocations()] == [(set(core), set(memory))]
