@@ -71,8 +71,8 @@ class DevicePlugin:
         self.reconciled = False  # one successful reconciliation since start
         self._verify: queue.Queue[Allocation | None] = queue.Queue()
         self._verifier: threading.Thread | None = None
-        self.verify_retries = 3
-        self.verify_spacing_s = 0.05
+        self.verify_retries = 5
+        self.verify_spacing_s = 0.05  # doubled after each miss: 0.05 … 0.8 s in all
 
     def resource(self, kind: Kind) -> str:
         return self.resources[kind]
@@ -237,7 +237,7 @@ class DevicePlugin:
         while (allocation := self._verify.get()) is not None:
             for attempt in range(self.verify_retries):
                 if attempt:
-                    time.sleep(self.verify_spacing_s)
+                    time.sleep(self.verify_spacing_s * 2 ** (attempt - 1))
                 try:
                     if self._verify_one(allocation):
                         break
@@ -246,10 +246,17 @@ class DevicePlugin:
                     break
 
     def _verify_one(self, allocation: Allocation) -> bool:
-        core = frozenset(allocation.core)
+        """True once PodResources lists one container with exactly this allocation's IDs.
+
+        kubelet records each resource when its Allocate returns, so right after the second
+        Allocate the container may still be listed with one resource only: then try again.
+        """
+        core, memory = frozenset(allocation.core), frozenset(allocation.memory)
         for container in self._list():
-            if container.ids(self.config.core_resource) == core:
-                memory = container.ids(self.config.memory_resource)
+            if (
+                container.ids(self.config.core_resource) == core
+                and container.ids(self.config.memory_resource) == memory
+            ):
                 self._write_limits(container.name, core, memory)
                 self.allocator.verify(core, memory)
                 return True
