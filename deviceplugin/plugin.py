@@ -168,13 +168,12 @@ class DevicePlugin:
             # us which container holds exactly these IDs, and IDs are exclusive until kubelet
             # reassigns them (in an Allocate, which replaces this record).
             return self._write_limits(f"container {known.dir_name}", known.core, known.memory)
-        matches = [c for c in self._list() if c.ids(resource) == wanted]
-        if len(matches) != 1:
+        container = self.podresources.find(resource, wanted, set(self.resources.values()))
+        if container is None:
             raise NotListedError(
-                f"{resource}: kubelet PodResources lists {len(matches)} containers holding "
-                f"exactly {sorted(wanted)[:4]}…; expected one (kubelet retries)"
+                f"{resource}: kubelet PodResources lists no container holding exactly "
+                f"{sorted(wanted)[:4]}…; kubelet retries"
             )
-        container = matches[0]
         core = container.ids(self.config.core_resource)
         memory = container.ids(self.config.memory_resource)
         path = self._write_limits(container.name, core, memory)
@@ -252,15 +251,14 @@ class DevicePlugin:
         Allocate the container may still be listed with one resource only: then try again.
         """
         core, memory = frozenset(allocation.core), frozenset(allocation.memory)
-        for container in self._list():
-            if (
-                container.ids(self.config.core_resource) == core
-                and container.ids(self.config.memory_resource) == memory
-            ):
-                self._write_limits(container.name, core, memory)
-                self.allocator.verify(core, memory)
-                return True
-        return False
+        container = self.podresources.find(
+            self.config.core_resource, core, set(self.resources.values())
+        )
+        if container is None or container.ids(self.config.memory_resource) != memory:
+            return False
+        self._write_limits(container.name, core, memory)
+        self.allocator.verify(core, memory)
+        return True
 
     # ---- state -------------------------------------------------------------------------
 
