@@ -73,11 +73,12 @@ def allocate_and_prestart(
     live: list[Pod] = []
     for i in range(containers):
         if len(live) == 80:
-            # The node is full: the pods end. kubelet hands their IDs out again, and the plugin
-            # replaces its stale records when it sees them in an Allocate.
+            # The node is full: the pods end, and the plugin's reconciliation (every 0.5 s in
+            # this run) frees them before the next round (untimed).
             for pod in live:
                 kubelet.remove(pod)
             live.clear()
+            time.sleep(1.5)
         pod = Pod("bench", f"p{i}", [Container("c", dict(request))])
         chosen: dict[str, list[str]] = {}
         for name in (CORE, MEMORY):  # choice as kubelet makes it (not timed)
@@ -264,7 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     port = _free_port()
     with (
         gpu_node(
-            cards(8, 80 * GIB), start=False, metrics_address="127.0.0.1", metrics_port=port
+            cards(8, 80 * GIB),
+            start=False,
+            metrics_address="127.0.0.1",
+            metrics_port=port,
+            reconcile_interval_s=0.5,
         ) as node,
         plugin_process(node),
     ):
@@ -272,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         immediate, rpc = allocate_and_prestart(node, args.containers, 0.0)
         for pod in list(node.kubelet.allocations):
             node.kubelet.allocations.pop(pod)
+        time.sleep(1.5)
         allocation, rpc_gap = allocate_and_prestart(node, args.containers, args.gap_ms / 1000)
         handlers = server_side(port)
     # Health needs the allocator for its baseline, so this part runs the plugin in-process.
