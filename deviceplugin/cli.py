@@ -1,0 +1,113 @@
+"""``fracgpu device-plugin``: run the kubelet device plugin on a GPU node."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from deviceplugin import contract
+from deviceplugin.config import (
+    DEFAULT_IGNORED_XIDS,
+    KUBELET_DEVICE_PLUGIN_DIR,
+    KUBELET_PODRESOURCES_SOCKET,
+    Config,
+)
+from webhook.resources import BLOCK_MIB, DOMAIN
+
+
+def _xids(text: str) -> frozenset[int]:
+    try:
+        values = frozenset(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--ignore-xids {text!r}: expected comma-separated XID numbers, e.g. 13,31,43"
+        ) from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--ignore-xids {text!r}: XIDs are positive numbers")
+    return values
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "device-plugin",
+        help="run the kubelet device plugin (fracgpu.io/core and fracgpu.io/memory)",
+        description="Advertise this node's GPUs to kubelet as fracgpu.io/core (100 per card) "
+        "and fracgpu.io/memory (one per block of card memory), allocate them, write each "
+        "container's limits and watch card health.",
+    )
+    parser.add_argument("--plugin-dir", type=Path, default=KUBELET_DEVICE_PLUGIN_DIR)
+    parser.add_argument("--pod-resources-socket", type=Path, default=KUBELET_PODRESOURCES_SOCKET)
+    parser.add_argument(
+        "--host-root",
+        type=Path,
+        default=Path(contract.HOST_ROOT),
+        help="node directory for the hook, limits, accounting and checkpoint",
+    )
+    parser.add_argument("--dev-root", type=Path, default=Path("/dev"))
+    parser.add_argument("--resource-domain", default=DOMAIN)
+    parser.add_argument(
+        "--block-mib", type=_positive, default=BLOCK_MIB, help="MiB per memory device ID"
+    )
+    parser.add_argument(
+        "--ignore-xids",
+        type=_xids,
+        default=frozenset(DEFAULT_IGNORED_XIDS),
+        help="XIDs caused by applications, which do not mark a card unhealthy "
+        f"(default {','.join(map(str, DEFAULT_IGNORED_XIDS))})",
+    )
+    parser.add_argument("--nvml-library", type=Path, default=None)
+    parser.add_argument("--metrics-address", default="0.0.0.0")
+    parser.add_argument(
+        "--metrics-port", type=int, default=9402, help="/metrics and /healthz; 0 disables"
+    )
+    parser.add_argument(
+        "--node-name",
+        default=os.environ.get("NODE_NAME"),
+        help="publish the inventory on this Node (default: $NODE_NAME; unset: do not publish)",
+    )
+    parser.add_argument("--kubeconfig", type=Path, default=None)
+    parser.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument(
+        "--health-quiet",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="a card is Healthy again after this long without a critical event",
+    )
+    parser.set_defaults(run=run)
+
+
+def config_from(args: argparse.Namespace) -> Config:
+    return Config(
+        plugin_dir=args.plugin_dir,
+        podresources_socket=args.pod_resources_socket,
+        host_root=args.host_root,
+        dev_root=args.dev_root,
+        domain=args.resource_domain,
+        block_mib=args.block_mib,
+        ignored_xids=args.ignore_xids,
+        nvml_library=args.nvml_library,
+        metrics_address=args.metrics_address,
+        metrics_port=args.metrics_port,
+        node_name=args.node_name,
+        kubeconfig=args.kubeconfig,
+        reconcile_interval_s=args.reconcile_interval,
+        health_quiet_s=args.health_quiet,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from deviceplugin.daemon import run as run_daemon  # noqa: PLC0415 - keeps CLI import light
+
+    return run_daemon(config_from(args))

@@ -1,0 +1,133 @@
+"""The running device plugin: NVML, health thread, gRPC endpoints, reconciler, HTTP, publisher."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from http.server import ThreadingHTTPServer
+from types import FrameType
+
+from deviceplugin import inventory
+from deviceplugin.config import Config
+from deviceplugin.health import HealthMonitor
+from deviceplugin.http import serve
+from deviceplugin.node import NodePublisher
+from deviceplugin.plugin import DevicePlugin
+from deviceplugin.podresources import PodResourcesError
+from deviceplugin.service import Supervisor
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.plugin: DevicePlugin | None = None
+        self.health: HealthMonitor | None = None
+        self.supervisor: Supervisor | None = None
+        self.publisher: NodePublisher | None = None
+        self.http: ThreadingHTTPServer | None = None
+        self._stop = threading.Event()
+        self._reconciler: threading.Thread | None = None
+
+    def start(self) -> None:
+        config = self.config
+        inventory.load_nvml(config.nvml_library)
+        cards = inventory.discover()
+        plugin = DevicePlugin(config, cards)
+        self.plugin = plugin
+        plugin.install_host_files()
+        plugin.recover()
+        plugin.checkpointer.start()
+        plugin.start_verifier()
+        if config.node_name:
+            self.publisher = NodePublisher(config, cards, plugin.allocator)
+            self.publisher.start()
+        self.health = HealthMonitor(
+            cards,
+            self._health_changed,
+            ignored_xids=config.ignored_xids,
+            wait_ms=config.health_wait_ms,
+            probe_interval_s=config.health_probe_interval_s,
+            quiet_s=config.health_quiet_s,
+            error_backoff_s=config.health_error_backoff_s,
+            on_event=lambda card, reason: plugin.metrics.health_events.labels(
+                str(card), reason
+            ).inc(),
+        )
+        self.health.start()
+        self.supervisor = Supervisor(plugin)
+        self.supervisor.start()
+        self._reconciler = threading.Thread(target=self._reconcile, name="reconcile", daemon=True)
+        self._reconciler.start()
+        if config.metrics_port:
+            self.http = serve(
+                config.metrics_address, config.metrics_port, plugin.metrics.registry, self.healthz
+            )
+        log.info("device plugin started", extra={"cards": len(cards)})
+
+    def _health_changed(self, card: int, healthy: bool, reason: str) -> None:
+        assert self.plugin is not None
+        if self.plugin.allocator.set_health(card, healthy, reason) and self.publisher:
+            self.publisher.poke()
+
+    def _reconcile(self) -> None:
+        assert self.plugin is not None
+        while not self._stop.wait(self.config.reconcile_interval_s):
+            try:
+                self.plugin.reconcile_once()
+            except PodResourcesError as exc:
+                log.warning("reconciliation skipped", extra={"error": str(exc)})
+            except Exception:
+                log.exception("reconciliation failed")
+
+    def healthz(self) -> tuple[bool, str]:
+        if self.supervisor is None or not self.supervisor.registered:
+            return False, "not registered with kubelet"
+        if self.health is None or not self.health.running:
+            return False, "NVML health thread is not running"
+        return True, "ok"
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self.health is not None:
+            self.health.stop()
+        if self.publisher is not None:
+            self.publisher.stop()
+        if self._reconciler is not None:
+            self._reconciler.join(timeout=5)
+        if self.plugin is not None:
+            self.plugin.stop_verifier()
+            self.plugin.checkpointer.stop()
+            self.plugin.podresources.close()
+        inventory.shutdown_nvml()
+        log.info("device plugin stopped")
+
+
+def run(config: Config) -> int:
+    """Run until SIGTERM or SIGINT; the exit status for the CLI."""
+    daemon = Daemon(config)
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        daemon.start()
+    except inventory.InventoryError as exc:
+        log.error("cannot start: no usable NVML", extra={"error": str(exc)})
+        return 1
+    stop.wait()
+    daemon.stop()
+    return 0
+
+
+__all__ = ["Daemon", "run"]

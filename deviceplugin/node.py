@@ -1,0 +1,133 @@
+"""Publishing the node's cards on its Node object, for the webhook, schedulers and people.
+
+Labels (selectable): ``fracgpu.io/gpu.product`` (label-safe product name; ``mixed`` when cards
+differ), ``fracgpu.io/gpu.memory-mib`` (memory of the smallest card, the most a container can
+count on), ``fracgpu.io/gpu.count``. Annotation ``fracgpu.io/gpu.inventory``: versioned JSON with
+every card (index, uuid, product, memoryMiB, minor, numaNode, healthy).
+
+Written with one JSON merge patch (labels and the annotation together), again whenever a card's
+health changes, and retried with backoff while the API server is unreachable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from kubernetes_asyncio import client
+from kubernetes_asyncio import config as kube_config
+
+from deviceplugin.allocator import Allocator
+from deviceplugin.config import Config
+from deviceplugin.inventory import Card
+
+log = logging.getLogger(__name__)
+
+LABEL_PRODUCT = "fracgpu.io/gpu.product"
+LABEL_MEMORY = "fracgpu.io/gpu.memory-mib"
+LABEL_COUNT = "fracgpu.io/gpu.count"
+ANNOTATION_INVENTORY = "fracgpu.io/gpu.inventory"
+INVENTORY_VERSION = 1
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def label_safe(text: str) -> str:
+    """A label value (≤ 63 chars of [A-Za-z0-9._-], alphanumeric at both ends)."""
+    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip())[:63]
+    value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
+    return value or "unknown"
+
+
+def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any]:
+    cards = sorted(cards, key=lambda c: c.index)
+    products = {c.product for c in cards}
+    labels = {
+        LABEL_COUNT: str(len(cards)),
+        LABEL_PRODUCT: label_safe(products.pop()) if len(products) == 1 else "mixed",
+        LABEL_MEMORY: str(min(c.memory_mib for c in cards)) if cards else "0",
+    }
+    inventory = {
+        "version": INVENTORY_VERSION,
+        "cards": [
+            {
+                "index": c.index,
+                "uuid": c.uuid,
+                "product": c.product,
+                "memoryMiB": c.memory_mib,
+                "minor": c.minor,
+                "numaNode": c.numa_node,
+                "healthy": healthy.get(c.index, False),
+            }
+            for c in cards
+        ],
+    }
+    annotations = {ANNOTATION_INVENTORY: json.dumps(inventory, separators=(",", ":"))}
+    return {"metadata": {"labels": labels, "annotations": annotations}}
+
+
+async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
+    """Apply the patch to the Node (``api``: a kubernetes_asyncio CoreV1Api)."""
+    await api.patch_node(node_name, patch, _content_type=MERGE_PATCH)
+
+
+class NodePublisher:
+    """Keeps the Node's labels and annotation current, from its own thread and event loop."""
+
+    def __init__(self, config: Config, cards: list[Card], allocator: Allocator) -> None:
+        self.config = config
+        self.cards = cards
+        self.allocator = allocator
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.published = 0
+
+    def start(self) -> None:
+        self._wake.set()
+        self._thread = threading.Thread(target=self._run, name="node-publisher", daemon=True)
+        self._thread.start()
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        if self.config.kubeconfig is not None:
+            await kube_config.load_kube_config(config_file=str(self.config.kubeconfig))
+        else:
+            kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        assert self.config.node_name is not None
+        backoff = 1.0
+        async with client.ApiClient() as api_client:
+            api = client.CoreV1Api(api_client)
+            while not self._stop.is_set():
+                await asyncio.to_thread(self._wake.wait)
+                if self._stop.is_set():
+                    break
+                self._wake.clear()
+                healthy = {u.card.index: u.healthy for u in self.allocator.usage()}
+                try:
+                    await publish(api, self.config.node_name, node_patch(self.cards, healthy))
+                    self.published += 1
+                    backoff = 1.0
+                except Exception as exc:  # network, 5xx, RBAC: log and retry
+                    log.warning(
+                        "publishing the node inventory failed; retrying",
+                        extra={"node": self.config.node_name, "error": str(exc)},
+                    )
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 60.0)
+                    self._wake.set()

@@ -1,0 +1,322 @@
+"""The device plugin's decisions: Allocate, PreStartContainer, recovery and reconciliation.
+
+Nothing here guesses which pod a call is for. Allocate reads the card and the amounts from the
+device IDs kubelet chose; PreStartContainer finds the one container that holds exactly those IDs in
+kubelet's PodResources listing and takes the rest of its devices from there.
+
+Host layout under ``host_root`` (default ``/var/lib/fracgpu``)::
+
+    lib/libfracgpu.so              the hook, installed by the DaemonSet; mounted read-only
+    ld.so.preload                  names the hook's container path; mounted read-only
+    containers/<dir>/limits/       the container's limits file; mounted read-only
+    containers/<dir>/shared/       the hook's accounting region; mounted read-write
+    checkpoint.json                this plugin's allocations
+
+``<dir>`` is ``container_dir_name(core IDs)`` (see allocator.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from deviceplugin import checkpoint, contract
+from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
+from deviceplugin.config import Config
+from deviceplugin.ids import Kind
+from deviceplugin.inventory import Card
+from deviceplugin.metrics import Metrics
+from deviceplugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
+from deviceplugin.prestart import PreStartError, limits_for
+
+log = logging.getLogger(__name__)
+
+NVIDIA_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+
+
+class NotListedError(RuntimeError):
+    """PodResources does not (yet) list a container with these IDs: transient, kubelet retries."""
+
+
+class DevicePlugin:
+    def __init__(
+        self,
+        config: Config,
+        cards: Iterable[Card],
+        *,
+        metrics: Metrics | None = None,
+        podresources: PodResourcesClient | None = None,
+    ) -> None:
+        self.config = config
+        self.cards = {c.index: c for c in cards}
+        self.allocator = Allocator(
+            self.cards.values(), block_mib=config.block_mib, pair_window_s=config.pair_window_s
+        )
+        self.metrics = metrics or Metrics()
+        self.metrics.watch_cards(self.allocator.usage)
+        self.podresources = podresources or PodResourcesClient(
+            config.podresources_socket, config.podresources_timeout_s
+        )
+        self.resources = {Kind.CORE: config.core_resource, Kind.MEMORY: config.memory_resource}
+        self.checkpointer = checkpoint.CheckpointWriter(
+            config.checkpoint_path, self.cards.values(), self.allocator.allocations
+        )
+        self.reconciled = False  # one successful reconciliation since start
+        self._verify: queue.Queue[Allocation | None] = queue.Queue()
+        self._verifier: threading.Thread | None = None
+        self.verify_retries = 5
+        self.verify_spacing_s = 0.05  # doubled after each miss: 0.05 … 0.8 s in all
+
+    def resource(self, kind: Kind) -> str:
+        return self.resources[kind]
+
+    # ---- host files --------------------------------------------------------------------
+
+    def install_host_files(self) -> None:
+        """Write the ld.so.preload file that Allocate mounts, and the containers directory."""
+        self.config.containers_dir.mkdir(parents=True, exist_ok=True)
+        preload = self.config.ld_so_preload
+        content = f"{contract.CONTAINER_HOOK_LIBRARY}\n"
+        if not preload.exists() or preload.read_text() != content:
+            tmp = preload.with_name(f".{preload.name}.tmp")
+            tmp.write_text(content)
+            os.chmod(tmp, 0o644)
+            os.replace(tmp, preload)
+
+    def _container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
+        base = self.config.containers_dir / container_dir_name(core)
+        return base / "limits", base / "shared"
+
+    # ---- Allocate ----------------------------------------------------------------------
+
+    def allocate(self, kind: Kind, ids: list[str]) -> pb.ContainerAllocateResponse:
+        """Serve one container of an Allocate call. AllocationError means: never retry."""
+        allocation = self.allocator.allocate(kind, ids, self.resource(kind))
+        self.metrics.allocations.labels(self.resource(kind)).inc()
+        response = pb.ContainerAllocateResponse()
+        if kind is Kind.CORE:
+            self._core_response(allocation, ids, response)
+        if allocation.core and allocation.memory and self._verifier is not None:
+            self._verify.put(allocation)  # both halves are in: prepare PreStartContainer
+        # The memory resource's response is empty on purpose: the core resource's response
+        # already carries every mount, and two resources mounting the same container path
+        # would conflict.
+        self.save()
+        return response
+
+    def _core_response(
+        self, allocation: Allocation, core: list[str], response: pb.ContainerAllocateResponse
+    ) -> None:
+        cards = [self.cards[i] for i in allocation.cards]
+        limits_dir, shared_dir = self._container_dirs(core)
+        limits_dir.mkdir(parents=True, exist_ok=True)
+        shared_dir.mkdir(parents=True, exist_ok=True)
+        os.chmod(shared_dir, 0o777)  # the container's (possibly non-root) user writes here
+        response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in cards)
+        dev = self.config.dev_root
+        for card in cards:
+            path = f"/dev/nvidia{card.minor}"
+            response.devices.add(
+                container_path=path, host_path=str(dev / f"nvidia{card.minor}"), permissions="rw"
+            )
+        for name in NVIDIA_CONTROL_DEVICES:
+            response.devices.add(
+                container_path=f"/dev/{name}", host_path=str(dev / name), permissions="rw"
+            )
+        response.mounts.add(
+            container_path=contract.CONTAINER_HOOK_LIBRARY,
+            host_path=str(self.config.hook_library),
+            read_only=True,
+        )
+        response.mounts.add(
+            container_path=contract.LD_SO_PRELOAD,
+            host_path=str(self.config.ld_so_preload),
+            read_only=True,
+        )
+        response.mounts.add(
+            container_path=contract.CONTAINER_LIMITS_DIR, host_path=str(limits_dir), read_only=True
+        )
+        response.mounts.add(
+            container_path=contract.CONTAINER_SHARED_DIR, host_path=str(shared_dir), read_only=False
+        )
+
+    # ---- PreStartContainer -------------------------------------------------------------
+
+    def _list(self) -> list[ContainerDevices]:
+        return self.podresources.list(set(self.resources.values()))
+
+    def prestart(self, kind: Kind, ids: list[str]) -> Path:
+        """Write the limits of the container holding ``ids``; return the limits file.
+
+        Raises PodResourcesError or NotListedError (transient) and PreStartError.
+        """
+        if not ids:
+            raise PreStartError(f"{self.resource(kind)}: PreStartContainer named no device IDs")
+        wanted = frozenset(ids)
+        resource = self.resource(kind)
+        known = self.allocator.find(kind, ids)
+        held = None if known is None else (known.core if kind is Kind.CORE else known.memory)
+        if known is not None and known.verified and frozenset(held or ()) == wanted:
+            # The second resource's call, or a container restart: PodResources already told
+            # us which container holds exactly these IDs, and IDs are exclusive until kubelet
+            # reassigns them (in an Allocate, which replaces this record).
+            return self._write_limits(f"container {known.dir_name}", known.core, known.memory)
+        container = self.podresources.find(resource, wanted, set(self.resources.values()))
+        if container is None:
+            raise NotListedError(
+                f"{resource}: kubelet PodResources lists no container holding exactly "
+                f"{sorted(wanted)[:4]}…; kubelet retries"
+            )
+        core = container.ids(self.config.core_resource)
+        memory = container.ids(self.config.memory_resource)
+        path = self._write_limits(container.name, core, memory)
+        before = len(self.allocator.allocations())
+        self.allocator.verify(core, memory)
+        if len(self.allocator.allocations()) != before or known is None:
+            self.save()
+        return path
+
+    def _write_limits(self, name: str, core: Iterable[str], memory: Iterable[str]) -> Path:
+        limits = limits_for(
+            name,
+            frozenset(core),
+            frozenset(memory),
+            self.cards,
+            block_mib=self.config.block_mib,
+            core_resource=self.config.core_resource,
+            memory_resource=self.config.memory_resource,
+        )
+        limits_dir, shared_dir = self._container_dirs(core)
+        shared_dir.mkdir(parents=True, exist_ok=True)
+        path = limits_dir / contract.LIMITS_FILE
+        try:
+            current = path.read_text(encoding="ascii")
+        except (OSError, UnicodeDecodeError):
+            current = None
+        if current != limits.render():  # PreStart repeats per resource and per restart
+            limits.write_atomic(limits_dir)
+            log.info(
+                "limits written",
+                extra={
+                    "container": name,
+                    "devices": list(limits.devices),
+                    "memory_bytes": limits.memory_bytes,
+                    "compute_percent": limits.compute_percent,
+                    "dir": limits_dir.parent.name,
+                },
+            )
+        return path
+
+    # ---- ahead of PreStartContainer -----------------------------------------------------
+
+    def start_verifier(self) -> None:
+        """Verify new allocations through PodResources before kubelet asks for PreStart.
+
+        kubelet calls PreStartContainer well after admission (after the pod sandbox exists), so
+        the List it needs can usually be done in between; PreStartContainer then only checks the
+        limits file. When the verifier has not finished, PreStartContainer lists by itself.
+        """
+        self._verifier = threading.Thread(target=self._run_verifier, name="verify", daemon=True)
+        self._verifier.start()
+
+    def stop_verifier(self) -> None:
+        if self._verifier is not None:
+            self._verify.put(None)
+            self._verifier.join(timeout=5)
+            self._verifier = None
+
+    def _run_verifier(self) -> None:
+        while (allocation := self._verify.get()) is not None:
+            for attempt in range(self.verify_retries):
+                if attempt:
+                    time.sleep(self.verify_spacing_s * 2 ** (attempt - 1))
+                try:
+                    if self._verify_one(allocation):
+                        break
+                except (PodResourcesError, PreStartError, OSError) as exc:
+                    log.info("early verification skipped", extra={"error": str(exc)})
+                    break
+
+    def _verify_one(self, allocation: Allocation) -> bool:
+        """True once PodResources lists one container with exactly this allocation's IDs.
+
+        kubelet records each resource when its Allocate returns, so right after the second
+        Allocate the container may still be listed with one resource only: then try again.
+        """
+        core, memory = frozenset(allocation.core), frozenset(allocation.memory)
+        container = self.podresources.find(
+            self.config.core_resource, core, set(self.resources.values())
+        )
+        if container is None or container.ids(self.config.memory_resource) != memory:
+            return False
+        self._write_limits(container.name, core, memory)
+        self.allocator.verify(core, memory)
+        return True
+
+    # ---- state -------------------------------------------------------------------------
+
+    def save(self) -> None:
+        self.checkpointer.request()
+
+    def recover(self) -> None:
+        """Rebuild state after a start: checkpoint first, then PodResources (when it answers)."""
+        try:
+            restored = checkpoint.read(self.config.checkpoint_path, self.cards)
+        except checkpoint.CheckpointError as exc:
+            log.error("checkpoint ignored", extra={"error": str(exc)})
+            restored = []
+        self.allocator.restore(restored)
+        log.info("checkpoint restored", extra={"allocations": len(restored)})
+        try:
+            self.reconcile_once()
+        except PodResourcesError as exc:
+            log.warning("PodResources unavailable at start", extra={"error": str(exc)})
+
+    def reconcile_once(self) -> list[Allocation]:
+        """Free what kubelet no longer lists, adopt what it lists, collect stale directories."""
+        started = time.time()
+        containers = self._list()
+        listed = [
+            (
+                sorted(c.ids(self.config.core_resource)),
+                sorted(c.ids(self.config.memory_resource)),
+            )
+            for c in containers
+        ]
+        freed = self.allocator.reconcile(listed, started, self.config.reconcile_grace_s)
+        self.reconciled = True
+        self.collect_dirs()
+        self.save()
+        return freed
+
+    def collect_dirs(self) -> list[str]:
+        """Remove container directories that no allocation names (after a reconciliation)."""
+        live = {a.dir_name for a in self.allocator.allocations()}
+        removed: list[str] = []
+        root = self.config.containers_dir
+        if not root.is_dir():
+            return removed
+        # A directory younger than the grace period may belong to an Allocate that raced this
+        # collection; it is collected next time if it is really orphaned.
+        young = time.time() - self.config.reconcile_grace_s
+        for entry in root.iterdir():
+            if not entry.is_dir() or not entry.name.startswith("c-") or entry.name in live:
+                continue
+            if entry.stat().st_mtime > young:
+                continue
+            if entry.name not in live:
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry.name)
+        if removed:
+            log.info("container directories collected", extra={"dirs": removed})
+        return removed
+
+
+__all__ = ["AllocationError", "DevicePlugin", "NotListedError", "PreStartError"]

@@ -1,0 +1,122 @@
+"""Client of kubelet's PodResources API: who holds which fracgpu device IDs."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from deviceplugin._proto import podresources_v1_pb2 as pr
+from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
+
+
+class PodResourcesError(RuntimeError):
+    """kubelet's PodResources API did not answer (transient: callers retry)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerDevices:
+    namespace: str
+    pod: str
+    container: str
+    # resource name -> device IDs, merged over kubelet's one-entry-per-ID listing
+    devices: dict[str, frozenset[str]] = field(default_factory=dict)
+
+    def ids(self, resource: str) -> frozenset[str]:
+        return self.devices.get(resource, frozenset())
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+
+def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[ContainerDevices]:
+    """Containers that hold any of ``resources``, their entries merged by resource name."""
+    containers = []
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            merged: dict[str, set[str]] = defaultdict(set)
+            for entry in container.devices:
+                if entry.resource_name in resources:
+                    merged[entry.resource_name].update(entry.device_ids)
+            if merged:
+                containers.append(
+                    ContainerDevices(
+                        pod.namespace,
+                        pod.name,
+                        container.name,
+                        {r: frozenset(ids) for r, ids in merged.items()},
+                    )
+                )
+    return containers
+
+
+def find(
+    response: pr.ListPodResourcesResponse,
+    resource: str,
+    wanted: frozenset[str],
+    resources: set[str],
+) -> ContainerDevices | None:
+    """The container holding exactly ``wanted`` of ``resource``, or None.
+
+    Device IDs are exclusive, so a container whose first ``resource`` entry names an ID outside
+    ``wanted`` is skipped without merging the rest of its (one-per-ID) entries: on a full node
+    this looks at one entry per container instead of thousands.
+    """
+    for pod in response.pod_resources:
+        for container in pod.containers:
+            first = next((e for e in container.devices if e.resource_name == resource), None)
+            if first is None or not first.device_ids or first.device_ids[0] not in wanted:
+                continue
+            merged: dict[str, set[str]] = defaultdict(set)
+            for entry in container.devices:
+                if entry.resource_name in resources:
+                    merged[entry.resource_name].update(entry.device_ids)
+            if merged[resource] != wanted:
+                return None
+            return ContainerDevices(
+                pod.namespace,
+                pod.name,
+                container.name,
+                {r: frozenset(ids) for r, ids in merged.items() if ids},
+            )
+    return None
+
+
+class PodResourcesClient:
+    def __init__(self, socket: Path, timeout_s: float) -> None:
+        self.socket = socket
+        self.timeout_s = timeout_s
+        self._channel: grpc.Channel | None = None
+
+    def _stub(self) -> pr_grpc.PodResourcesListerStub:
+        if self._channel is None:
+            self._channel = grpc.insecure_channel(f"unix://{self.socket}")
+        return pr_grpc.PodResourcesListerStub(self._channel)
+
+    def _list(self) -> pr.ListPodResourcesResponse:
+        try:
+            return self._stub().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self.close()  # a restarted kubelet listens on a new socket inode: dial afresh
+            raise PodResourcesError(
+                f"kubelet PodResources List on {self.socket} failed: "
+                f"{exc.code().name}: {exc.details()}"
+            ) from None
+
+    def list(self, resources: set[str]) -> list[ContainerDevices]:
+        """Every container holding any of ``resources`` (reconciliation)."""
+        return merge(self._list(), resources)
+
+    def find(
+        self, resource: str, wanted: frozenset[str], resources: set[str]
+    ) -> ContainerDevices | None:
+        """The one container holding exactly ``wanted`` (PreStartContainer, verification)."""
+        return find(self._list(), resource, wanted, resources)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None

@@ -1,0 +1,265 @@
+"""The kubelet-facing gRPC side: one DevicePlugin service per resource, and registration.
+
+Each resource gets its own socket in kubelet's device-plugin directory and its own Register call.
+``Supervisor`` serves before it registers (kubelet dials back inside Register), and watches for a
+kubelet restart by polling: when ``kubelet.sock`` is a new file (new inode) or one of the plugin's
+own sockets has gone (kubelet deletes them when it starts), it serves on fresh sockets and registers
+again. Polling every ``watch_interval_s`` (default 0.25 s) keeps re-registration well under the
+2 s target without inotify.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from deviceplugin.allocator import AllocationError
+from deviceplugin.ids import Kind
+from deviceplugin.plugin import DevicePlugin, NotListedError
+from deviceplugin.podresources import PodResourcesError
+from deviceplugin.prestart import PreStartError
+
+log = logging.getLogger(__name__)
+
+API_VERSION = "v1beta1"
+KUBELET_SOCKET = "kubelet.sock"
+HEALTH = {True: "Healthy", False: "Unhealthy"}
+
+
+class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
+    def __init__(self, plugin: DevicePlugin, kind: Kind, stopping: threading.Event) -> None:
+        self.plugin = plugin
+        self.kind = kind
+        self.resource = plugin.resource(kind)
+        self._stopping = stopping
+
+    def _fail(
+        self, context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, msg: str
+    ) -> None:
+        self.plugin.metrics.failures.labels(self.resource, rpc).inc()
+        log.warning("rpc failed", extra={"resource": self.resource, "rpc": rpc, "error": msg})
+        context.abort(code, msg)
+
+    def GetDevicePluginOptions(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> pb.DevicePluginOptions:
+        return pb.DevicePluginOptions(
+            pre_start_required=True, get_preferred_allocation_available=True
+        )
+
+    def ListAndWatch(
+        self, request: pb.Empty, context: grpc.ServicerContext
+    ) -> Iterator[pb.ListAndWatchResponse]:
+        allocator = self.plugin.allocator
+        seen = -1
+        sent: object = None
+        log.info("ListAndWatch opened", extra={"resource": self.resource})
+        while context.is_active() and not self._stopping.is_set():
+            version = allocator.wait_for_change(seen, timeout=0.25)
+            if version == seen:
+                continue
+            seen = version
+            signature = allocator.signature(self.kind)
+            if signature == sent:
+                continue  # most allocations change nothing kubelet sees (allocated stays Healthy)
+            sent = signature
+            response = pb.ListAndWatchResponse()
+            for device in allocator.devices(self.kind):
+                entry = response.devices.add(ID=device.id, health=HEALTH[device.healthy])
+                if device.numa_node is not None:
+                    entry.topology.nodes.add(ID=device.numa_node)
+            yield response
+        log.info("ListAndWatch closed", extra={"resource": self.resource})
+
+    def GetPreferredAllocation(
+        self, request: pb.PreferredAllocationRequest, context: grpc.ServicerContext
+    ) -> pb.PreferredAllocationResponse:
+        with self.plugin.metrics.rpc_seconds.labels("GetPreferredAllocation").time():
+            response = pb.PreferredAllocationResponse()
+            for container in request.container_requests:
+                chosen = self.plugin.allocator.preferred(
+                    self.kind,
+                    container.available_deviceIDs,
+                    container.must_include_deviceIDs,
+                    container.allocation_size,
+                )
+                response.container_responses.add(deviceIDs=chosen)
+            return response
+
+    def Allocate(
+        self, request: pb.AllocateRequest, context: grpc.ServicerContext
+    ) -> pb.AllocateResponse:
+        with self.plugin.metrics.rpc_seconds.labels("Allocate").time():
+            response = pb.AllocateResponse()
+            if not request.container_requests:
+                self._fail(
+                    context,
+                    "Allocate",
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{self.resource}: Allocate named no containers",
+                )
+            for container in request.container_requests:
+                try:
+                    answer = self.plugin.allocate(self.kind, list(container.devices_ids))
+                except AllocationError as exc:
+                    self._fail(context, "Allocate", grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                response.container_responses.append(answer)
+            return response
+
+    def PreStartContainer(
+        self, request: pb.PreStartContainerRequest, context: grpc.ServicerContext
+    ) -> pb.PreStartContainerResponse:
+        with self.plugin.metrics.rpc_seconds.labels("PreStartContainer").time():
+            try:
+                self.plugin.prestart(self.kind, list(request.devices_ids))
+            except (PodResourcesError, NotListedError) as exc:
+                self._fail(context, "PreStartContainer", grpc.StatusCode.UNAVAILABLE, str(exc))
+            except PreStartError as exc:
+                self._fail(
+                    context, "PreStartContainer", grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+                )
+            except OSError as exc:
+                self._fail(
+                    context,
+                    "PreStartContainer",
+                    grpc.StatusCode.INTERNAL,
+                    f"{self.resource}: cannot write the limits file: {exc}",
+                )
+            return pb.PreStartContainerResponse()
+
+
+class Endpoint:
+    """One resource's gRPC server on its unix socket."""
+
+    def __init__(self, plugin: DevicePlugin, kind: Kind, socket: Path) -> None:
+        self.plugin = plugin
+        self.kind = kind
+        self.socket = socket
+        self._server: grpc.Server | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> None:
+        self.socket.unlink(missing_ok=True)
+        self._stopping = threading.Event()
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dp"))
+        pb_grpc.add_DevicePluginServicer_to_server(
+            DevicePluginServicer(self.plugin, self.kind, self._stopping), server
+        )
+        server.add_insecure_port(f"unix://{self.socket}")
+        server.start()
+        self._server = server
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._server is not None:
+            self._server.stop(grace=0.1).wait(2)
+            self._server = None
+
+
+class Supervisor:
+    """Serves both resources, registers them, and re-registers after kubelet restarts."""
+
+    def __init__(self, plugin: DevicePlugin) -> None:
+        self.plugin = plugin
+        config = plugin.config
+        self.kubelet_socket = config.plugin_dir / KUBELET_SOCKET
+        self.endpoints = [
+            Endpoint(plugin, kind, config.plugin_dir / f"fracgpu-{kind.name.lower()}.sock")
+            for kind in (Kind.CORE, Kind.MEMORY)
+        ]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._registered_inode: int | None = None
+        self.registered = False
+        self._last_error = ""
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="kubelet-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for endpoint in self.endpoints:
+            endpoint.stop()
+            endpoint.socket.unlink(missing_ok=True)
+
+    def _kubelet_inode(self) -> int | None:
+        try:
+            return os.stat(self.kubelet_socket).st_ino
+        except FileNotFoundError:
+            return None
+
+    def needs_registration(self) -> bool:
+        inode = self._kubelet_inode()
+        if inode is None:
+            return False  # no kubelet to register with yet; keep serving
+        if not self.registered or inode != self._registered_inode:
+            return True
+        return any(not e.socket.exists() for e in self.endpoints)
+
+    def _run(self) -> None:
+        interval = self.plugin.config.watch_interval_s
+        while not self._stop.is_set():
+            if self.needs_registration():
+                self._reregister()
+            self._stop.wait(interval)
+
+    def _reregister(self) -> None:
+        inode = self._kubelet_inode()
+        if self.registered:
+            log.info("kubelet restarted (kubelet.sock re-created or our socket deleted)")
+        self.registered = False
+        for endpoint in self.endpoints:
+            self.plugin.metrics.registered.labels(endpoint.plugin.resource(endpoint.kind)).set(0)
+            endpoint.stop()
+            endpoint.start()  # serve first: kubelet dials back inside Register
+        try:
+            for endpoint in self.endpoints:
+                self._register(endpoint)
+        except grpc.RpcError as exc:
+            message = f"{exc.code().name}: {exc.details()}"
+            if message != self._last_error:
+                log.error("registration failed; retrying", extra={"error": message})
+            self._last_error = message
+            return
+        self._last_error = ""
+        self._registered_inode = inode
+        self.registered = True
+
+    def _register(self, endpoint: Endpoint) -> None:
+        resource = self.plugin.resource(endpoint.kind)
+        started = time.monotonic()
+        with grpc.insecure_channel(f"unix://{self.kubelet_socket}") as channel:
+            pb_grpc.RegistrationStub(channel).Register(
+                pb.RegisterRequest(
+                    version=API_VERSION,
+                    endpoint=endpoint.socket.name,
+                    resource_name=resource,
+                    options=pb.DevicePluginOptions(
+                        pre_start_required=True, get_preferred_allocation_available=True
+                    ),
+                ),
+                timeout=self.plugin.config.register_timeout_s,
+                wait_for_ready=True,
+            )
+        self.plugin.metrics.registered.labels(resource).set(1)
+        self.plugin.metrics.registrations.labels(resource).inc()
+        log.info(
+            "registered with kubelet",
+            extra={
+                "resource": resource,
+                "endpoint": endpoint.socket.name,
+                "seconds": round(time.monotonic() - started, 3),
+            },
+        )

@@ -1,0 +1,210 @@
+"""The allocator's arithmetic: honesty, preferences, pairing, validation, reconciliation."""
+
+from __future__ import annotations
+
+import pytest
+
+from deviceplugin.allocator import AllocationError, Allocator, container_dir_name
+from deviceplugin.ids import Kind, core_id, memory_id
+from deviceplugin.inventory import Card
+
+CORE = "fracgpu.io/core"
+MEMORY = "fracgpu.io/memory"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make(count: int = 2, memory_mib: int = 4096, numa: list[int | None] | None = None) -> Allocator:
+    nodes = numa or [None] * count
+    cards = [Card(i, f"GPU-{i}", "Fake", memory_mib, i, nodes[i]) for i in range(count)]
+    return Allocator(cards, clock=Clock(), wall=Clock())
+
+
+def healthy(alloc: Allocator, kind: Kind) -> set[str]:
+    return {d.id for d in alloc.devices(kind) if d.healthy}
+
+
+def free(alloc: Allocator, kind: Kind) -> list[str]:
+    used = {i for a in alloc.allocations() for i in a.ids()}
+    return [i for i in healthy(alloc, kind) if i not in used]
+
+
+def take(alloc: Allocator, core: int, memory: int, *, memory_first: bool = False) -> list[str]:
+    """A container's two calls as kubelet makes them: preference, then Allocate, per resource."""
+    order = [(Kind.MEMORY, memory), (Kind.CORE, core)]
+    if not memory_first:
+        order.reverse()
+    ids: list[str] = []
+    for kind, size in order:
+        chosen = alloc.preferred(kind, free(alloc, kind), [], size)
+        assert len(chosen) == size
+        alloc.allocate(kind, chosen, CORE if kind is Kind.CORE else MEMORY)
+        ids += chosen
+    alloc._half = None  # the next container comes later than the pair window
+    return ids
+
+
+def cards_of(ids: list[str]) -> set[int]:
+    return {int(i[1 : i.index("-")]) for i in ids}
+
+
+def test_ids_are_short_and_advertised_per_card() -> None:
+    alloc = make(2, 4096)
+    assert len(alloc.devices(Kind.CORE)) == 200
+    assert len(alloc.devices(Kind.MEMORY)) == 32  # 4096 MiB / 256
+    assert max(len(d.id) for d in alloc.devices(Kind.MEMORY)) <= 63
+
+
+@pytest.mark.parametrize("memory_first", [False, True])
+def test_container_core_and_memory_land_on_one_card_in_either_order(memory_first: bool) -> None:
+    alloc = make(3)
+    for _ in range(5):
+        ids = take(alloc, 30, 4, memory_first=memory_first)
+        assert len(cards_of(ids)) == 1
+
+
+def test_fractions_pack_best_fit() -> None:
+    alloc = make(2)
+    first = take(alloc, 60, 4)
+    second = take(alloc, 40, 4)  # fits exactly beside the first
+    assert cards_of(first) == cards_of(second)
+    third = take(alloc, 50, 4)
+    assert cards_of(third) != cards_of(first)
+
+
+def test_exhausted_core_strands_free_memory_and_the_reverse() -> None:
+    alloc = make(1, 4096)  # 100 core, 16 blocks
+    take(alloc, 100, 4)
+    assert free(alloc, Kind.MEMORY) == []  # 12 blocks free, but no core left to use them
+    assert len(healthy(alloc, Kind.MEMORY)) == 4  # allocated IDs stay Healthy
+    other = make(1, 4096)
+    take(other, 10, 16)
+    assert free(other, Kind.CORE) == []
+    assert len(healthy(other, Kind.CORE)) == 10
+
+
+def test_pending_half_keeps_its_partner_allocatable() -> None:
+    alloc = make(1, 4096)
+    chosen = alloc.preferred(Kind.CORE, free(alloc, Kind.CORE), [], 100)
+    alloc.allocate(Kind.CORE, chosen, CORE)
+    # Between the container's two Allocates its memory must still be offered.
+    assert len(free(alloc, Kind.MEMORY)) == 16
+    alloc.allocate(Kind.MEMORY, [memory_id(0, n) for n in range(16)], MEMORY)
+    assert len(alloc.allocations()) == 1
+
+
+def test_pending_half_expires() -> None:
+    alloc = make(1, 4096)
+    clock: Clock = alloc._clock
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
+    assert len(free(alloc, Kind.MEMORY)) == 16
+    clock.now += alloc.pair_window_s + 1
+    assert free(alloc, Kind.MEMORY) == []
+
+
+def test_whole_cards_prefer_one_numa_node() -> None:
+    alloc = make(4, numa=[0, 0, 1, 1])
+    take(alloc, 30, 2)  # lands on card 0 (best fit among equals: lowest index)
+    ids = take(alloc, 200, 32)
+    assert cards_of(ids) == {2, 3}
+    assert cards_of([i for i in ids if "-m" in i]) == {2, 3}
+
+
+def test_whole_card_request_spanning_numa_when_it_must() -> None:
+    alloc = make(4, numa=[0, 0, 1, 1])
+    take(alloc, 30, 2)
+    ids = take(alloc, 300, 48)
+    assert cards_of(ids) == {1, 2, 3}
+
+
+def test_fraction_split_across_cards_is_refused() -> None:
+    alloc = make(2)
+    split = [core_id(0, n) for n in range(20)] + [core_id(1, n) for n in range(20)]
+    with pytest.raises(AllocationError, match="span cards"):
+        alloc.allocate(Kind.CORE, split, CORE)
+
+
+def test_memory_on_another_card_than_core_is_refused_and_releases_the_half() -> None:
+    alloc = make(2)
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(10)], CORE)
+    with pytest.raises(AllocationError, match="same card"):
+        alloc.allocate(Kind.MEMORY, [memory_id(1, 0)], MEMORY)
+    assert alloc.allocations() == []
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([], "no device IDs"),
+        (["gpu0"], "not a fracgpu ID"),
+        (["g9-c1"], "unknown on this node"),
+        (["g0-c100"], "unknown on this node"),
+        (["g0-m1"], "other fracgpu resource"),
+        (["g0-c1", "g0-c1"], "twice"),
+    ],
+)
+def test_bad_ids_are_refused_with_the_reason(ids: list[str], message: str) -> None:
+    with pytest.raises(AllocationError, match=message):
+        make(1).allocate(Kind.CORE, ids, CORE)
+
+
+def test_unhealthy_card_lists_every_id_unhealthy_and_recovers() -> None:
+    alloc = make(2)
+    before = alloc.version
+    assert alloc.set_health(1, False, "XID 79")
+    assert alloc.version > before
+    assert not any(d.healthy for d in alloc.devices(Kind.CORE) if d.id.startswith("g1-"))
+    assert not alloc.set_health(1, False, "again")  # no change, no resend
+    alloc.set_health(1, True)
+    assert len(healthy(alloc, Kind.CORE)) == 200
+
+
+def test_reconcile_frees_gone_containers_and_adopts_unknown_ones() -> None:
+    alloc = make(2)
+    gone = take(alloc, 30, 2)
+    kept = take(alloc, 30, 2)
+    core = [i for i in kept if "-c" in i]
+    memory = [i for i in kept if "-m" in i]
+    stranger = ([core_id(1, n) for n in range(5)], [memory_id(1, 0)])
+    freed = alloc.reconcile([(core, memory), stranger], listed_at=5000.0, grace_s=1.0)
+    assert [set(a.ids()) for a in freed] == [set(gone)]
+    assert {a.dir_name for a in alloc.allocations()} == {
+        container_dir_name(core),
+        container_dir_name(stranger[0]),
+    }
+
+
+def test_reconcile_spares_allocations_younger_than_the_grace_period() -> None:
+    alloc = make(1)
+    take(alloc, 30, 2)
+    assert alloc.reconcile([], listed_at=1000.5, grace_s=10.0) == []
+    assert len(alloc.allocations()) == 1
+
+
+def test_kubelet_reusing_ids_replaces_a_stale_allocation() -> None:
+    alloc = make(1)
+    take(alloc, 100, 16)
+    ids = [core_id(0, n) for n in range(50)]
+    alloc.allocate(Kind.CORE, ids, CORE)  # the earlier pod ended before reconciliation
+    assert [a.core for a in alloc.allocations()] == [tuple(ids)]
+
+
+def test_container_dir_name_depends_only_on_the_set_of_ids() -> None:
+    assert container_dir_name(["g0-c2", "g0-c1"]) == container_dir_name(["g0-c1", "g0-c2"])
+    assert container_dir_name(["g0-c1"]) != container_dir_name(["g0-c2"])
+
+
+def test_reconcile_replaces_a_record_whose_ids_kubelet_gave_to_another_container() -> None:
+    alloc = make(1)
+    take(alloc, 30, 4)
+    # While the plugin was not looking, the pod ended and a new container got part of its IDs.
+    core = [core_id(0, n) for n in range(10)]
+    memory = [memory_id(0, 0)]
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    assert [(set(a.core), set(a.memory)) for a in alloc.allocations()] == [(set(core), set(memory))]

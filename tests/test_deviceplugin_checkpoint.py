@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deviceplugin import checkpoint
+from deviceplugin.allocator import Allocation
+from deviceplugin.inventory import Card
+
+CARDS = {0: Card(0, "GPU-a", "Fake", 4096, 0, None), 1: Card(1, "GPU-b", "Fake", 4096, 1, 0)}
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "state" / "checkpoint.json"
+    allocations = [Allocation(("g0-c1",), ("g0-m0",), (0,), 12.5)]
+    checkpoint.write(path, CARDS.values(), allocations)
+    assert checkpoint.read(path, CARDS) == allocations
+    assert [p.name for p in path.parent.iterdir()] == ["checkpoint.json"]  # no temp left
+
+
+def test_missing_checkpoint_is_empty(tmp_path: Path) -> None:
+    assert checkpoint.read(tmp_path / "none.json", CARDS) == []
+
+
+def test_checkpoint_for_other_cards_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    checkpoint.write(path, CARDS.values(), [])
+    swapped = {0: Card(0, "GPU-new", "Fake", 4096, 0, None), 1: CARDS[1]}
+    with pytest.raises(checkpoint.CheckpointError, match="written for cards"):
+        checkpoint.read(path, swapped)
+
+
+@pytest.mark.parametrize("content", ["{", "[]", '{"version": 9}', '{"version":1,"cards":{}}'])
+def test_corrupt_checkpoint_is_refused(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.write_text(content)
+    with pytest.raises(checkpoint.CheckpointError):
+        checkpoint.read(path, CARDS)
+
+
+def test_failed_write_keeps_the_old_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    checkpoint.write(path, CARDS.values(), [])
+    before = path.read_text()
+
+    class Boom(Allocation):
+        def to_json(self) -> dict[str, object]:
+            raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        checkpoint.write(path, CARDS.values(), [Boom((), (), (), 0.0)])
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]

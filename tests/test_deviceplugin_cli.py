@@ -1,0 +1,51 @@
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from deviceplugin.cli import add_parser, config_from
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    return parser.parse_args(["device-plugin", *argv])
+
+
+def test_defaults_match_kubelet_and_the_contract(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    config = config_from(parse())
+    assert config.plugin_dir == Path("/var/lib/kubelet/device-plugins")
+    assert config.podresources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    assert config.host_root == Path("/var/lib/fracgpu")
+    assert config.core_resource == "fracgpu.io/core"
+    assert config.memory_resource == "fracgpu.io/memory"
+    assert config.block_mib == 256
+    assert config.ignored_xids == frozenset({13, 31, 43, 45, 68})
+    assert config.node_name is None
+
+
+def test_options(tmp_path: Path) -> None:
+    args = parse(
+        "--plugin-dir", str(tmp_path), "--resource-domain", "example.com", "--block-mib", "512",
+        "--ignore-xids", "13,43", "--metrics-port", "0", "--node-name", "n1",
+    )  # fmt: skip
+    config = config_from(args)
+    assert config.plugin_dir == tmp_path
+    assert config.core_resource == "example.com/core"
+    assert config.block_mib == 512
+    assert config.ignored_xids == frozenset({13, 43})
+    assert config.metrics_port == 0
+    assert config.node_name == "n1"
+    assert callable(args.run)
+
+
+@pytest.mark.parametrize(
+    "argv", [("--ignore-xids", "13,x"), ("--ignore-xids", "-1"), ("--block-mib", "0")]
+)
+def test_bad_options_are_refused(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert argv[0] in capsys.readouterr().err

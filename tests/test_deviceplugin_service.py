@@ -1,0 +1,371 @@
+"""The device plugin against the strict FakeKubelet and the fake NVML, over real gRPC sockets."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deviceplugin import contract
+from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
+from deviceplugin.allocator import container_dir_name
+from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
+from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
+
+CORE = "fracgpu.io/core"
+MEMORY = "fracgpu.io/memory"
+
+
+def pod(name: str, *containers: tuple[int, int]) -> Pod:
+    return Pod(
+        "default",
+        name,
+        [Container(f"c{i}", {CORE: c, MEMORY: m}) for i, (c, m) in enumerate(containers)],
+    )
+
+
+def card_of(ids: list[str]) -> set[int]:
+    return {int(i[1 : i.index("-")]) for i in ids}
+
+
+def limits_of(node: GpuNode, core: list[str]) -> contract.Limits:
+    path = node.config.containers_dir / container_dir_name(core) / "limits" / "limits"
+    return contract.Limits.parse(path.read_text())
+
+
+def run(node: GpuNode, p: Pod) -> dict[str, dict[str, list[str]]]:
+    held = node.kubelet.admit(p)
+    for container in p.containers:
+        node.kubelet.start_container(p, container.name)
+    return held
+
+
+def test_registers_both_resources_after_serving_and_advertises_every_id() -> None:
+    with gpu_node(cards(2, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        names = sorted(r.resource_name for r in kubelet.register_calls)
+        assert names == [CORE, MEMORY]
+        assert all(r.version == "v1beta1" for r in kubelet.register_calls)
+        assert all(r.options.pre_start_required for r in kubelet.register_calls)
+        assert kubelet.capacity(CORE) == 200
+        assert kubelet.capacity(MEMORY) == 2 * 96
+        assert kubelet.allocatable(CORE) == 200
+        assert not kubelet.violations
+
+
+def test_allocate_answers_with_card_devices_and_mounts_and_prestart_writes_limits() -> None:
+    with gpu_node(cards(2, 24 * GIB)) as node:
+        p = pod("one", (30, 20))
+        held = run(node, p)["c0"]
+        assert len(card_of(held[CORE] + held[MEMORY])) == 1
+        (card,) = card_of(held[CORE])
+        answer = node.kubelet.responses[p.key]["c0"][CORE]
+        uuid = f"GPU-{card:08x}-fake-4000-8000-{card:012x}"
+        assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+        assert [d.container_path for d in answer.devices] == [
+            f"/dev/nvidia{card}",
+            "/dev/nvidiactl",
+            "/dev/nvidia-uvm",
+            "/dev/nvidia-uvm-tools",
+        ]
+        mounts = {m.container_path: m for m in answer.mounts}
+        assert mounts[contract.CONTAINER_HOOK_LIBRARY].read_only
+        assert mounts[contract.LD_SO_PRELOAD].read_only
+        assert mounts[contract.CONTAINER_LIMITS_DIR].read_only
+        assert not mounts[contract.CONTAINER_SHARED_DIR].read_only
+        assert Path(mounts[contract.CONTAINER_SHARED_DIR].host_path).is_dir()
+        preload = Path(mounts[contract.LD_SO_PRELOAD].host_path).read_text()
+        assert preload.strip() == contract.CONTAINER_HOOK_LIBRARY
+        limits = limits_of(node, held[CORE])
+        assert limits == contract.Limits((uuid,), 20 * 256 * 2**20, 30)
+        host_limits = Path(mounts[contract.CONTAINER_LIMITS_DIR].host_path) / "limits"
+        assert host_limits.read_text() == limits.render()
+        assert node.kubelet.responses[p.key]["c0"][MEMORY] == pb.ContainerAllocateResponse()
+
+
+def test_prestart_is_idempotent_on_container_restart() -> None:
+    with gpu_node(cards(1)) as node:
+        p = pod("restarts", (50, 40))
+        held = run(node, p)["c0"]
+        first = limits_of(node, held[CORE])
+        for _ in range(3):
+            node.kubelet.start_container(p, "c0")
+        assert limits_of(node, held[CORE]) == first
+        assert len(node.plugin.allocator.allocations()) == 1
+
+
+def test_two_containers_with_identical_requests_get_their_own_limits() -> None:
+    with gpu_node(cards(1)) as node:
+        a, b = pod("a", (40, 30)), pod("b", (40, 30))
+        held_a = node.kubelet.admit(a)["c0"]
+        held_b = node.kubelet.admit(b)["c0"]
+        # Both are pending; they start in the reverse order of admission.
+        node.kubelet.start_container(b, "c0")
+        node.kubelet.start_container(a, "c0")
+        dir_a = container_dir_name(held_a[CORE])
+        dir_b = container_dir_name(held_b[CORE])
+        assert dir_a != dir_b
+        mounts_a = {
+            m.container_path: m.host_path for m in node.kubelet.responses[a.key]["c0"][CORE].mounts
+        }
+        assert dir_a in mounts_a[contract.CONTAINER_LIMITS_DIR]
+        assert limits_of(node, held_a[CORE]).compute_percent == 40
+        assert limits_of(node, held_b[CORE]).compute_percent == 40
+        assert not set(held_a[CORE]) & set(held_b[CORE])
+
+
+def test_multi_container_pod_each_container_on_one_card() -> None:
+    with gpu_node(cards(2)) as node:
+        p = pod("multi", (60, 50), (60, 50), (20, 10))
+        held = run(node, p)
+        for name in ("c0", "c1", "c2"):
+            ids = held[name][CORE] + held[name][MEMORY]
+            assert len(card_of(ids)) == 1, name
+            assert limits_of(node, held[name][CORE]).compute_percent == len(held[name][CORE])
+        assert card_of(held["c0"][CORE]) != card_of(held["c1"][CORE])
+
+
+def test_whole_cards_use_one_numa_node_and_get_all_memory() -> None:
+    with gpu_node(cards(8, 80 * GIB, numa_nodes=2)) as node:
+        run(node, pod("small", (30, 30)))  # lands on card 0, NUMA node 0
+        held = run(node, pod("big", (400, 4 * 320)))["c0"]
+        assert card_of(held[CORE]) == {4, 5, 6, 7}
+        assert card_of(held[MEMORY]) == {4, 5, 6, 7}
+        limits = limits_of(node, held[CORE])
+        assert len(limits.devices) == 4
+        assert limits.memory_bytes == 80 * GIB * 2**20
+        assert limits.compute_percent == 100
+
+
+def test_eight_card_node_packs_fractions_and_keeps_whole_cards_whole() -> None:
+    with gpu_node(cards(8, 80 * GIB)) as node:
+        used: set[int] = set()
+        for i in range(10):
+            held = run(node, pod(f"frac{i}", (25, 80)))["c0"]
+            used |= card_of(held[CORE])
+        assert len(used) == 3  # 10 quarter cards fill 2.5 cards, not 8
+        held = run(node, pod("whole", (500, 5 * 320)))["c0"]
+        assert len(card_of(held[CORE])) == 5
+        assert not card_of(held[CORE]) & used
+        assert not node.kubelet.violations
+
+
+def test_honest_arithmetic_strands_memory_of_a_card_without_core() -> None:
+    with gpu_node(cards(1, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        run(node, pod("cores", (100, 10)))
+        assert kubelet.wait_for(lambda: kubelet.allocatable(MEMORY) == 10)
+        assert kubelet.free(MEMORY) == set()
+        with pytest.raises(AdmissionError, match="available 0"):
+            kubelet.admit(pod("late", (1, 1)))
+
+
+def test_fragmentation_refuses_a_fraction_that_no_single_card_fits() -> None:
+    with gpu_node(cards(2)) as node:
+        run(node, pod("a", (60, 40)))
+        run(node, pod("b", (60, 40)))
+        # 80 core are free in total, 40 per card: kubelet picks across cards with no
+        # preference, and Allocate refuses the split (final, as UnexpectedAdmissionError).
+        with pytest.raises(AdmissionError, match=r"span cards|same card"):
+            node.kubelet.admit(pod("c", (50, 20)))
+        assert len(node.plugin.allocator.allocations()) == 2
+
+
+def test_kubelet_restart_reregisters_within_two_seconds_and_keeps_allocations() -> None:
+    with gpu_node(cards(2)) as node:
+        kubelet = node.kubelet
+        held = run(node, pod("survivor", (30, 20)))["c0"]
+        registrations = len(kubelet.register_calls)
+        kubelet.restart()  # latency: bench/deviceplugin.py measures it (target < 2 s)
+        assert node.wait_registered(timeout=10.0)
+        assert len(kubelet.register_calls) == registrations + 2
+        assert kubelet.allocatable(CORE) == 200
+        kubelet.start_container(pod("survivor", (30, 20)), "c0")  # PreStart after restart
+        assert limits_of(node, held[CORE]).compute_percent == 30
+        run(node, pod("after", (30, 20)))
+
+
+def test_plugin_restart_recovers_allocations_from_checkpoint_and_podresources() -> None:
+    with gpu_node(cards(1, 4 * GIB)) as node:  # 16 blocks
+        kubelet = node.kubelet
+        keep = pod("keep", (50, 8))
+        held = run(node, keep)["c0"]
+        gone = pod("gone", (20, 4))
+        gone_held = run(node, gone)["c0"]
+        node.stop_plugin()
+        kubelet.remove(gone)  # the pod ended while the plugin was down
+        node.start_plugin()
+        assert node.wait_registered()
+        allocations = node.plugin.allocator.allocations()
+        assert [set(a.core) for a in allocations] == [set(held[CORE])]
+        assert not (node.config.containers_dir / container_dir_name(gone_held[CORE])).exists()
+        assert limits_of(node, held[CORE]).compute_percent == 50
+        # Honesty survives the restart: 50 core and 8 blocks are left, and no more.
+        late = run(node, pod("late", (50, 8)))["c0"]
+        assert len(late[CORE]) == 50
+        assert kubelet.wait_for(
+            lambda: kubelet.free(CORE) == set() and kubelet.free(MEMORY) == set()
+        )
+
+
+def test_plugin_restart_without_checkpoint_adopts_from_podresources() -> None:
+    with gpu_node(cards(1)) as node:
+        held = run(node, pod("keep", (70, 10)))["c0"]
+        node.stop_plugin()
+        node.config.checkpoint_path.unlink()
+        node.start_plugin()
+        assert node.wait_registered()
+        assert {frozenset(a.core) for a in node.plugin.allocator.allocations()} == {
+            frozenset(held[CORE])
+        }
+
+
+def test_health_event_marks_card_unhealthy_within_a_second_and_recovers() -> None:
+    with gpu_node(cards(2), health_quiet_s=2.0) as node:
+        kubelet = node.kubelet
+        node.nvml.xid(1, 79)  # latency: bench/deviceplugin.py measures it (target < 1 s)
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 100, timeout=10.0)
+        assert kubelet.wait_for(lambda: kubelet.allocatable(MEMORY) == 96, timeout=10.0)
+        assert not any(i.startswith("g1-") for i in kubelet.healthy(MEMORY))
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 200, timeout=10.0)
+
+
+def test_application_xids_leave_the_card_healthy() -> None:
+    with gpu_node(cards(1)) as node:
+        kubelet = node.kubelet
+        for xid in (13, 31, 43, 45, 68):
+            node.nvml.xid(0, xid)
+        node.nvml.double_bit_ecc(0)  # the marker: everything before it was read and ignored
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 0, timeout=10.0)
+        reasons = {u.reason for u in node.plugin.allocator.usage()}
+        assert reasons == {"double-bit ECC error"}
+
+
+def test_lost_card_is_unhealthy_until_it_answers_again() -> None:
+    with gpu_node(cards(2)) as node:
+        kubelet = node.kubelet
+        node.nvml.lose(0)
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 100, timeout=10.0)
+        node.nvml.restore(0)
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 200, timeout=10.0)
+
+
+def test_nvml_wait_errors_never_stop_health_watching() -> None:
+    with gpu_node(cards(1)) as node:
+        kubelet = node.kubelet
+        node.nvml.fail_waits(3)
+        time.sleep(0.2)
+        node.nvml.xid(0, 48)
+        assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 0, timeout=10.0)
+        assert node.daemon is not None and node.daemon.health is not None
+        assert node.daemon.health.running
+        assert node.daemon.health.errors >= 1
+
+
+def test_prestart_retries_while_podresources_fails_then_succeeds() -> None:
+    with gpu_node(cards(1)) as node:
+        p = pod("slow", (10, 5))
+        # The plugin's early verification (after admission) and then PreStart find it failing.
+        node.kubelet.fail_podresources(2)
+        calls = node.kubelet.list_calls
+        held = node.kubelet.admit(p)["c0"]
+        assert node.kubelet.wait_for(lambda: node.kubelet.list_calls > calls)
+        with pytest.raises(PreStartFailed) as failure:
+            node.kubelet.start_container(p, "c0")
+        assert failure.value.code == grpc.StatusCode.UNAVAILABLE
+        node.kubelet.start_container(p, "c0")  # kubelet retries
+        assert limits_of(node, held[CORE]).compute_percent == 10
+
+
+def test_limits_are_ready_before_prestart_and_prestart_then_skips_podresources() -> None:
+    with gpu_node(cards(1)) as node:
+        p = pod("early", (20, 10))
+        held = node.kubelet.admit(p)["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        assert node.kubelet.wait_for(path.exists)
+        calls = node.kubelet.list_calls
+        node.kubelet.start_container(p, "c0")
+        assert node.kubelet.list_calls == calls
+        assert limits_of(node, held[CORE]).compute_percent == 20
+
+
+def test_container_without_memory_gets_a_clear_prestart_error() -> None:
+    with gpu_node(cards(1)) as node:
+        p = Pod("default", "nomem", [Container("c0", {CORE: 10})])
+        node.kubelet.admit(p)
+        with pytest.raises(PreStartFailed, match=f"holds no {MEMORY}"):
+            node.kubelet.start_container(p, "c0")
+
+
+def _stub(node: GpuNode, resource: str) -> pb_grpc.DevicePluginStub:
+    name = "fracgpu-core.sock" if resource == CORE else "fracgpu-memory.sock"
+    channel = grpc.insecure_channel(f"unix://{node.config.plugin_dir / name}")
+    return pb_grpc.DevicePluginStub(channel)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (["g7-c1"], "unknown on this node"),
+        (["nvidia0"], "not a fracgpu ID"),
+        (["g0-m1"], "other fracgpu resource"),
+        ([], "no device IDs"),
+    ],
+)
+def test_bad_allocate_input_gets_invalid_argument_with_the_reason(
+    ids: list[str], message: str
+) -> None:
+    with gpu_node(cards(1)) as node:
+        stub = _stub(node, CORE)
+        request = pb.AllocateRequest(
+            container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)]
+        )
+        with pytest.raises(grpc.RpcError) as failure:
+            stub.Allocate(request, timeout=5)
+        assert failure.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (failure.value.details() or "")
+        with pytest.raises(grpc.RpcError) as empty:
+            stub.Allocate(pb.AllocateRequest(), timeout=5)
+        assert empty.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_prestart_with_unknown_or_no_ids_fails_cleanly() -> None:
+    with gpu_node(cards(1)) as node:
+        stub = _stub(node, MEMORY)
+        with pytest.raises(grpc.RpcError) as unknown:
+            stub.PreStartContainer(pb.PreStartContainerRequest(devices_ids=["g0-m3"]), timeout=5)
+        assert unknown.value.code() == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as empty:
+            stub.PreStartContainer(pb.PreStartContainerRequest(), timeout=5)
+        assert empty.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+def test_preference_for_unknown_ids_is_empty_not_an_error() -> None:
+    with gpu_node(cards(1)) as node:
+        answer = _stub(node, CORE).GetPreferredAllocation(
+            pb.PreferredAllocationRequest(
+                container_requests=[
+                    pb.ContainerPreferredAllocationRequest(
+                        available_deviceIDs=["x", "g5-c1"], allocation_size=2
+                    )
+                ]
+            ),
+            timeout=5,
+        )
+        assert list(answer.container_responses[0].deviceIDs) == []
+
+
+def test_reconciliation_frees_ended_pods_and_collects_their_directories() -> None:
+    with gpu_node(cards(1)) as node:
+        p = pod("short", (100, 96))
+        held = run(node, p)["c0"]
+        directory = node.config.containers_dir / container_dir_name(held[CORE])
+        assert directory.is_dir()
+        node.kubelet.remove(p)
+        node.plugin.reconcile_once()
+        assert node.plugin.allocator.allocations() == []
+        assert not directory.exists()
+        run(node, pod("next", (100, 96)))
