@@ -147,7 +147,7 @@ def health_latency(node: GpuNode, events: int) -> tuple[list[float], list[float]
 
 def server_side(port: int) -> dict[str, dict[str, float]]:
     """The plugin's own handler time per RPC, from its rpc_seconds histogram (no transport)."""
-    import urllib.request  # noqa: PLC0415 - only the benchmark scrapes
+    import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -203,7 +203,7 @@ def serve(text: str) -> int:
 
 
 def _free_port() -> int:
-    import socket  # noqa: PLC0415
+    import socket
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

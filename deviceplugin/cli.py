@@ -108,6 +108,6 @@ def config_from(args: argparse.Namespace) -> Config:
 
 
 def run(args: argparse.Namespace) -> int:
-    from deviceplugin.daemon import run as run_daemon  # noqa: PLC0415 - keeps CLI import light
+    from deviceplugin.daemon import run as run_daemon
 
     return run_daemon(config_from(args))

@@ -29,7 +29,7 @@ class ProtocError(RuntimeError):
 
 def generate(out_dir: Path) -> list[Path]:
     """Write the generated modules for every ``.proto`` in ``proto/`` into ``out_dir``."""
-    from grpc_tools import protoc  # noqa: PLC0415 - build-time only (grpcio-tools, dev extra)
+    from grpc_tools import protoc
 
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="fracgpu-proto-") as tmp:

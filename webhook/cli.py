@@ -30,7 +30,7 @@ from webhook.review import (
 )
 
 # Packages that contribute subcommands, in the order `fracgpu --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("quota.cli", "certs.cli")
+SUBCOMMAND_MODULES: tuple[str, ...] = ("quota.cli", "certs.cli", "deviceplugin.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
