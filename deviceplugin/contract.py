@@ -105,11 +105,15 @@ class Limits:
             raise LimitsError(str(exc)) from None
         return cls(tuple(values[KEY_DEVICES].split(",")), memory, compute)
 
-    def write_atomic(self, directory: Path) -> Path:
+    def write_atomic(self, directory: Path, *, durable: bool = False) -> Path:
         """Write ``directory/limits`` so that a reader sees the old file or the new, never half.
 
-        Temp file in the same directory, fsync, rename, fsync of the directory; mode 0644 so
-        the container's (non-root) processes can read what they cannot change.
+        Temp file in the same directory, rename over the target; mode 0644 so the container's
+        (non-root) processes can read what they cannot change. No fsync by default: the file
+        need not survive a node crash, because every container restarts after one and kubelet
+        calls PreStartContainer, which rewrites it, before any of them runs; a file torn by
+        the crash itself reads as malformed, which the hook treats safely (no device memory).
+        Two fsyncs cost more than the rest of PreStartContainer on slow disks.
         """
         directory.mkdir(parents=True, exist_ok=True)
         target = directory / LIMITS_FILE
@@ -117,18 +121,20 @@ class Limits:
         try:
             with os.fdopen(fd, "w", encoding="ascii") as fh:
                 fh.write(self.render())
-                fh.flush()
-                os.fsync(fh.fileno())
+                if durable:
+                    fh.flush()
+                    os.fsync(fh.fileno())
             os.chmod(tmp, 0o644)
             os.replace(tmp, target)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        dir_fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        if durable:
+            dir_fd = os.open(directory, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
         return target
 
 

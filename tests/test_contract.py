@@ -7,9 +7,10 @@ import pytest
 from deviceplugin.contract import Limits, LimitsError, c_header
 
 
-def test_round_trip(tmp_path: Path) -> None:
+@pytest.mark.parametrize("durable", [False, True])
+def test_round_trip(tmp_path: Path, durable: bool) -> None:
     limits = Limits(("GPU-1234", "GPU-abcd"), 8 << 30, 30)
-    path = limits.write_atomic(tmp_path)
+    path = limits.write_atomic(tmp_path, durable=durable)
     assert Limits.parse(path.read_text()) == limits
     assert path.stat().st_mode & 0o777 == 0o644
     assert [p.name for p in tmp_path.iterdir()] == ["limits"]

@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
+from pydantic_core import to_json
 
 API_GROUP = "admission.k8s.io"
 VERSIONS = ("v1", "v1beta1")
@@ -100,7 +101,7 @@ class AdmissionResponse(_Wire):
         """Allow, with a patch only when there is something to change (an empty patch is noise)."""
         encoded = None
         if patch:
-            encoded = base64.b64encode(json.dumps(patch, separators=(",", ":")).encode()).decode()
+            encoded = base64.b64encode(to_json(patch)).decode()
         # Built from values we made ourselves: skip validation on the admission hot path.
         return cls.model_construct(
             uid=uid,
@@ -177,4 +178,4 @@ class AdmissionReview(_Wire):
             "kind": "AdmissionReview",
             "response": response.model_dump(by_alias=True, exclude_none=True),
         }
-        return json.dumps(body, separators=(",", ":")).encode()
+        return to_json(body)

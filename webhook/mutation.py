@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic_core import to_json
+
 from deviceplugin.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS
 from webhook.admission import AdmissionRequest, AdmissionResponse
 from webhook.config import AdmissionConfig
@@ -41,6 +43,7 @@ TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
     ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template"),
 }
 CONTAINER_LISTS = ("initContainers", "containers")
+_CANONICAL = frozenset(CANONICAL)
 SYSTEM_ENV_PREFIX = "FRACGPU_"
 # The NVIDIA container runtime hands cards to any container that sets this variable; only the
 # device plugin may set it. These values expose no card.
@@ -310,10 +313,13 @@ class Mutator:
         annotations = pod.meta.get("annotations")
         existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, dict) else None
         asked = {r.name: r.request for *_, r in pod.results if r.grant is not None}
-        already_canonical = all(set(req) <= set(CANONICAL) for req in asked.values())
+        already_canonical = all(req.keys() <= _CANONICAL for req in asked.values())
         if existing is not None and already_canonical:
             return  # our own earlier output (reinvocation, or a pod made from a mutated template)
-        value = json.dumps(asked, sort_keys=True, separators=(",", ":"))
+        # Sorted, compact JSON: the same request always gives the same annotation.
+        value = to_json(
+            {name: dict(sorted(asked[name].items())) for name in sorted(asked)}
+        ).decode()
         if existing == value:
             return
         if not pod.has_meta:
