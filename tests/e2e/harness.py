@@ -26,11 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from certs.issuance import issue_ca, issue_serving
 from webhook import server
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,63 +94,21 @@ def free_port(bind: str) -> int:
 
 
 def issue_certificates(directory: Path, host: str) -> tuple[Path, Path, Path]:
-    """A throwaway CA and a serving certificate for ``host``; returns (cert, key, ca) paths."""
+    """A throwaway CA and a serving certificate for ``host`` (the project's own issuance);
+    returns the (cert, key, ca) paths."""
     now = datetime.datetime.now(datetime.UTC)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "fracgpu e2e CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    san: x509.GeneralName = (
-        x509.IPAddress(ipaddress.ip_address(host)) if is_ip(host) else x509.DNSName(host)
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, host)]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(hours=1))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([san]), critical=False)
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
+    common = {"now": now, "backdate": datetime.timedelta(hours=1), "algorithm": "ecdsa-p256"}
+    ca = issue_ca(common_name="fracgpu e2e CA", lifetime=datetime.timedelta(days=1), **common)
+    hosts, ips = ([], [host]) if is_ip(host) else ([host], [])
+    serving = issue_serving(
+        ca, hosts=hosts, ips=ips, lifetime=datetime.timedelta(hours=12), **common
     )
     directory.mkdir(parents=True, exist_ok=True)
     paths = directory / "tls.crt", directory / "tls.key", directory / "ca.crt"
-    paths[0].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
+    paths[0].write_bytes(serving.cert_pem())
+    paths[1].write_bytes(serving.key_pem())
     paths[1].chmod(0o600)
-    paths[2].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(ca.cert_pem())
     return paths
 
 
