@@ -265,7 +265,7 @@ def normalise_container(
     result.request = {k: _show(v) for k, v in asked.items()}
     if result.errors or not asked:
         return result
-    used = [d for d in active if any(k in asked for k in DIALECT_RESOURCES[d])]
+    used = sorted({_DIALECT_OF[k] for k in asked}, key=active.index)
     if len(used) > 1:
         names = " and ".join(", ".join(k for k in DIALECT_RESOURCES[d] if k in asked) for d in used)
         result.errors.append(
@@ -292,6 +292,18 @@ def container_ref(name: str) -> str:
 
 def _show(raw: object) -> str:
     """The value as the user most likely wrote it (``1500m`` reads back as ``1.5``)."""
+    if isinstance(raw, str | int | float) and not isinstance(raw, bool):
+        return _show_scalar(raw)
+    return _show_any(raw)
+
+
+# Admission shows the same few spellings over and over; Decimal formatting is not cheap.
+@lru_cache(maxsize=4096, typed=True)
+def _show_scalar(raw: str | int | float) -> str:
+    return _show_any(raw)
+
+
+def _show_any(raw: object) -> str:
     try:
         q = parse_quantity(raw)
     except QuantityError:
@@ -463,6 +475,8 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
         raise RequestError(f"{container_ref(name)}: {TKE_MEMORY} must be at least 1 (256 MiB)")
     return _Ask(core=core, memory_blocks=_per_card(core, blocks))
 
+
+_DIALECT_OF = {name: d for d, names in DIALECT_RESOURCES.items() for name in names}
 
 _PARSERS = {
     Dialect.FRACGPU: _parse_fracgpu,
