@@ -13,6 +13,7 @@ import aiohttp
 import jsonpatch
 
 from certs.config import CertsConfig
+from quota.config import QuotaConfig
 from tests.fakes.apiserver import FakeApiServer
 from tests.support import eventually
 from webhook.config import AdmissionConfig, ServerConfig
@@ -117,3 +118,36 @@ async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> N
         )
         stop.set()
         assert await asyncio.wait_for(server, 10) == 0
+
+
+async def test_standalone_serves_mutate_and_validate_until_stopped(tmp_path: Path) -> None:
+    """What `make run` starts: local certificates, embedded quota, no cluster."""
+    port = free_port()
+    config = ServeConfig(
+        server=ServerConfig(host="127.0.0.1", port=port),
+        certs=CertsConfig(mode="directory", directory=tmp_path / "certs"),
+        quota=QuotaConfig(mode="embedded"),
+        shutdown_delay_seconds=0,
+    )
+    stop = asyncio.Event()
+    server = asyncio.ensure_future(run_server(config, standalone=True, stop=stop))
+    await eventually(lambda: (tmp_path / "certs" / "ca-bundle.crt").exists() or server.done())
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "certs" / "ca-bundle.crt"))
+    url = f"https://127.0.0.1:{port}"
+    review = json.loads(EXAMPLE.read_text())
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+        for _ in range(200):
+            try:
+                async with http.get(url + "/readyz") as resp:
+                    if resp.status == 200:
+                        break
+            except aiohttp.ClientConnectionError:
+                pass
+            await asyncio.sleep(0.02)
+        await asyncio.sleep(0.3)  # background jobs that finish early must not stop the server
+        assert not server.done()
+        for path in ("/mutate", "/validate"):
+            async with http.post(url + path, json=review) as resp:
+                assert (await resp.json())["response"]["allowed"] is True
+    stop.set()
+    assert await asyncio.wait_for(server, 10) == 0

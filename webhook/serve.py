@@ -178,10 +178,11 @@ async def _until_stopped(background: list[Awaitable[Any]], stop: asyncio.Event |
 
 
 async def _first_failure(tasks: list[asyncio.Future[Any]]) -> None:
-    """Return (raising) as soon as any background task fails; they are meant to run forever."""
+    """Raise as soon as a background job fails. A job that returns has finished its work (the
+    embedded quota has nothing to reconcile), which is not a failure: keep serving."""
     for done in asyncio.as_completed(tasks):
         await done
-        raise RuntimeError("a background task ended unexpectedly")
+    await asyncio.Event().wait()
 
 
 def _print_try_it(config: ServeConfig, ca_file: Path) -> None:
