@@ -9,6 +9,7 @@ every request scheduled behind it, and that shows in p99.
 from __future__ import annotations
 
 import asyncio
+import socket
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -89,3 +90,10 @@ async def open_loop(send: Send, rate: float, seconds: float) -> Result:
         tasks.append(asyncio.ensure_future(one(scheduled)))
     await asyncio.gather(*tasks)
     return Result(len(latencies), errors, time.perf_counter() - start, latencies)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for the benchmark's server process."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -39,6 +39,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.config import Config
 from deviceplugin.daemon import Daemon
@@ -202,14 +203,6 @@ def serve(text: str) -> int:
     return 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @contextmanager
 def plugin_process(node: GpuNode) -> Iterator[None]:
     env = {**os.environ, **node.nvml.env(), "PYTHONPATH": os.getcwd()}
@@ -262,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.serve:
         return serve(args.serve)
-    port = _free_port()
+    port = free_port()
     with (
         gpu_node(
             cards(8, 80 * GIB),

@@ -25,7 +25,7 @@ from typing import Any
 
 import aiohttp
 
-from bench._load import Result, closed_loop, open_loop
+from bench._load import Result, closed_loop, free_port, open_loop
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         certs = asyncio.run(
             open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
         )
-        port = _free_port()
+        port = free_port()
         env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
         server = subprocess.Popen(
             [sys.executable, "-m", "bench.webhook", "--serve", str(port), "--dir", tmp],
@@ -166,15 +166,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 
 
@@ -13,3 +14,10 @@ async def eventually(predicate: Callable[[], bool], within_s: float = 5.0) -> No
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"condition not reached within {within_s} s")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now, for servers that must be told their port."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

@@ -19,18 +19,11 @@ import pytest
 
 from tests.deploy_render import Grant, config_of, find, grants_of, of_kind, render
 from tests.fakes.apiserver import FakeApiServer
-from tests.support import eventually
+from tests.support import eventually, free_port
 from webhook import server as server_module
 from webhook.serve import ServeConfig, run_server
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def deployed_config(overlay: str) -> dict[str, Any]:
@@ -59,7 +52,7 @@ async def test_deployed_configuration_serves_and_injects_into_the_deployed_webho
 ) -> None:
     objs = render("default")
     raw = deployed_config("default")
-    port = _free_port()
+    port = free_port()
     raw["server"] = {**raw["server"], "host": "127.0.0.1", "port": port}
     raw["shutdown_delay_seconds"] = 0
     secret = find(objs, "Secret", raw["certs"]["secret_name"])

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import socket
 import urllib.error
 import urllib.request
 
 from tests.fakes.gpunode import cards, gpu_node
 from tests.fakes.kubelet import Container, Pod
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.support import free_port
 
 
 def get(port: int, path: str) -> tuple[int, str]:

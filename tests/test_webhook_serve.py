@@ -15,20 +15,11 @@ import jsonpatch
 from certs.config import CertsConfig
 from quota.config import QuotaConfig
 from tests.fakes.apiserver import FakeApiServer
-from tests.support import eventually
+from tests.support import eventually, free_port
 from webhook.config import AdmissionConfig, ServerConfig
 from webhook.serve import ServeConfig, run_server
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> None:
