@@ -1,10 +1,15 @@
 """Benchmark of ``/mutate`` over HTTPS: ``python -m bench.webhook``.
 
-One server process (the real app, TLS, one core's worth) answers four kinds of review; one
+One server process (the real app, TLS, one core's worth) answers five kinds of review; one
 load process drives it. The baseline is the same server answering a fixed allow for the same
 GPU pod body, so the ratio isolates what admission itself costs on this (noisy, shared)
 machine. Reported: closed-loop throughput with concurrent connections, and p50/p99 latency at
 a fixed open-loop rate (500 requests/s by default).
+
+``gpu-pod`` repeats one pod, as the replicas of a Job or Deployment do; the webhook remembers
+normalised containers, so this is its common case. ``gpu-pod-new`` gives every request a
+container name the webhook has not seen (more names than it remembers), so nothing is
+answered from memory: the cost of a pod unlike any before it.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import copy
+import itertools
 import json
 import os
 import ssl
@@ -29,6 +35,17 @@ from bench._load import Result, closed_loop, free_port, open_loop
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
+DISTINCT = 8192  # twice what the mutator remembers (webhook.mutation.MEMO_SIZE)
+
+
+def distinct_gpu_bodies(count: int = DISTINCT) -> list[bytes]:
+    """The GPU pod with a different container name in each body."""
+    review = json.loads(EXAMPLE.read_text())
+    out = []
+    for i in range(count):
+        review["request"]["object"]["spec"]["containers"][0]["name"] = f"worker-{i}"
+        out.append(json.dumps(review).encode())
+    return out
 
 
 def bodies() -> dict[str, bytes]:
@@ -71,21 +88,23 @@ async def _drive(args: argparse.Namespace, port: int, ca: bytes) -> dict[str, di
     context = ssl.create_default_context(cadata=ca.decode())
     connector = aiohttp.TCPConnector(limit=args.connections, ssl=context)
     payload = bodies()
-    cases = {
-        "baseline": ("/baseline", payload["gpu"]),
-        "gpu-pod": ("/mutate", payload["gpu"]),
-        "no-gpu-pod": ("/mutate", payload["nogpu"]),
-        "denial": ("/mutate", payload["deny"]),
+    cases: dict[str, tuple[str, list[bytes]]] = {
+        "baseline": ("/baseline", [payload["gpu"]]),
+        "gpu-pod": ("/mutate", [payload["gpu"]]),
+        "gpu-pod-new": ("/mutate", distinct_gpu_bodies()),
+        "no-gpu-pod": ("/mutate", [payload["nogpu"]]),
+        "denial": ("/mutate", [payload["deny"]]),
     }
     results: dict[str, dict[str, float]] = {}
     async with aiohttp.ClientSession(connector=connector) as session:
 
-        def sender(path: str, body: bytes) -> Any:
+        def sender(path: str, bodies: list[bytes]) -> Any:
             url = f"https://127.0.0.1:{port}{path}"
             headers = {"Content-Type": "application/json"}
+            cycle = itertools.cycle(bodies)
 
             async def send() -> None:
-                async with session.post(url, data=body, headers=headers) as resp:
+                async with session.post(url, data=next(cycle), headers=headers) as resp:
                     reply = await resp.read()
                     if resp.status != 200 or b'"uid"' not in reply:
                         raise RuntimeError(resp.status)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -124,3 +125,36 @@ def test_not_pinned(affinity: Any) -> None:
 def test_nothing_known() -> None:
     choice = Inventory().choose({})
     assert choice.card is None and choice.unknown == "no GPU models are known to fracgpu"
+
+
+def test_choice_is_kept_until_gpu_labels_change() -> None:
+    inv = inventory()
+    first = inv.choose({})
+    assert inv.choose({}) is first
+    inv.set_node("h1", {**H100, "topology.kubernetes.io/zone": "b"})  # not a GPU label
+    inv.set_node("cpu", {"kubernetes.io/os": "linux", "extra": "1"})
+    assert inv.choose({}) is first
+    inv.set_node("l1", {**L4_GFD, "nvidia.com/gpu.memory": "24000"})
+    assert inv.choose({}) is not first
+    assert inv.models()["NVIDIA-L4"].memory_mib == 24000
+    before = inv.choose({})
+    inv.remove_node("gone")  # unknown: nothing changes
+    assert inv.choose({}) is before
+    inv.remove_node("h1")
+    assert inv.choose({}).largest == Card("NVIDIA-L4", 24000)
+    inv.replace_nodes([("h1", H100)])
+    assert inv.choose({}).card == Card("Static-GPU", 16384)
+    assert inv.choose({}).largest == Card("NVIDIA-H100-80GB-HBM3", 81559)
+
+
+def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
+    from webhook.inventory import _MAX_CHOICES
+
+    inv = inventory()
+    pin = {"nodeSelector": {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3"}}
+    assert inv.choose(pin) is inv.choose(copy.deepcopy(pin))
+    for i in range(_MAX_CHOICES + 10):  # pins are user input
+        choice = inv.choose({"nodeSelector": {"fracgpu.io/gpu.product": f"model-{i}"}})
+        assert choice.card is None and f"model-{i}" in choice.unknown
+    assert len(inv._choices) <= _MAX_CHOICES
+    assert inv.choose(pin).card == Card("NVIDIA-H100-80GB-HBM3", 81559)

@@ -360,3 +360,102 @@ def test_hostile_objects_never_raise_and_patches_apply(obj: Any) -> None:
     outcome = mutator().mutate(obj, "", "Pod")
     if outcome.allowed and outcome.patch:
         jsonpatch.apply_patch(obj, outcome.patch)
+
+
+PRODUCT, MEMORY_MIB = "fracgpu.io/gpu.product", "fracgpu.io/gpu.memory-mib"
+H100_LABELS = {PRODUCT: "NVIDIA-H100-80GB-HBM3", MEMORY_MIB: "81559"}
+L4_LABELS = {PRODUCT: "NVIDIA-L4", MEMORY_MIB: "23034"}
+
+
+def blocks(obj: dict[str, Any]) -> str:
+    memory: str = obj["spec"]["containers"][0]["resources"]["limits"]["fracgpu.io/memory"]
+    return memory
+
+
+def test_remembered_containers_follow_the_inventory() -> None:
+    inv = Inventory()
+    m = Mutator(AdmissionConfig(), inv)
+    obj = pod(container("nb", {"fracgpu.io/gpu": "0.5"}))
+    assert m.mutate(obj, "", "Pod").errors  # nothing known yet: denied, and remembered so
+    inv.set_node("n1", L4_LABELS)
+    assert blocks(apply(m, obj)) == "44"
+    inv.set_node("n1", H100_LABELS)  # the same node, relabelled: sized for the new card
+    assert blocks(apply(m, obj)) == "159"
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [(True, 1), (1, True), ("1", 1.0), (1.0, "1"), ("1", True), (0.5, "0.5")],
+)
+def test_values_that_hash_alike_are_not_confused(first: Any, second: Any) -> None:
+    m = mutator()
+    fresh = mutator()
+    for value in (first, second, first):
+        obj = pod(container("c", {"fracgpu.io/gpu": value}))
+        got, want = m.mutate(obj, "", "Pod"), fresh.mutate(obj, "", "Pod")
+        assert (got.patch, got.errors, got.warnings) == (want.patch, want.errors, want.warnings)
+        fresh = mutator()
+
+
+def test_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import webhook.mutation
+
+    monkeypatch.setattr(webhook.mutation, "MEMO_SIZE", 8)
+    m = mutator()
+    for i in range(50):
+        apply(m, pod(container(f"c{i}", {"fracgpu.io/gpu": "0.25"})))
+        assert len(m._memo) <= 8 and len(m._env) <= 8
+
+
+# A small vocabulary, so that a long-lived mutator mostly answers from what it remembers.
+_names = st.sampled_from(["a", "b"])
+_limits = st.dictionaries(
+    st.sampled_from(["fracgpu.io/gpu", "fracgpu.io/gpumem", "fracgpu.io/gpumem-percentage", "cpu"]),
+    st.sampled_from(["1", "2", "25", "0.5", "8Gi", "0", "abc"]),
+    max_size=3,
+)
+_requests = st.one_of(st.just("same"), st.just("none"), _limits)
+_steps = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("pod"),
+            st.lists(st.tuples(_names, _limits, _requests), min_size=1, max_size=3),
+        ),
+        st.tuples(st.just("node"), st.sampled_from(["n1", "n2"]), st.sampled_from([0, 1, 2])),
+    ),
+    min_size=1,
+    max_size=30,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps=_steps)
+def test_long_lived_mutator_answers_as_a_fresh_one(steps: list[Any]) -> None:
+    """What the mutator remembers (normalised containers, card choices) never changes a reply."""
+    inv = Inventory({"Static-GPU": 16384})
+    config = AdmissionConfig()
+    kept = Mutator(config, inv)
+    labels: list[dict[str, str]] = [{}, H100_LABELS, L4_LABELS]
+    nodes: dict[str, dict[str, str]] = {}
+    for step in steps:
+        if step[0] == "node":
+            nodes[step[1]] = labels[step[2]]
+            inv.set_node(step[1], labels[step[2]])
+            continue
+        containers = []
+        for name, limits, requests in step[1]:
+            c = container(name, dict(limits))
+            if requests != "none":
+                c["resources"]["requests"] = dict(limits if requests == "same" else requests)
+            containers.append(c)
+        obj = pod(*containers)
+        got = kept.mutate(obj, "", "Pod")
+        fresh = Inventory({"Static-GPU": 16384})
+        fresh.replace_nodes(nodes.items())
+        want = Mutator(config, fresh).mutate(copy.deepcopy(obj), "", "Pod")
+        assert (got.patch, got.errors, got.warnings, got.gpu) == (
+            want.patch,
+            want.errors,
+            want.warnings,
+            want.gpu,
+        )

@@ -8,6 +8,11 @@ knows. The device plugin labels each node (``fracgpu.io/gpu.product``,
 A pod is sized for the model it is pinned to (``nodeSelector``, required node affinity, or
 ``nodeName``); an unpinned pod in a mixed cluster is sized for the *smallest* candidate, so the
 grant fits wherever the scheduler puts it.
+
+Every admission asks for a choice, and a fleet has hundreds of nodes but a handful of models:
+choices are computed once per placement (unpinned, or the products a pod pins) and kept until a
+node's GPU labels really change. Node updates that leave the labels alone (status, heartbeats,
+other labels) keep the cache.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ GFD_MEMORY_LABEL = "nvidia.com/gpu.memory"
 # (product label, memory label) pairs, most authoritative first.
 LABEL_PAIRS = ((PRODUCT_LABEL, MEMORY_LABEL), (GFD_PRODUCT_LABEL, GFD_MEMORY_LABEL))
 PRODUCT_LABELS = frozenset(p for p, _ in LABEL_PAIRS)
+_MAX_CHOICES = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,19 +61,26 @@ class Inventory:
     def __init__(self, static: Mapping[str, int] | None = None) -> None:
         self._static = {name: Card(name, mib) for name, mib in (static or {}).items()}
         self._nodes: dict[str, NodeCards] = {}
+        # placement (None: unpinned; else the pinned label key and products) → choice
+        self._choices: dict[tuple[str, frozenset[str]] | None, CardChoice] = {}
 
     def set_node(self, name: str, labels: Mapping[str, Any]) -> None:
         cards = node_cards(labels)
+        if self._nodes.get(name) == cards:
+            return
         if cards is None:
-            self._nodes.pop(name, None)
+            del self._nodes[name]
         else:
             self._nodes[name] = cards
+        self._choices.clear()
 
     def remove_node(self, name: str) -> None:
-        self._nodes.pop(name, None)
+        if self._nodes.pop(name, None) is not None:
+            self._choices.clear()
 
     def replace_nodes(self, nodes: Iterable[tuple[str, Mapping[str, Any]]]) -> None:
         self._nodes.clear()
+        self._choices.clear()
         for name, labels in nodes:
             self.set_node(name, labels)
 
@@ -93,6 +106,14 @@ class Inventory:
             card = Card(next(iter(cards.products.values())), cards.memory_mib)
             return CardChoice(card, card)
         pinned = pinned_products(pod_spec)
+        choice = self._choices.get(pinned)
+        if choice is None:
+            if len(self._choices) >= _MAX_CHOICES:  # pins are user input: keep the cache bounded
+                self._choices.clear()
+            choice = self._choices[pinned] = self._choose(pinned)
+        return choice
+
+    def _choose(self, pinned: tuple[str, frozenset[str]] | None) -> CardChoice:
         if pinned is None:
             return self._among(self.models(), None)
         key, products = pinned

@@ -25,7 +25,9 @@ from webhook.resources import (
     CANONICAL,
     DOMAIN,
     REQUEST_ANNOTATION,
+    CardChoice,
     ContainerResult,
+    Grant,
     container_ref,
     enabled,
     input_resources,
@@ -50,6 +52,8 @@ SYSTEM_ENV_PREFIX = "FRACGPU_"
 VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
 HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
+# Normalised containers remembered by the mutator (see Mutator._normalise); cleared when full.
+MEMO_SIZE = 4096
 
 
 def escape(token: str) -> str:
@@ -63,6 +67,7 @@ def pointer(*tokens: str | int) -> str:
     return "/" + "/".join(escape(t) if isinstance(t, str) else str(t) for t in tokens)
 
 
+_ANNOTATION_TOKEN = escape(REQUEST_ANNOTATION)
 Located = tuple[str, int, Mapping[str, Any], ContainerResult]  # list, index, container, result
 
 
@@ -70,7 +75,7 @@ Located = tuple[str, int, Mapping[str, Any], ContainerResult]  # list, index, co
 class _Pod:
     """One pod (or pod template) being mutated, and where it sits in the reviewed object."""
 
-    base: tuple[str, ...]
+    root: str  # JSON pointer of the pod within the reviewed object ("" for a Pod)
     spec: Mapping[str, Any]
     meta: Mapping[str, Any]
     has_meta: bool
@@ -105,6 +110,39 @@ class Mutator:
         self.inventory = inventory
         self.dialects = enabled(config.dialects)
         self.inputs = input_resources(self.dialects)
+        self._memo: dict[tuple[Any, ...], tuple[CardChoice, ContainerResult]] = {}
+        self._env: dict[Grant, dict[str, str]] = {}
+
+    def _normalise(self, name: str, resources: Any, choice: CardChoice) -> ContainerResult:
+        """``normalise_container``, remembered: the replicas of a Job or Deployment arrive as
+        a burst of pods with the same containers, and normalising one is most of a mutation.
+
+        Only text values are remembered (the apiserver sends every quantity as text), so
+        ``True``, ``1`` and ``1.0``, which hash alike but parse differently, never share an
+        entry. The card choice is keyed by identity (the inventory hands out the same object
+        until a node's cards change), and each entry holds its choice, so an identity is never
+        reused while its entry lives. Results are shared between pods and never modified.
+        """
+        key = _memo_key(name, resources, self.inputs, id(choice))
+        if key is None:
+            return normalise_container(name, resources, self.dialects, choice)
+        entry = self._memo.get(key)
+        if entry is not None and entry[0] is choice:
+            return entry[1]
+        if len(self._memo) >= MEMO_SIZE:
+            self._memo.clear()
+        result = normalise_container(name, resources, self.dialects, choice)
+        self._memo[key] = (choice, result)
+        return result
+
+    def _granted_env(self, grant: Grant) -> dict[str, str]:
+        """The variables a grant puts in its container, configured extras included."""
+        env = self._env.get(grant)
+        if env is None:
+            if len(self._env) >= MEMO_SIZE:
+                self._env.clear()
+            env = self._env[grant] = {**grant.env(), **self.config.env}
+        return env
 
     async def __call__(self, req: AdmissionRequest) -> AdmissionResponse:
         if req.operation not in ("CREATE", "UPDATE") or req.sub_resource or req.object is None:
@@ -145,11 +183,12 @@ class Mutator:
                 if not isinstance(container, dict):
                     continue
                 name = str(container.get("name") or f"{list_name}[{index}]")
-                result = normalise_container(
-                    name, container.get("resources"), self.dialects, choice
-                )
-                outcome.errors.extend(result.errors)
-                outcome.warnings.extend(w for w in result.warnings if w not in outcome.warnings)
+                result = self._normalise(name, container.get("resources"), choice)
+                if result.errors:
+                    outcome.errors.extend(result.errors)
+                for warning in result.warnings:
+                    if warning not in outcome.warnings:
+                        outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
         outcome.gpu = any(r.grant is not None for *_, r in results)
         outcome.errors.extend(self._forbidden(spec, meta, results, outcome.gpu))
@@ -159,12 +198,13 @@ class Mutator:
         if not any(r.mentions_gpu for *_, r in results):
             return outcome
         ops = outcome.patch
+        root = pointer(*base) if base else ""
         for list_name, index, container, result in results:
-            where = f"{pointer(*base) if base else ''}/spec/{list_name}/{index}"
+            where = f"{root}/spec/{list_name}/{index}"
             if result.mentions_gpu or result.grant is not None:
                 self._container_ops(ops, where, container, result)
         if outcome.gpu:
-            view = _Pod(base, spec, meta, isinstance(raw_meta, dict), results)
+            view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
         return outcome
 
@@ -179,9 +219,8 @@ class Mutator:
         problems: list[str] = []
         for _, _, container, result in results:
             who = container_ref(result.name)
-            granted = result.grant.env() if result.grant else {}
             env = container.get("env")
-            for var in env if isinstance(env, list) else []:
+            for var in env if isinstance(env, list) else ():
                 if not isinstance(var, dict):
                     continue
                 var_name, value = str(var.get("name") or ""), var.get("value")
@@ -195,7 +234,9 @@ class Mutator:
                         f"fracgpu.io/gpu instead"
                     )
                 elif var_name.startswith(SYSTEM_ENV_PREFIX) and not (
-                    literal and granted.get(var_name) == value
+                    literal
+                    and result.grant is not None
+                    and result.grant.env().get(var_name) == value
                 ):
                     problems.append(
                         f"{who}: environment variable {var_name} is set by fracgpu "
@@ -265,7 +306,7 @@ class Mutator:
             ops.append({"op": "replace", "path": f"{where}/resources", "value": new})
         if result.grant is None:
             return
-        desired = {**result.grant.env(), **self.config.env}
+        desired = self._granted_env(result.grant)
         env = container.get("env")
         have = (
             {str(v.get("name")) for v in env if isinstance(v, dict)}
@@ -281,7 +322,7 @@ class Mutator:
             ops.extend({"op": "add", "path": f"{where}/env/-", "value": v} for v in missing)
 
     def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
-        base, spec = pod.base, pod.spec
+        root, spec = pod.root, pod.spec
         scheduler = self.config.scheduler_name
         current = spec.get("schedulerName")
         if (
@@ -290,26 +331,21 @@ class Mutator:
             and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
         ):
             op = "add" if current is None else "replace"
-            ops.append(
-                {"op": op, "path": pointer(*base, "spec", "schedulerName"), "value": scheduler}
-            )
+            ops.append({"op": op, "path": f"{root}/spec/schedulerName", "value": scheduler})
         tolerations = spec.get("tolerations")
         present = tolerations if isinstance(tolerations, list) else []
         needed = [t for t in self.config.tolerations if not _tolerated(t, present)]
         if needed and not isinstance(tolerations, list):
-            ops.append(
-                {"op": "add", "path": pointer(*base, "spec", "tolerations"), "value": needed}
-            )
+            ops.append({"op": "add", "path": f"{root}/spec/tolerations", "value": needed})
         else:
             ops.extend(
-                {"op": "add", "path": pointer(*base, "spec", "tolerations", "-"), "value": t}
-                for t in needed
+                {"op": "add", "path": f"{root}/spec/tolerations/-", "value": t} for t in needed
             )
         self._annotation_op(ops, pod)
 
     @staticmethod
     def _annotation_op(ops: list[dict[str, Any]], pod: _Pod) -> None:
-        base = pod.base
+        root = pod.root
         annotations = pod.meta.get("annotations")
         existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, dict) else None
         asked = {r.name: r.request for *_, r in pod.results if r.grant is not None}
@@ -323,14 +359,29 @@ class Mutator:
         if existing == value:
             return
         if not pod.has_meta:
-            ops.append({"op": "add", "path": pointer(*base, "metadata"), "value": {}})
+            ops.append({"op": "add", "path": f"{root}/metadata", "value": {}})
         if not isinstance(annotations, dict):
-            ops.append(
-                {"op": "add", "path": pointer(*base, "metadata", "annotations"), "value": {}}
-            )
+            ops.append({"op": "add", "path": f"{root}/metadata/annotations", "value": {}})
         op = "replace" if existing is not None else "add"
-        path = pointer(*base, "metadata", "annotations", REQUEST_ANNOTATION)
+        path = f"{root}/metadata/annotations/{_ANNOTATION_TOKEN}"
         ops.append({"op": op, "path": path, "value": value})
+
+
+def _memo_key(
+    name: str, resources: object, inputs: frozenset[str], choice_id: int
+) -> tuple[Any, ...] | None:
+    """What normalising a container depends on, or None when it cannot be remembered."""
+    if not isinstance(resources, dict):
+        return None if resources else (name, (), (), choice_id)
+    limits, requests = resources.get("limits") or {}, resources.get("requests") or {}
+    if not isinstance(limits, dict) or not isinstance(requests, dict):
+        return None
+    asked = tuple((k, v) for k, v in limits.items() if k in inputs)
+    also = tuple((k, v) for k, v in requests.items() if k in inputs)
+    for _, value in asked + also:
+        if type(value) is not str:
+            return None
+    return (name, asked, also, choice_id)
 
 
 def respond(uid: str, outcome: Outcome) -> AdmissionResponse:

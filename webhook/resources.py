@@ -257,7 +257,7 @@ def normalise_container(
                 f"{container_ref(name)}: {key} is set in requests ({_show(value)}) but not in "
                 f"limits; GPU resources are set in limits (requests may be omitted)"
             )
-        elif not _same_quantity(value, limits[key]):
+        elif value != limits[key] and not _same_quantity(value, limits[key]):
             result.errors.append(
                 f"{container_ref(name)}: {key} request {_show(value)} differs from its limit "
                 f"{_show(limits[key])}; set only limits, or make requests equal to limits"
@@ -265,7 +265,8 @@ def normalise_container(
     result.request = {k: _show(v) for k, v in asked.items()}
     if result.errors or not asked:
         return result
-    used = sorted({_DIALECT_OF[k] for k in asked}, key=active.index)
+    vocabularies = {_DIALECT_OF[k] for k in asked}
+    used = sorted(vocabularies, key=active.index) if len(vocabularies) > 1 else [*vocabularies]
     if len(used) > 1:
         names = " and ".join(", ".join(k for k in DIALECT_RESOURCES[d] if k in asked) for d in used)
         result.errors.append(
