@@ -576,6 +576,7 @@ class Allocator:
         containers = [(c, m) for c, m in listed if c or m]
         listed_ids = {i for c, m in containers for i in (*c, *m)}
         freed = []
+        adopted = 0
         with self._cond:
             for key, allocation in list(self._allocations.items()):
                 if allocation.ids() & listed_ids:
@@ -599,7 +600,9 @@ class Allocator:
                     self._drop(owner, why="superseded by PodResources")
                 cards = {DeviceId.parse(i).card for i in (*core, *memory)}
                 self._add(Allocation(tuple(core), tuple(memory), tuple(sorted(cards)), 0.0))
-            self._changed()
+                adopted += 1
+            if freed or adopted:  # a quiet pass wakes no ListAndWatch stream
+                self._changed()
         return freed
 
     def restore(self, allocations: Iterable[Allocation]) -> None:

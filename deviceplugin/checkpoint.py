@@ -39,7 +39,9 @@ def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) 
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(document, fh, separators=(",", ":"))
+            # dumps, not dump: dump streams through the pure-Python encoder, several times
+            # slower, and this runs beside the RPC handlers under the same interpreter lock
+            fh.write(json.dumps(document, separators=(",", ":")))
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)

@@ -76,7 +76,8 @@ class Daemon:
         assert self.plugin is not None
         while not self._stop.wait(self.config.reconcile_interval_s):
             try:
-                self.plugin.reconcile_once()
+                with self.plugin.metrics.reconcile_seconds.time():
+                    self.plugin.reconcile_once()
             except PodResourcesError as exc:
                 log.warning("reconciliation skipped", extra={"error": str(exc)})
             except Exception:

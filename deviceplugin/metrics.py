@@ -82,6 +82,12 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1, 5),
             registry=self.registry,
         )
+        self.reconcile_seconds = Histogram(
+            f"{PREFIX}_reconcile_seconds",
+            "Time of one reconciliation pass against kubelet's PodResources",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5),
+            registry=self.registry,
+        )
 
     def watch_cards(self, usage: Callable[[], list[CardUsage]]) -> None:
         self.registry.register(_CardCollector(usage))

@@ -69,8 +69,13 @@ class DevicePlugin:
             config.checkpoint_path, self.cards.values(), self.allocator.allocations
         )
         self.reconciled = False  # one successful reconciliation since start
-        self._verify: queue.Queue[Allocation | None] = queue.Queue()
+        self._collected_at = -1  # allocator version at the last directory collection
+        self._young_dirs = False  # the last collection left directories inside the grace period
+        self._verify: queue.Queue[tuple[Allocation, float] | None] = queue.Queue()
         self._verifier: threading.Thread | None = None
+        # kubelet records a container's devices once the second Allocate has *answered*, so a
+        # List at once mostly shows half of them; the first look waits this long after it.
+        self.verify_delay_s = 0.02
         self.verify_retries = 5
         self.verify_spacing_s = 0.05  # doubled after each miss: 0.05 … 0.8 s in all
 
@@ -94,6 +99,19 @@ class DevicePlugin:
         base = self.config.containers_dir / container_dir_name(core)
         return base / "limits", base / "shared"
 
+    def _make_container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
+        """Create the container's directories (idempotent); the shared one is world-writable
+        because the container's user, possibly not root, keeps its accounting there."""
+        limits_dir, shared_dir = self._container_dirs(core)
+        limits_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            shared_dir.mkdir()
+        except FileExistsError:
+            pass
+        else:
+            os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
+        return limits_dir, shared_dir
+
     # ---- Allocate ----------------------------------------------------------------------
 
     def allocate(self, kind: Kind, ids: list[str]) -> pb.ContainerAllocateResponse:
@@ -104,7 +122,8 @@ class DevicePlugin:
         if kind is Kind.CORE:
             self._core_response(allocation, ids, response)
         if allocation.core and allocation.memory and self._verifier is not None:
-            self._verify.put(allocation)  # both halves are in: prepare PreStartContainer
+            # both halves are in: prepare PreStartContainer
+            self._verify.put((allocation, time.monotonic() + self.verify_delay_s))
         # The memory resource's response is empty on purpose: the core resource's response
         # already carries every mount, and two resources mounting the same container path
         # would conflict.
@@ -115,10 +134,10 @@ class DevicePlugin:
         self, allocation: Allocation, core: list[str], response: pb.ContainerAllocateResponse
     ) -> None:
         cards = [self.cards[i] for i in allocation.cards]
+        # Only named here: they are made with the limits file, by the early verification or by
+        # PreStartContainer, which kubelet completes before it creates the container. Allocate
+        # stays in memory, off the disk, while kubelet admits the pod.
         limits_dir, shared_dir = self._container_dirs(core)
-        limits_dir.mkdir(parents=True, exist_ok=True)
-        shared_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(shared_dir, 0o777)  # the container's (possibly non-root) user writes here
         response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in cards)
         dev = self.config.dev_root
         for card in cards:
@@ -193,8 +212,7 @@ class DevicePlugin:
             core_resource=self.config.core_resource,
             memory_resource=self.config.memory_resource,
         )
-        limits_dir, shared_dir = self._container_dirs(core)
-        shared_dir.mkdir(parents=True, exist_ok=True)
+        limits_dir, _ = self._make_container_dirs(core)
         path = limits_dir / contract.LIMITS_FILE
         try:
             current = path.read_text(encoding="ascii")
@@ -233,10 +251,14 @@ class DevicePlugin:
             self._verifier = None
 
     def _run_verifier(self) -> None:
-        while (allocation := self._verify.get()) is not None:
+        while (item := self._verify.get()) is not None:
+            allocation, due = item
+            time.sleep(max(0.0, due - time.monotonic()))
             for attempt in range(self.verify_retries):
                 if attempt:
                     time.sleep(self.verify_spacing_s * 2 ** (attempt - 1))
+                if allocation.verified:
+                    break  # PreStartContainer came first and listed it itself
                 try:
                     if self._verify_one(allocation):
                         break
@@ -280,7 +302,11 @@ class DevicePlugin:
             log.warning("PodResources unavailable at start", extra={"error": str(exc)})
 
     def reconcile_once(self) -> list[Allocation]:
-        """Free what kubelet no longer lists, adopt what it lists, collect stale directories."""
+        """Free what kubelet no longer lists, adopt what it lists, collect stale directories.
+
+        A pass that changes nothing writes nothing and scans no directory: on a busy node it
+        runs beside Allocate and PreStartContainer, under the same interpreter lock.
+        """
         started = time.time()
         containers = self._list()
         listed = [
@@ -290,10 +316,17 @@ class DevicePlugin:
             )
             for c in containers
         ]
+        version = self.allocator.version
         freed = self.allocator.reconcile(listed, started, self.config.reconcile_grace_s)
+        first = not self.reconciled
         self.reconciled = True
-        self.collect_dirs()
-        self.save()
+        # Directories go stale only when an allocation goes (freed here, or replaced since the
+        # last pass), and young ones are left for a later pass.
+        if first or self.allocator.version != self._collected_at or self._young_dirs:
+            self._collected_at = self.allocator.version
+            self.collect_dirs()
+        if first or self.allocator.version != version:
+            self.save()
         return freed
 
     def collect_dirs(self) -> list[str]:
@@ -306,10 +339,12 @@ class DevicePlugin:
         # A directory younger than the grace period may belong to an Allocate that raced this
         # collection; it is collected next time if it is really orphaned.
         young = time.time() - self.config.reconcile_grace_s
+        self._young_dirs = False
         for entry in root.iterdir():
             if not entry.is_dir() or not entry.name.startswith("c-") or entry.name in live:
                 continue
             if entry.stat().st_mtime > young:
+                self._young_dirs = True
                 continue
             if entry.name not in live:
                 shutil.rmtree(entry, ignore_errors=True)

@@ -37,10 +37,13 @@ def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[Co
     containers = []
     for pod in response.pod_resources:
         for container in pod.containers:
+            # One pass of attribute reads, then plain tuples: on a full node this walks
+            # thousands of one-ID entries, and each protobuf attribute read is the cost.
+            entries = [(e.resource_name, e.device_ids) for e in container.devices]
             merged: dict[str, set[str]] = defaultdict(set)
-            for entry in container.devices:
-                if entry.resource_name in resources:
-                    merged[entry.resource_name].update(entry.device_ids)
+            for name, ids in entries:
+                if name in resources:
+                    merged[name].update(ids)
             if merged:
                 containers.append(
                     ContainerDevices(

@@ -12,6 +12,7 @@ from deviceplugin import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import container_dir_name
+from deviceplugin.ids import Kind
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
 
@@ -369,3 +370,65 @@ def test_reconciliation_frees_ended_pods_and_collects_their_directories() -> Non
         assert node.plugin.allocator.allocations() == []
         assert not directory.exists()
         run(node, pod("next", (100, 96)))
+
+
+def test_allocate_only_names_the_directories_prestart_makes_them() -> None:
+    """Allocate stays off the disk while kubelet admits the pod; the directories exist (the
+    shared one writable by any user, whatever the umask) before kubelet creates the container."""
+    import os
+    import stat
+
+    with gpu_node(cards(1)) as node:
+        node.plugin.stop_verifier()  # nothing else may make them in between
+        p = pod("dirs", (20, 10))
+        held = node.kubelet.admit(p)["c0"]
+        directory = node.config.containers_dir / container_dir_name(held[CORE])
+        assert not directory.exists()
+        old = os.umask(0o077)
+        try:
+            node.kubelet.start_container(p, "c0")
+        finally:
+            os.umask(old)
+        assert (directory / "limits" / "limits").is_file()
+        mode = stat.S_IMODE((directory / "shared").stat().st_mode)
+        assert mode == 0o777, oct(mode)
+        node.kubelet.start_container(p, "c0")  # a restart finds them in place
+        assert stat.S_IMODE((directory / "shared").stat().st_mode) == 0o777
+
+
+def test_early_verification_lists_once_after_both_allocates() -> None:
+    with gpu_node(cards(1)) as node:
+        before = node.kubelet.list_calls
+        held = node.kubelet.admit(pod("early", (30, 20)))["c0"]
+        record = node.plugin.allocator.find(Kind.CORE, held[CORE])
+        assert node.kubelet.wait_for(lambda: record.verified, timeout=2)
+        # kubelet had recorded both resources by the time the verifier looked
+        assert node.kubelet.list_calls - before == 1
+        assert limits_of(node, held[CORE]).compute_percent == 30
+
+
+def test_prestart_right_after_allocate_is_not_listed_twice() -> None:
+    """When PreStartContainer beats the early verification, the verifier finds the
+    allocation verified and leaves PodResources alone."""
+    with gpu_node(cards(1)) as node:
+        node.plugin.verify_delay_s = 0.2
+        before = node.kubelet.list_calls
+        held = run(node, pod("fast", (30, 20)))["c0"]
+        assert node.kubelet.list_calls - before == 1  # PreStart's own
+        time.sleep(0.4)
+        assert node.kubelet.list_calls - before == 1
+        assert node.plugin.allocator.find(Kind.CORE, held[CORE]).verified
+
+
+def test_a_quiet_reconciliation_writes_nothing_and_wakes_no_stream() -> None:
+    with gpu_node(cards(1)) as node:
+        run(node, pod("steady", (30, 20)))
+        plugin = node.plugin
+        plugin.reconcile_once()
+        time.sleep(0.3)  # let the coalescing writer settle
+        version, writes = plugin.allocator.version, plugin.checkpointer.writes
+        for _ in range(3):
+            plugin.reconcile_once()
+        time.sleep(0.3)
+        assert plugin.allocator.version == version
+        assert plugin.checkpointer.writes == writes

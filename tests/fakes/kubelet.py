@@ -18,7 +18,11 @@ Real gRPC on unix sockets in a temporary directory, behaving as reference/kubern
 - ``start(pod, container)``: PreStartContainer once per resource (random order), 30 s timeout;
   the allocation is recorded (and listed by PodResources) before it. Container restarts call it
   again with the same IDs.
-- PodResources ``List``: one ContainerDevices entry per device ID, as a real kubelet sends them.
+- PodResources ``List``: one ContainerDevices entry per device ID, as a real kubelet sends them,
+  in an order shuffled once per container and holding. Each container's entries are serialised
+  once and merged into every answer as bytes: kubelet answers List in Go, beside its device
+  manager, and a double that spent milliseconds of this process's interpreter per call would
+  put its own cost into the RPC timings of the test (or benchmark) driving it.
 - ``restart()``: closes the streams, stops serving, deletes every socket in the directory except
   ``kubelet_internal_checkpoint``, and serves a new ``kubelet.sock``; allocations survive.
 
@@ -115,6 +119,8 @@ class FakeKubelet:
         self._pr_server: grpc.Server | None = None
         self._pr_failures = 0
         self.list_calls = 0
+        # (container name, holding) -> serialised ContainerResources, for List
+        self._listed: dict[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], bytes] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -372,12 +378,25 @@ class FakeKubelet:
             namespace, name = key.split("/", 1)
             pod = response.pod_resources.add(name=name, namespace=namespace)
             for container_name, held in list(containers.items()):
-                container = pod.containers.add(name=container_name)
-                entries = [(r, i) for r, ids in held.items() for i in ids]
-                self.random.shuffle(entries)
-                for resource, device in entries:  # one entry per device ID, as observed
-                    container.devices.add(resource_name=resource, device_ids=[device])
+                pod.containers.add().MergeFromString(self._listed_container(container_name, held))
         return response
+
+    def _listed_container(self, name: str, held: dict[str, list[str]]) -> bytes:
+        key = (name, tuple((r, tuple(ids)) for r, ids in held.items()))
+        listed = self._listed.get(key)
+        if listed is None:
+            entries = [(r, i) for r, ids in held.items() for i in ids]
+            self.random.shuffle(entries)
+            container = pr.ContainerResources(
+                name=name,
+                devices=[  # one entry per device ID, as observed
+                    pr.ContainerDevices(resource_name=r, device_ids=[i]) for r, i in entries
+                ],
+            )
+            if len(self._listed) > 4096:
+                self._listed.clear()
+            listed = self._listed[key] = container.SerializeToString()
+        return listed
 
 
 class _Registration(pb_grpc.RegistrationServicer):
