@@ -150,12 +150,16 @@ def empty_sequence(stubs: dict[str, Any], gap_s: float) -> float:
     return took
 
 
-def metric(port: int, name: str) -> float:
-    """The sum of one metric's samples on the plugin's /metrics."""
+def scrape(port: int) -> str:
+    """The plugin's /metrics page."""
     import urllib.request
 
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
+        return str(response.read().decode())
+
+
+def metric(text: str, name: str) -> float:
+    """The sum of one metric's samples on a /metrics page."""
     return sum(
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
@@ -165,7 +169,7 @@ def metric(port: int, name: str) -> float:
 
 def wait_freed(port: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
-    while metric(port, "fracgpu_device_plugin_card_core_allocated") > 0:
+    while metric(scrape(port), "fracgpu_device_plugin_card_core_allocated") > 0:
         if time.monotonic() > deadline:
             raise TimeoutError("the plugin did not free the ended pods")
         time.sleep(0.2)
@@ -199,12 +203,8 @@ def health_latency(node: GpuNode, events: int) -> tuple[list[float], list[float]
     return timed, baseline
 
 
-def server_side(port: int) -> dict[str, dict[str, float]]:
+def server_side(text: str) -> dict[str, dict[str, float]]:
     """The plugin's own handler time per RPC, from its rpc_seconds histogram (no transport)."""
-    import urllib.request
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     buckets: dict[str, list[tuple[float, float]]] = {}
     sums: dict[str, float] = {}
     counts: dict[str, float] = {}
@@ -327,13 +327,13 @@ def main(argv: list[str] | None = None) -> int:
             node.kubelet.allocations.pop(pod)
         wait_freed(port)
         immediate, rpc, immediate_parts = allocate_and_prestart(node, args.containers, 0.0, port)
-        handlers = server_side(port)
+        text = scrape(port)
+        handlers = server_side(text)
+        passes = metric(text, "fracgpu_device_plugin_reconcile_seconds_count")
         reconcile = {
-            "passes": metric(port, "fracgpu_device_plugin_reconcile_seconds_count"),
+            "passes": passes,
             "mean_ms": round(
-                1000
-                * metric(port, "fracgpu_device_plugin_reconcile_seconds_sum")
-                / max(metric(port, "fracgpu_device_plugin_reconcile_seconds_count"), 1),
+                1000 * metric(text, "fracgpu_device_plugin_reconcile_seconds_sum") / max(passes, 1),
                 3,
             ),
         }

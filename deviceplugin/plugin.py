@@ -107,9 +107,8 @@ class DevicePlugin:
         try:
             shared_dir.mkdir()
         except FileExistsError:
-            pass
-        else:
-            os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
+            return limits_dir, shared_dir  # made before, with its mode
+        os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
         return limits_dir, shared_dir
 
     # ---- Allocate ----------------------------------------------------------------------
