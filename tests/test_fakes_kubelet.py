@@ -1,0 +1,81 @@
+"""The fake kubelet's PodResources List: assembled as bytes, it must read as kubelet's would."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from deviceplugin._proto import podresources_v1_pb2 as pr
+from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
+from tests.fakes.kubelet import FakeKubelet
+
+CORE = "fracgpu.io/core"
+MEMORY = "fracgpu.io/memory"
+
+
+@pytest.fixture
+def kubelet(tmp_path: Path) -> Iterator[FakeKubelet]:
+    fake = FakeKubelet(tmp_path / "device-plugins", tmp_path / "pod-resources" / "kubelet.sock")
+    fake.start()
+    yield fake
+    fake.stop()
+
+
+@pytest.fixture
+def lister(kubelet: FakeKubelet) -> Iterator[pr_grpc.PodResourcesListerStub]:
+    with grpc.insecure_channel(f"unix://{kubelet.podresources_socket}") as channel:
+        yield pr_grpc.PodResourcesListerStub(channel)
+
+
+def test_list_names_every_pod_and_container_with_one_entry_per_id(
+    kubelet: FakeKubelet, lister: pr_grpc.PodResourcesListerStub
+) -> None:
+    # 2,000 IDs make lengths of several varint bytes at every level
+    big = [f"g{i // 100}-c{i % 100}" for i in range(800)]
+    memory = [f"GPU-{i:04d}-m{i}" for i in range(1200)]
+    kubelet.allocations = {
+        "ns-a/train": {"main": {CORE: big, MEMORY: memory}, "side": {CORE: ["g9-c0"]}},
+        "ns-b/x": {"c": {MEMORY: ["GPU-9-m1"]}},
+    }
+    response = lister.List(pr.ListPodResourcesRequest(), timeout=5)
+    listed = {
+        (pod.namespace, pod.name, container.name): [
+            (entry.resource_name, list(entry.device_ids)) for entry in container.devices
+        ]
+        for pod in response.pod_resources
+        for container in pod.containers
+    }
+    assert set(listed) == {("ns-a", "train", "main"), ("ns-a", "train", "side"), ("ns-b", "x", "c")}
+    main = listed[("ns-a", "train", "main")]
+    assert all(len(ids) == 1 for _, ids in main)
+    assert sorted(i for r, (i,) in main if r == CORE) == sorted(big)
+    assert sorted(i for r, (i,) in main if r == MEMORY) == sorted(memory)
+    assert listed[("ns-b", "x", "c")] == [(MEMORY, ["GPU-9-m1"])]
+    assert kubelet.list_calls == 1
+
+
+def test_an_empty_node_lists_nothing(
+    kubelet: FakeKubelet, lister: pr_grpc.PodResourcesListerStub
+) -> None:
+    assert list(lister.List(pr.ListPodResourcesRequest(), timeout=5).pod_resources) == []
+
+
+def test_injected_failures_are_unavailable_then_list_answers(
+    kubelet: FakeKubelet, lister: pr_grpc.PodResourcesListerStub
+) -> None:
+    kubelet.fail_podresources(1)
+    with pytest.raises(grpc.RpcError) as failed:
+        lister.List(pr.ListPodResourcesRequest(), timeout=5)
+    assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+    lister.List(pr.ListPodResourcesRequest(), timeout=5)
+
+
+def test_get_is_unimplemented_as_on_a_kubelet_without_it(
+    lister: pr_grpc.PodResourcesListerStub,
+) -> None:
+    with pytest.raises(grpc.RpcError) as failed:
+        lister.Get(pr.GetPodResourcesRequest(pod_name="x", pod_namespace="y"), timeout=5)
+    assert failed.value.code() is grpc.StatusCode.UNIMPLEMENTED
