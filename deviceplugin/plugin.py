@@ -308,13 +308,8 @@ class DevicePlugin:
         """
         started = time.time()
         containers = self._list()
-        listed = [
-            (
-                sorted(c.ids(self.config.core_resource)),
-                sorted(c.ids(self.config.memory_resource)),
-            )
-            for c in containers
-        ]
+        core, memory = self.config.core_resource, self.config.memory_resource
+        listed = [(c.ids(core), c.ids(memory)) for c in containers]
         version = self.allocator.version
         freed = self.allocator.reconcile(listed, started, self.config.reconcile_grace_s)
         first = not self.reconciled

@@ -37,22 +37,18 @@ def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[Co
     containers = []
     for pod in response.pod_resources:
         for container in pod.containers:
-            # One pass of attribute reads, then plain tuples: on a full node this walks
-            # thousands of one-ID entries, and each protobuf attribute read is the cost.
+            # Each protobuf attribute read is the cost on a full node (thousands of one-ID
+            # entries): read every entry once into plain tuples, then let comprehensions
+            # do the merging.
             entries = [(e.resource_name, e.device_ids) for e in container.devices]
-            merged: dict[str, set[str]] = defaultdict(set)
-            for name, ids in entries:
-                if name in resources:
-                    merged[name].update(ids)
-            if merged:
-                containers.append(
-                    ContainerDevices(
-                        pod.namespace,
-                        pod.name,
-                        container.name,
-                        {r: frozenset(ids) for r, ids in merged.items()},
-                    )
-                )
+            merged = {}
+            for resource in resources:
+                held = frozenset([i for name, ids in entries if name == resource for i in ids])
+                if held:
+                    merged[resource] = held
+            if not merged:
+                continue
+            containers.append(ContainerDevices(pod.namespace, pod.name, container.name, merged))
     return containers
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.allocator import AllocationError, Allocator, container_dir_name
+from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
 from deviceplugin.ids import Kind, core_id, memory_id
 from deviceplugin.inventory import Card
 
@@ -208,3 +208,63 @@ def test_reconcile_replaces_a_record_whose_ids_kubelet_gave_to_another_container
     memory = [memory_id(0, 0)]
     alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
     assert [(set(a.core), set(a.memory)) for a in alloc.allocations()] == [(set(core), set(memory))]
+
+
+# (case, the listing given the two recorded containers a and b, the containers left afterwards)
+RECONCILE_CASES = [
+    ("both as recorded", lambda a, b: [a, b], lambda a, b: [a, b]),
+    ("listed in another order", lambda a, b: [(b[0][::-1], b[1]), a], lambda a, b: [a, b]),
+    ("one container gone", lambda a, b: [a], lambda a, b: [a]),
+    (
+        "a listed with fewer IDs than recorded",
+        lambda a, b: [(a[0][:3], a[1]), b],
+        lambda a, b: [(a[0][:3], a[1]), b],
+    ),
+    (
+        "a listed with one of b's IDs as well",
+        lambda a, b: [(a[0] + b[0][:1], a[1])],
+        lambda a, b: [(a[0] + b[0][:1], a[1])],
+    ),
+    ("a's memory listed as core only", lambda a, b: [(a[0], []), b], lambda a, b: [(a[0], []), b]),
+    ("memory only", lambda a, b: [([], a[1]), b], lambda a, b: [([], a[1]), b]),
+]
+
+
+@pytest.mark.parametrize(
+    ("listing", "after"),
+    [pytest.param(listing, after, id=case) for case, listing, after in RECONCILE_CASES],
+)
+def test_reconcile_leaves_exactly_what_kubelet_lists(listing: object, after: object) -> None:
+    alloc = make(2)
+    ids = [take(alloc, 20, 2), take(alloc, 20, 2)]
+    a, b = (([i for i in x if "-c" in i], [i for i in x if "-m" in i]) for x in ids)
+    listed = listing(a, b)  # type: ignore[operator]
+    before = alloc.version
+    alloc.reconcile(listed, listed_at=5000.0, grace_s=1.0)
+    expected = {(frozenset(c), frozenset(m)) for c, m in after(a, b)}  # type: ignore[operator]
+    assert {(frozenset(x.core), frozenset(x.memory)) for x in alloc.allocations()} == expected
+    owned = {i for x in alloc.allocations() for i in x.ids()}
+    assert owned == {i for c, m in expected for i in (*c, *m)}
+    assert all(alloc.find(Kind.CORE, x.core) is x for x in alloc.allocations() if x.core)
+    if listed == [a, b]:
+        assert alloc.version == before  # a quiet pass changes nothing
+
+
+@pytest.mark.parametrize("claimed", ["memory", "core"])
+def test_reconcile_repairs_records_that_share_ids(claimed: str) -> None:
+    """A checkpoint restored with two records claiming one ID: kubelet's listing settles it."""
+    alloc = make(1)
+    core = [core_id(0, n) for n in range(4)]
+    memory = [memory_id(0, 0)]
+    first = Allocation(tuple(core), tuple(memory), (0,), 0.0)
+    second = Allocation((), tuple(memory), (0,), 0.0)
+    if claimed == "core":
+        second = Allocation((core[2],), (), (0,), 0.0)
+    alloc.restore([first, second])  # the second now owns one of the first's IDs
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    (only,) = alloc.allocations()
+    assert (set(only.core), set(only.memory)) == (set(core), set(memory))
+    assert all(
+        alloc.find(kind, [i]) is only
+        for kind, i in [*((Kind.CORE, i) for i in core), (Kind.MEMORY, memory[0])]
+    )
