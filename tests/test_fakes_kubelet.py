@@ -1,4 +1,4 @@
-"""The fake kubelet's PodResources List: assembled as bytes, it must read as kubelet's would."""
+"""The fake kubelet's own shortcuts: its List is assembled as bytes, its stream checks are bulk."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import grpc
 import pytest
 
+from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
+from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin._proto import podresources_v1_pb2 as pr
 from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
-from tests.fakes.kubelet import FakeKubelet
+from tests.fakes.kubelet import FakeKubelet, ProtocolViolation, _Resource
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"
@@ -79,3 +81,35 @@ def test_get_is_unimplemented_as_on_a_kubelet_without_it(
     with pytest.raises(grpc.RpcError) as failed:
         lister.Get(pr.GetPodResourcesRequest(pod_name="x", pod_namespace="y"), timeout=5)
     assert failed.value.code() is grpc.StatusCode.UNIMPLEMENTED
+
+
+def _resource() -> _Resource:
+    channel = grpc.insecure_channel("unix:///nonexistent")
+    stub = pb_grpc.DevicePluginStub(channel)
+    return _Resource(CORE, "p.sock", pb.DevicePluginOptions(), channel, stub)
+
+
+@pytest.mark.parametrize(
+    ("devices", "violation"),
+    [
+        ([("g0-c0", "Healthy"), ("g0-c1", "Unhealthy")], None),
+        ([("", "Healthy")], "is not 1–63 chars"),
+        ([("x" * 64, "Healthy")], "is not 1–63 chars"),
+        ([("g0-c0", "Healthy"), ("g0-c0", "Healthy")], "listed twice"),
+        ([("g0-c0", "healthy")], "health 'healthy'"),
+    ],
+)
+def test_listandwatch_messages_are_checked_as_kubelet_would(
+    kubelet: FakeKubelet, devices: list[tuple[str, str]], violation: str | None
+) -> None:
+    resource = _resource()
+    message = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=h) for i, h in devices])
+    if violation is None:
+        kubelet._accept_list(resource, message)
+        assert resource.devices == dict(devices) and resource.messages == 1
+        assert kubelet.history[-1][2] == 1
+    else:
+        with pytest.raises(ProtocolViolation, match=violation):
+            kubelet._accept_list(resource, message)
+        assert resource.messages == 0
+    resource.channel.close()
