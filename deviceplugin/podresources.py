@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,11 +90,16 @@ class PodResourcesClient:
         self.socket = socket
         self.timeout_s = timeout_s
         self._channel: grpc.Channel | None = None
+        self._lister: pr_grpc.PodResourcesListerStub | None = None
+        # PreStartContainer handlers, the verifier and the reconciler share one channel
+        self._lock = threading.Lock()
 
     def _stub(self) -> pr_grpc.PodResourcesListerStub:
-        if self._channel is None:
-            self._channel = grpc.insecure_channel(f"unix://{self.socket}")
-        return pr_grpc.PodResourcesListerStub(self._channel)
+        with self._lock:
+            if self._channel is None or self._lister is None:
+                self._channel = grpc.insecure_channel(f"unix://{self.socket}")
+                self._lister = pr_grpc.PodResourcesListerStub(self._channel)
+            return self._lister
 
     def _list(self) -> pr.ListPodResourcesResponse:
         try:
@@ -116,6 +122,7 @@ class PodResourcesClient:
         return find(self._list(), resource, wanted, resources)
 
     def close(self) -> None:
-        if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+        with self._lock:
+            channel, self._channel, self._lister = self._channel, None, None
+        if channel is not None:
+            channel.close()

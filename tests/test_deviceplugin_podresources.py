@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+
 from deviceplugin._proto import podresources_v1_pb2 as pr
-from deviceplugin.podresources import find, merge
+from deviceplugin.podresources import PodResourcesClient, PodResourcesError, find, merge
+from tests.fakes.kubelet import FakeKubelet
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"
@@ -44,3 +51,43 @@ def test_find_returns_only_an_exact_holder() -> None:
     assert found.ids(CORE) == {"g0-c3"}
     assert find(response, CORE, frozenset({"g0-c1"}), OURS) is None  # a subset is not a holder
     assert find(response, CORE, frozenset({"g9-c1"}), OURS) is None
+
+
+def test_client_shares_one_channel_and_dials_again_after_kubelet_restarts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dialled: list[str] = []
+    dial = grpc.insecure_channel
+
+    def counting(target: str) -> grpc.Channel:
+        dialled.append(target)
+        return dial(target)
+
+    monkeypatch.setattr(grpc, "insecure_channel", counting)
+    kubelet = FakeKubelet(tmp_path / "device-plugins", tmp_path / "pod-resources" / "kubelet.sock")
+    kubelet.start()
+    kubelet.allocations = {"ns/p": {"c": {CORE: ["g0-c1"], MEMORY: ["g0-m0"]}}}
+    client = PodResourcesClient(kubelet.podresources_socket, timeout_s=5)
+    try:
+        with ThreadPoolExecutor(8) as pool:  # first use from several handlers at once
+            found = list(
+                pool.map(lambda _: client.find(CORE, frozenset({"g0-c1"}), OURS), range(8))
+            )
+        assert all(c is not None and c.name == "ns/p/c" for c in found)
+        first = client._channel
+        assert first is not None
+        # kubelet restarts: its PodResources socket is a new file
+        kubelet.stop()
+        kubelet.start()
+        answers = []
+        for _ in range(3):
+            try:
+                answers.append(client.list(OURS))
+            except PodResourcesError:
+                answers.append(None)  # the old connection's failure, reported as transient
+        assert answers[-1] is not None and [c.name for c in answers[-1]] == ["ns/p/c"]
+        assert len(dialled) == 1 + answers.count(None)
+    finally:
+        client.close()
+        kubelet.stop()
+    assert client._channel is None
