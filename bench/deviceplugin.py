@@ -33,6 +33,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -42,6 +43,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+import grpc
 
 from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
@@ -81,8 +84,105 @@ def summary(samples: list[float]) -> dict[str, float]:
     }
 
 
+# One step of a driver sequence: an RPC (resource, method, request) or a pause in seconds.
+Step = tuple[str, str, Any] | float
+
+
+class PythonDriver:
+    """The RPCs from grpcio in this process, on the fake kubelet's own channels."""
+
+    name = "python grpcio (in the fake kubelet's process)"
+
+    def __init__(self, node: GpuNode) -> None:
+        self.stubs = {name: node.kubelet.resources[name].stub for name in (CORE, MEMORY)}
+
+    def run(self, steps: list[Step]) -> list[float]:
+        took = []
+        for step in steps:
+            if isinstance(step, float):
+                time.sleep(step)
+                continue
+            resource, method, request = step
+            call = getattr(self.stubs[resource], method)
+            started = time.perf_counter()
+            try:
+                call(request, timeout=30)
+            except grpc.RpcError as exc:
+                raise RuntimeError(f"{method}: {exc.code().name}: {exc.details()}") from None
+            took.append(time.perf_counter() - started)
+        return took
+
+    def close(self) -> None:
+        pass
+
+
+class GoDriver:
+    """The RPCs from grpc-go, the client kubelet uses, in its own process (bench/kubeletdriver).
+
+    Requests are serialised here and sent as bytes, so the driver needs no generated code.
+    """
+
+    name = "grpc-go (bench/kubeletdriver, its own process)"
+
+    def __init__(self, binary: Path, node: GpuNode) -> None:
+        sockets = [
+            str(node.kubelet.plugin_dir / node.kubelet.resources[r].endpoint)
+            for r in (CORE, MEMORY)
+        ]
+        self.index = {CORE: 0, MEMORY: 1}
+        self.process = subprocess.Popen(
+            [str(binary), *sockets], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+
+    def run(self, steps: list[Step]) -> list[float]:
+        words = []
+        for step in steps:
+            if isinstance(step, float):
+                words.append(f"sleep:{round(step * 1e9)}")
+            else:
+                resource, method, request = step
+                words.append(f"{self.index[resource]}:{method}:{request.SerializeToString().hex()}")
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(" ".join(words) + "\n")
+        self.process.stdin.flush()
+        answer = self.process.stdout.readline().strip()
+        if not answer or answer.startswith("error"):
+            raise RuntimeError(f"kubeletdriver: {answer or 'exited'}")
+        return [int(nanos) / 1e9 for nanos in answer.split()]
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=10)
+
+
+DRIVER_SOURCE = Path(__file__).parent / "kubeletdriver"
+DRIVER_BINARY = Path(__file__).parent.parent / ".local/bench/kubeletdriver"
+GO_PACKAGES = "golang-go golang-google-grpc-dev"
+
+
+def build_go_driver() -> Path:
+    """Build bench/kubeletdriver against Debian's grpc-go (GOPATH mode: no module download)."""
+    go = shutil.which("go")
+    gopath = Path("/usr/share/gocode")
+    if go is None or not (gopath / "src/google.golang.org/grpc").is_dir():
+        raise RuntimeError(f"the Go driver needs Go and grpc-go: apt-get install {GO_PACKAGES}")
+    source = DRIVER_SOURCE / "main.go"
+    if DRIVER_BINARY.exists() and DRIVER_BINARY.stat().st_mtime >= source.stat().st_mtime:
+        return DRIVER_BINARY
+    DRIVER_BINARY.parent.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "GOPATH": str(gopath), "GO111MODULE": "off"}
+    subprocess.run(
+        [go, "build", "-o", str(DRIVER_BINARY.resolve()), "."],
+        cwd=DRIVER_SOURCE,
+        env=env,
+        check=True,
+    )
+    return DRIVER_BINARY
+
+
 def allocate_and_prestart(
-    node: GpuNode, containers: int, gap_s: float, metrics_port: int
+    node: GpuNode, driver: PythonDriver | GoDriver, containers: int, gap_s: float, port: int
 ) -> tuple[list[float], list[float], dict[str, list[float]]]:
     kubelet = node.kubelet
     stubs = {name: kubelet.resources[name].stub for name in (CORE, MEMORY)}
@@ -98,9 +198,10 @@ def allocate_and_prestart(
             for pod in live:
                 kubelet.remove(pod)
             live.clear()
-            wait_freed(metrics_port)
+            wait_freed(port)
         pod = Pod("bench", f"p{i}", [Container("c", dict(request))])
         chosen: dict[str, list[str]] = {}
+        allocate = 0.0
         for name in (CORE, MEMORY):  # choice as kubelet makes it (not timed)
             answer = stubs[name].GetPreferredAllocation(
                 pb.PreferredAllocationRequest(
@@ -113,41 +214,64 @@ def allocate_and_prestart(
                 )
             )
             chosen[name] = list(answer.container_responses[0].deviceIDs)
+            allocate += driver.run(
+                [
+                    (
+                        name,
+                        "Allocate",
+                        pb.AllocateRequest(
+                            container_requests=[
+                                pb.ContainerAllocateRequest(devices_ids=chosen[name])
+                            ]
+                        ),
+                    )
+                ]
+            )[0]
             # kubelet records the devices as soon as its Allocate succeeds; so does the bench
-            started = time.perf_counter()
-            stubs[name].Allocate(
-                pb.AllocateRequest(
-                    container_requests=[pb.ContainerAllocateRequest(devices_ids=chosen[name])]
-                )
-            )
-            timed.append(time.perf_counter() - started)
             kubelet.allocations.setdefault(pod.key, {}).setdefault("c", {})[name] = chosen[name]
-        if gap_s:
-            time.sleep(gap_s)
-        started = time.perf_counter()
-        for name in (CORE, MEMORY):
-            stubs[name].PreStartContainer(pb.PreStartContainerRequest(devices_ids=chosen[name]))
-        prestart = time.perf_counter() - started
-        parts["allocate"].append(timed[-2] + timed[-1])
+        prestart = sum(
+            driver.run(
+                [gap_s]
+                + [
+                    (
+                        name,
+                        "PreStartContainer",
+                        pb.PreStartContainerRequest(devices_ids=chosen[name]),
+                    )
+                    for name in (CORE, MEMORY)
+                ]
+            )
+        )
+        parts["allocate"].append(allocate)
         parts["prestart"].append(prestart)
         # one container's Allocate (both resources) + PreStartContainer (both resources)
-        timed[-2:] = [timed[-2] + timed[-1] + prestart]
+        timed.append(allocate + prestart)
         live.append(pod)
-        baseline.append(empty_sequence(stubs, gap_s))
+        baseline.append(empty_sequence(driver, gap_s))
     return timed, baseline, parts
 
 
-def empty_sequence(stubs: dict[str, Any], gap_s: float) -> float:
+def empty_sequence(driver: PythonDriver | GoDriver, gap_s: float) -> float:
     """Four empty calls in the rhythm of one container's Allocates and PreStarts."""
-    took = 0.0
-    for pause in (0.0, gap_s):
-        if pause:
-            time.sleep(pause)
-        for name in (CORE, MEMORY):
-            started = time.perf_counter()
-            stubs[name].GetDevicePluginOptions(pb.Empty())
-            took += time.perf_counter() - started
-    return took
+    empty = [(name, "GetDevicePluginOptions", pb.Empty()) for name in (CORE, MEMORY)]
+    return sum(driver.run([empty[0]]) + driver.run([empty[1]]) + driver.run([gap_s, *empty]))
+
+
+def cpu_times() -> list[int]:
+    """The machine's CPU time counters (user ... steal), from /proc/stat; [] elsewhere."""
+    try:
+        with open("/proc/stat", encoding="ascii") as stat:
+            return [int(field) for field in stat.readline().split()[1:9]]
+    except OSError:
+        return []
+
+
+def steal_percent(before: list[int], after: list[int]) -> float | None:
+    """Share of CPU time the hypervisor gave to other guests: how noisy this run's VM was."""
+    if len(before) < 8 or len(after) < 8:
+        return None
+    spent = [b - a for a, b in zip(before, after, strict=True)]
+    return round(100 * spent[7] / max(sum(spent), 1), 2)
 
 
 def scrape(port: int) -> str:
@@ -258,7 +382,8 @@ def serve(text: str) -> int:
 
 @contextmanager
 def plugin_process(node: GpuNode) -> Iterator[None]:
-    env = {**os.environ, **node.nvml.env(), "PYTHONPATH": os.getcwd()}
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, **node.nvml.env(), "PYTHONPATH": path}
     process = subprocess.Popen(
         [sys.executable, "-m", "bench.deviceplugin", "--serve", _config_json(node.config)],
         stdin=subprocess.PIPE,
@@ -304,10 +429,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--events", type=int, default=20)
     parser.add_argument("--gap-ms", type=float, default=50.0)
     parser.add_argument("--restarts", type=int, default=10)
+    parser.add_argument(
+        "--driver",
+        choices=("auto", "go", "python"),
+        default="auto",
+        help="client of the timed RPCs: grpc-go as kubelet (auto: when Go is installed)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
         return serve(args.serve)
+    binary = None
+    if args.driver != "python":
+        try:
+            binary = build_go_driver()
+        except (RuntimeError, subprocess.CalledProcessError) as exc:
+            if args.driver == "go":
+                raise
+            print(f"bench.deviceplugin: timing from Python instead: {exc}", file=sys.stderr)
     port = free_port()
     with (
         gpu_node(
@@ -321,12 +460,22 @@ def main(argv: list[str] | None = None) -> int:
         plugin_process(node),
     ):
         ids = {name: node.kubelet.capacity(name) for name in (CORE, MEMORY)}
+        cpu_before = cpu_times()
         gap = args.gap_ms / 1000
-        allocation, rpc_gap, parts = allocate_and_prestart(node, args.containers, gap, port)
-        for pod in list(node.kubelet.allocations):
-            node.kubelet.allocations.pop(pod)
-        wait_freed(port)
-        immediate, rpc, immediate_parts = allocate_and_prestart(node, args.containers, 0.0, port)
+        driver = PythonDriver(node) if binary is None else GoDriver(binary, node)
+        try:
+            allocation, rpc_gap, parts = allocate_and_prestart(
+                node, driver, args.containers, gap, port
+            )
+            for pod in list(node.kubelet.allocations):
+                node.kubelet.allocations.pop(pod)
+            wait_freed(port)
+            immediate, rpc, immediate_parts = allocate_and_prestart(
+                node, driver, args.containers, 0.0, port
+            )
+        finally:
+            driver.close()
+        steal = steal_percent(cpu_before, cpu_times())
         text = scrape(port)
         handlers = server_side(text)
         passes = metric(text, "fracgpu_device_plugin_reconcile_seconds_count")
@@ -352,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     event_stats, stream_stats = summary(event), summary(stream)
     report = {
         "node": {"cards": 8, "core_ids": ids[CORE], "memory_ids": ids[MEMORY]},
+        "timed_from": driver.name,
+        "cpu_steal_percent_during_allocations": steal,
         f"allocate_prestart_after_{args.gap_ms:g}ms_gap": alloc_stats,
         "  of which the two Allocates": summary(parts["allocate"]),
         "  of which the two PreStartContainers": summary(parts["prestart"]),

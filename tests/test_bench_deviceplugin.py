@@ -1,0 +1,89 @@
+"""The device plugin benchmark's drivers: both time the same RPCs, and errors are not timings.
+
+Timings themselves are the benchmark's business (``python -m bench.deviceplugin``); these tests
+only check that each driver makes the calls it is asked for, in order, against a real plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import deviceplugin as bench
+from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
+from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
+from tests.fakes.kubelet import Container, Pod
+
+
+def go_driver() -> Path:
+    try:
+        return bench.build_go_driver()
+    except RuntimeError as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+def node() -> Iterator[GpuNode]:
+    with gpu_node(cards(2, 8 * GIB)) as running:
+        assert running.wait_registered()
+        yield running
+
+
+@pytest.fixture(params=["python", "go"])
+def driver(request: pytest.FixtureRequest, node: GpuNode) -> Iterator[Any]:
+    made = bench.PythonDriver(node) if request.param == "python" else None
+    if made is None:
+        made = bench.GoDriver(go_driver(), node)
+    yield made
+    made.close()
+
+
+def test_a_container_is_allocated_and_started_through_the_driver(
+    node: GpuNode, driver: Any
+) -> None:
+    pod = Pod("bench", "p", [Container("c", {bench.CORE: 30, bench.MEMORY: 8})])
+    held = node.kubelet.admit(pod)["c"]  # kubelet's choice and Allocate, from the fake
+    steps: list[bench.Step] = [
+        (
+            name,
+            "Allocate",
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=held[name])]
+            ),
+        )
+        for name in (bench.CORE, bench.MEMORY)
+    ]
+    steps.append(0.001)
+    steps += [
+        (name, "PreStartContainer", pb.PreStartContainerRequest(devices_ids=held[name]))
+        for name in (bench.CORE, bench.MEMORY)
+    ]
+    took = driver.run(steps)
+    assert len(took) == 4 and all(0 < t < 30 for t in took)
+    (allocation,) = node.plugin.allocator.allocations()
+    assert allocation.verified and set(allocation.core) == set(held[bench.CORE])
+
+
+def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(
+    node: GpuNode, driver: Any
+) -> None:
+    unknown = pb.AllocateRequest(
+        container_requests=[pb.ContainerAllocateRequest(devices_ids=["g7-c0"])]
+    )
+    with pytest.raises(RuntimeError, match=r"Allocate: .*g7-c0"):
+        driver.run([(bench.CORE, "Allocate", unknown)])
+
+
+@pytest.mark.parametrize(
+    ("before", "after", "expected"),
+    [
+        ([0] * 8, [10, 0, 10, 70, 0, 0, 0, 10], 10.0),
+        ([5] * 8, [5] * 8, 0.0),  # no time passed: no division by zero
+        ([], [1] * 8, None),  # no /proc/stat
+    ],
+)
+def test_steal_share(before: list[int], after: list[int], expected: float | None) -> None:
+    assert bench.steal_percent(before, after) == expected
