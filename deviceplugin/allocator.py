@@ -155,7 +155,9 @@ class Allocator:
         self._in_use: dict[int, dict[Kind, set[int]]] = {
             i: {Kind.CORE: set(), Kind.MEMORY: set()} for i in self.cards
         }
-        self._lists: dict[Kind, tuple[object, list[ListedDevice]]] = {}
+        # (kind, card) -> (that card's state, its devices as listed): a change to one card
+        # rebuilds one card's list, not the node's thousands of entries
+        self._lists: dict[tuple[Kind, int], tuple[object, list[ListedDevice]]] = {}
         self._half: _Half | None = None
         self._cond = threading.Condition()
         self.version = 0
@@ -248,21 +250,31 @@ class Allocator:
 
     def devices(self, kind: Kind) -> list[ListedDevice]:
         """The complete ListAndWatch list for one resource, with the honesty rule applied."""
+        return [device for card in self.devices_by_card(kind) for device in card]
+
+    def devices_by_card(self, kind: Kind) -> list[list[ListedDevice]]:
+        """``devices`` per card, in card order. A card's list is the same object for as long as
+        that card's state holds, so callers may cache what they derive from it by identity."""
         with self._cond:
-            states = self._card_states(kind)
-            cached = self._lists.get(kind)
-            if cached is not None and cached[0] == states:
-                return cached[1]
-            listed = []
-            for (i, card), (healthy, stranded) in zip(
-                sorted(self.cards.items()), states, strict=True
+            lists = []
+            for (i, card), state in zip(
+                sorted(self.cards.items()), self._card_states(kind), strict=True
             ):
-                total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[i]
-                for n in range(total):
-                    ok = healthy and (stranded is None or n in stranded)
-                    listed.append(ListedDevice(str(DeviceId(i, kind, n)), ok, card.numa_node))
-            self._lists[kind] = (states, listed)
-            return listed
+                cached = self._lists.get((kind, i))
+                if cached is None or cached[0] != state:
+                    healthy, stranded = state
+                    total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[i]
+                    listed = [
+                        ListedDevice(
+                            str(DeviceId(i, kind, n)),
+                            healthy and (stranded is None or n in stranded),
+                            card.numa_node,
+                        )
+                        for n in range(total)
+                    ]
+                    cached = self._lists[(kind, i)] = (state, listed)
+                lists.append(cached[1])
+            return lists
 
     # ---- health ------------------------------------------------------------------------
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -11,8 +14,10 @@ import pytest
 from deviceplugin import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import container_dir_name
-from deviceplugin.ids import Kind
+from deviceplugin.allocator import Allocator, container_dir_name
+from deviceplugin.ids import Kind, core_id, memory_id
+from deviceplugin.inventory import Card
+from deviceplugin.service import DevicePluginServicer
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
 
@@ -432,3 +437,48 @@ def test_a_quiet_reconciliation_writes_nothing_and_wakes_no_stream() -> None:
         time.sleep(0.3)
         assert plugin.allocator.version == version
         assert plugin.checkpointer.writes == writes
+
+
+def _listed_in_full(allocator: Allocator, kind: Kind) -> pb.ListAndWatchResponse:
+    """The device list encoded entry by entry, as the plugin did before it kept pieces."""
+    response = pb.ListAndWatchResponse()
+    for device in allocator.devices(kind):
+        entry = response.devices.add(
+            ID=device.id, health="Healthy" if device.healthy else "Unhealthy"
+        )
+        if device.numa_node is not None:
+            entry.topology.nodes.add(ID=device.numa_node)
+    return response
+
+
+# each step changes the allocator; the names say which cards' pieces must be encoded again
+LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
+    ("card 1 fails", lambda a: a.set_health(1, False, "XID 79"), {1}),
+    ("card 1 recovers", lambda a: a.set_health(1, True), {1}),
+    (
+        "card 2's core fills up (its free memory strands)",
+        lambda a: (
+            a.allocate(Kind.CORE, [core_id(2, n) for n in range(100)], CORE),
+            a.allocate(Kind.MEMORY, [memory_id(2, 0)], MEMORY),
+        ),
+        {2},
+    ),
+    ("a change no card shows", lambda a: a.allocate(Kind.CORE, [core_id(0, 0)], CORE), set()),
+]
+
+
+@pytest.mark.parametrize("kind", [Kind.CORE, Kind.MEMORY])
+def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
+    allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, i % 2 or None) for i in range(4)])
+    plugin = SimpleNamespace(allocator=allocator, resource=lambda k: f"fracgpu.io/{k.name}")
+    servicer = DevicePluginServicer(plugin, kind, threading.Event())  # type: ignore[arg-type]
+    assert servicer._listing() == _listed_in_full(allocator, kind)
+    for name, step, changed in LISTING_STEPS:
+        before = [piece for _, piece in servicer._pieces]
+        step(allocator)
+        assert servicer._listing() == _listed_in_full(allocator, kind)
+        after = [piece for _, piece in servicer._pieces]
+        reused = {i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old is new}
+        # a full core strands memory, not core: the core list shows no change
+        expected = changed if kind is Kind.MEMORY or "strands" not in name else set()
+        assert reused == set(range(4)) - expected, name
