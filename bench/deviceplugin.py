@@ -1,4 +1,4 @@
-"""Device plugin benchmark: ``python -m bench.deviceplugin [--containers N] [--events N]``.
+"""Device plugin benchmark: ``python -m bench.deviceplugin [--containers N] [--driver go]``.
 
 On a fake 8-card node (8 x 80 GiB: 800 core IDs, 2,560 memory IDs), over real gRPC on unix
 sockets, with the strict FakeKubelet and the fake NVML (no GPU needed):
@@ -14,7 +14,9 @@ sockets, with the strict FakeKubelet and the fake NVML (no GPU needed):
    until the plugin's reconciliation has freed them. Baseline, per container and in the same
    rhythm: two empty GetDevicePluginOptions calls, the same gap, two more, on the same
    server. The ratio is what the plugin's work adds to what this machine's gRPC costs for the
-   same four calls.
+   same four calls. The timed calls come from grpc-go, kubelet's client, in a process of their
+   own (bench/kubeletdriver, built when Go and Debian's grpc-go are installed), else from
+   grpcio in this process; the report names the driver and the VM's CPU steal meanwhile.
 2. Health event -> Unhealthy: from appending an XID to the fake driver's event file until the
    kubelet's ListAndWatch consumer holds a list with that card's IDs Unhealthy. Baseline: the same
    path without NVML (the allocator is told directly), i.e. the stream's own delivery time.
