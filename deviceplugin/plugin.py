@@ -264,6 +264,9 @@ class DevicePlugin:
                 except (PodResourcesError, PreStartError, OSError) as exc:
                     log.info("early verification skipped", extra={"error": str(exc)})
                     break
+                except Exception:  # a bug here must not stop verifying later containers
+                    log.exception("early verification failed")
+                    break
 
     def _verify_one(self, allocation: Allocation) -> bool:
         """True once PodResources lists one container with exactly this allocation's IDs.

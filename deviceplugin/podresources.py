@@ -42,7 +42,7 @@ def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[Co
             # entries): read every entry once into plain tuples, then let comprehensions
             # do the merging.
             entries = [(e.resource_name, e.device_ids) for e in container.devices]
-            merged = {}
+            merged: dict[str, frozenset[str]] = {}
             for resource in resources:
                 held = frozenset([i for name, ids in entries if name == resource for i in ids])
                 if held:
@@ -94,21 +94,39 @@ class PodResourcesClient:
         # PreStartContainer handlers, the verifier and the reconciler share one channel
         self._lock = threading.Lock()
 
-    def _stub(self) -> pr_grpc.PodResourcesListerStub:
+    def _connection(self) -> tuple[grpc.Channel, pr_grpc.PodResourcesListerStub]:
         with self._lock:
             if self._channel is None or self._lister is None:
                 self._channel = grpc.insecure_channel(f"unix://{self.socket}")
                 self._lister = pr_grpc.PodResourcesListerStub(self._channel)
-            return self._lister
+            return self._channel, self._lister
+
+    def _forget(self, channel: grpc.Channel) -> None:
+        """Close ``channel`` if it is still the current one: the next call dials afresh.
+
+        Another thread may already have replaced it after its own failure; closing the new
+        channel would cancel that thread's calls, and its failure would close the next one.
+        """
+        with self._lock:
+            current = self._channel is channel
+            if current:
+                self._channel = self._lister = None
+        if current:
+            channel.close()
 
     def _list(self) -> pr.ListPodResourcesResponse:
+        channel, lister = self._connection()
         try:
-            return self._stub().List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
+            return lister.List(pr.ListPodResourcesRequest(), timeout=self.timeout_s)
         except grpc.RpcError as exc:
-            self.close()  # a restarted kubelet listens on a new socket inode: dial afresh
+            self._forget(channel)  # a restarted kubelet may listen on a new socket inode
             raise PodResourcesError(
                 f"kubelet PodResources List on {self.socket} failed: "
                 f"{exc.code().name}: {exc.details()}"
+            ) from None
+        except ValueError as exc:  # closed by another caller's failure or by close()
+            raise PodResourcesError(
+                f"kubelet PodResources List on {self.socket} failed: {exc}"
             ) from None
 
     def list(self, resources: set[str]) -> list[ContainerDevices]:

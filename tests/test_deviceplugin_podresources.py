@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,41 +54,73 @@ def test_find_returns_only_an_exact_holder() -> None:
     assert find(response, CORE, frozenset({"g9-c1"}), OURS) is None
 
 
-def test_client_shares_one_channel_and_dials_again_after_kubelet_restarts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    dialled: list[str] = []
-    dial = grpc.insecure_channel
-
-    def counting(target: str) -> grpc.Channel:
-        dialled.append(target)
-        return dial(target)
-
-    monkeypatch.setattr(grpc, "insecure_channel", counting)
+@pytest.fixture
+def served(tmp_path: Path) -> Iterator[FakeKubelet]:
     kubelet = FakeKubelet(tmp_path / "device-plugins", tmp_path / "pod-resources" / "kubelet.sock")
     kubelet.start()
     kubelet.allocations = {"ns/p": {"c": {CORE: ["g0-c1"], MEMORY: ["g0-m0"]}}}
-    client = PodResourcesClient(kubelet.podresources_socket, timeout_s=5)
-    try:
-        with ThreadPoolExecutor(8) as pool:  # first use from several handlers at once
-            found = list(
-                pool.map(lambda _: client.find(CORE, frozenset({"g0-c1"}), OURS), range(8))
-            )
-        assert all(c is not None and c.name == "ns/p/c" for c in found)
-        first = client._channel
-        assert first is not None
-        # kubelet restarts: its PodResources socket is a new file
-        kubelet.stop()
-        kubelet.start()
-        answers = []
-        for _ in range(3):
-            try:
-                answers.append(client.list(OURS))
-            except PodResourcesError:
-                answers.append(None)  # the old connection's failure, reported as transient
-        assert answers[-1] is not None and [c.name for c in answers[-1]] == ["ns/p/c"]
-        assert len(dialled) == 1 + answers.count(None)
-    finally:
-        client.close()
-        kubelet.stop()
+    yield kubelet
+    kubelet.stop()
+
+
+@pytest.fixture
+def dialled(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    targets: list[str] = []
+    dial = grpc.insecure_channel
+
+    def counting(target: str) -> grpc.Channel:
+        targets.append(target)
+        return dial(target)
+
+    monkeypatch.setattr(grpc, "insecure_channel", counting)
+    return targets
+
+
+def test_client_dials_once_for_concurrent_callers_and_again_after_a_failure(
+    served: FakeKubelet, dialled: list[str]
+) -> None:
+    client = PodResourcesClient(served.podresources_socket, timeout_s=5)
+    wanted = frozenset({"g0-c1"})
+    with ThreadPoolExecutor(8) as pool:  # first use from several handlers at once
+        found = list(pool.map(lambda _: client.find(CORE, wanted, OURS), range(8)))
+    assert all(c is not None and c.name == "ns/p/c" for c in found)
+    assert len(dialled) == 1
+    served.fail_podresources(1)
+    with pytest.raises(PodResourcesError, match="UNAVAILABLE"):
+        client.list(OURS)
+    assert [c.name for c in client.list(OURS)] == ["ns/p/c"]
+    assert len(dialled) == 2
+    # a kubelet restart (a new socket file) is survived: gRPC reconnects to the path
+    served.stop()
+    served.start()
+    answers = []
+    for _ in range(3):
+        try:
+            answers.append([c.name for c in client.list(OURS)])
+        except PodResourcesError:
+            answers.append(None)
+    assert answers[-1] == ["ns/p/c"]
+    client.close()
     assert client._channel is None
+
+
+def test_a_failure_closes_only_the_channel_it_happened_on(served: FakeKubelet) -> None:
+    client = PodResourcesClient(served.podresources_socket, timeout_s=5)
+    old, _ = client._connection()
+    client.close()
+    new, _ = client._connection()
+    client._forget(old)  # a late failure on the old channel
+    assert client._channel is new
+    assert [c.name for c in client.list(OURS)] == ["ns/p/c"]
+    client.close()
+
+
+def test_a_call_on_a_channel_closed_under_it_is_a_transient_error(
+    served: FakeKubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    client = PodResourcesClient(served.podresources_socket, timeout_s=5)
+    stale = client._connection()
+    client.close()  # another caller's failure, or the plugin stopping
+    monkeypatch.setattr(client, "_connection", lambda: stale)
+    with pytest.raises(PodResourcesError, match="closed"):
+        client.find(CORE, frozenset({"g0-c1"}), OURS)

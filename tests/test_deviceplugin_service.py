@@ -298,6 +298,27 @@ def test_limits_are_ready_before_prestart_and_prestart_then_skips_podresources()
         assert limits_of(node, held[CORE]).compute_percent == 20
 
 
+def test_a_bug_in_early_verification_leaves_the_verifier_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    with gpu_node(cards(1)) as node:
+        verify = node.plugin._verify_one
+        failures = []
+
+        def first_fails(allocation: object) -> bool:
+            if not failures:
+                failures.append(allocation)
+                raise RuntimeError("injected")
+            return bool(verify(allocation))
+
+        monkeypatch.setattr(node.plugin, "_verify_one", first_fails)
+        node.kubelet.admit(pod("first", (20, 10)))
+        held = node.kubelet.admit(pod("second", (20, 10)))["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        assert node.kubelet.wait_for(path.exists)
+        assert len(failures) == 1
+
+
 def test_container_without_memory_gets_a_clear_prestart_error() -> None:
     with gpu_node(cards(1)) as node:
         p = Pod("default", "nomem", [Container("c0", {CORE: 10})])
