@@ -32,6 +32,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
@@ -157,7 +158,7 @@ class Allocator:
         }
         # (kind, card) -> (that card's state, its devices as listed): a change to one card
         # rebuilds one card's list, not the node's thousands of entries
-        self._lists: dict[tuple[Kind, int], tuple[object, list[ListedDevice]]] = {}
+        self._lists: dict[tuple[Kind, int], tuple[object, tuple[ListedDevice, ...]]] = {}
         self._half: _Half | None = None
         self._cond = threading.Condition()
         self.version = 0
@@ -243,38 +244,36 @@ class Allocator:
             )
         return tuple(states)
 
-    def signature(self, kind: Kind) -> object:
-        """Equal signatures mean equal device lists (ListAndWatch skips identical resends)."""
-        with self._cond:
-            return self._card_states(kind)
-
     def devices(self, kind: Kind) -> list[ListedDevice]:
         """The complete ListAndWatch list for one resource, with the honesty rule applied."""
-        return [device for card in self.devices_by_card(kind) for device in card]
+        return [device for card in self.listing(kind)[1] for device in card]
 
-    def devices_by_card(self, kind: Kind) -> list[list[ListedDevice]]:
-        """``devices`` per card, in card order. A card's list is the same object for as long as
-        that card's state holds, so callers may cache what they derive from it by identity."""
+    def listing(self, kind: Kind) -> tuple[object, list[tuple[ListedDevice, ...]]]:
+        """A signature of the device list and the list itself per card, from one snapshot.
+
+        Equal signatures mean equal lists (ListAndWatch skips identical resends). A card's
+        tuple is the same object for as long as that card's state holds, so callers may cache
+        what they derive from it by identity; a change to one card rebuilds that card only.
+        """
         with self._cond:
+            states = self._card_states(kind)
             lists = []
-            for (i, card), state in zip(
-                sorted(self.cards.items()), self._card_states(kind), strict=True
-            ):
+            for (i, card), state in zip(sorted(self.cards.items()), states, strict=True):
                 cached = self._lists.get((kind, i))
                 if cached is None or cached[0] != state:
                     healthy, stranded = state
                     total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[i]
-                    listed = [
+                    listed = tuple(
                         ListedDevice(
                             str(DeviceId(i, kind, n)),
                             healthy and (stranded is None or n in stranded),
                             card.numa_node,
                         )
                         for n in range(total)
-                    ]
+                    )
                     cached = self._lists[(kind, i)] = (state, listed)
                 lists.append(cached[1])
-            return lists
+            return states, lists
 
     # ---- health ------------------------------------------------------------------------
 
@@ -590,7 +589,7 @@ class Allocator:
 
         It runs every pass over a full node (thousands of IDs) while RPCs wait for the
         interpreter lock, so the common case, a container listed exactly as recorded, is
-        settled with set comparisons rather than per-ID Python work.
+        settled with set operations that run per ID in C, not in Python bytecode.
         """
         containers = [(frozenset(c), frozenset(m)) for c, m in listed if c or m]
         listed_ids: set[str] = set()
@@ -617,8 +616,7 @@ class Allocator:
                     record is not None
                     and core == frozenset(record.core)
                     and memory == frozenset(record.memory)
-                    and all(owner.get(i) == holder for i in core)
-                    and all(owner.get(i) == holder for i in memory)
+                    and set(map(owner.get, chain(core, memory))) == {holder}
                 ):
                     continue
                 # Unknown, or held differently than recorded (kubelet reassigned IDs while

@@ -490,14 +490,21 @@ LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
 
 @pytest.mark.parametrize("kind", [Kind.CORE, Kind.MEMORY])
 def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
-    allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, i % 2 or None) for i in range(4)])
+    numa = [0, 1, None, 0]  # node 0 is falsy: it must still be listed
+    allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, numa[i]) for i in range(4)])
     plugin = SimpleNamespace(allocator=allocator, resource=lambda k: f"fracgpu.io/{k.name}")
     servicer = DevicePluginServicer(plugin, kind, threading.Event())  # type: ignore[arg-type]
-    assert servicer._listing() == _listed_in_full(allocator, kind)
+
+    def listed() -> bytes:
+        sent = servicer._listing(allocator.listing(kind)[1]).SerializeToString()
+        assert sent == _listed_in_full(allocator, kind).SerializeToString()
+        return bytes(sent)
+
+    assert b"\x1a\x02\x0a\x00" in listed()  # NUMA node 0: topology { nodes { } }, ID 0 implicit
     for name, step, changed in LISTING_STEPS:
         before = [piece for _, piece in servicer._pieces]
         step(allocator)
-        assert servicer._listing() == _listed_in_full(allocator, kind)
+        listed()
         after = [piece for _, piece in servicer._pieces]
         reused = {i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old is new}
         # a full core strands memory, not core: the core list shows no change
