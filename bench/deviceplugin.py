@@ -1,4 +1,6 @@
-"""Device plugin benchmark: ``python -m bench.deviceplugin [--containers N] [--driver go]``.
+"""Device plugin benchmark: ``python -m bench.deviceplugin [--containers N] [--events N]``.
+
+``--driver go|python`` chooses who makes the timed calls (default: grpc-go when Go is installed).
 
 On a fake 8-card node (8 x 80 GiB: 800 core IDs, 2,560 memory IDs), over real gRPC on unix
 sockets, with the strict FakeKubelet and the fake NVML (no GPU needed):
