@@ -43,10 +43,11 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -92,6 +93,25 @@ def summary(samples: list[float]) -> dict[str, float]:
 Step = tuple[str, str, Any] | float
 
 
+class Driver(Protocol):
+    """Who makes the timed calls: ``run`` returns one duration per RPC step, in order."""
+
+    name: str
+
+    def run(self, steps: list[Step]) -> list[float]: ...
+
+    def close(self) -> None: ...
+
+
+def allocate_step(resource: str, ids: list[str]) -> Step:
+    request = pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=ids)])
+    return (resource, "Allocate", request)
+
+
+def prestart_step(resource: str, ids: list[str]) -> Step:
+    return (resource, "PreStartContainer", pb.PreStartContainerRequest(devices_ids=ids))
+
+
 class PythonDriver:
     """The RPCs from grpcio in this process, on the fake kubelet's own channels."""
 
@@ -117,7 +137,7 @@ class PythonDriver:
         return took
 
     def close(self) -> None:
-        pass
+        """Nothing to release: the channels are the fake kubelet's, closed with it."""
 
 
 class GoDriver:
@@ -187,7 +207,7 @@ def build_go_driver() -> Path:
 
 
 def allocate_and_prestart(
-    node: GpuNode, driver: PythonDriver | GoDriver, containers: int, gap_s: float, port: int
+    node: GpuNode, driver: Driver, containers: int, gap_s: float, port: int
 ) -> tuple[list[float], list[float], dict[str, list[float]]]:
     kubelet = node.kubelet
     stubs = {name: kubelet.resources[name].stub for name in (CORE, MEMORY)}
@@ -219,34 +239,10 @@ def allocate_and_prestart(
                 )
             )
             chosen[name] = list(answer.container_responses[0].deviceIDs)
-            allocate += driver.run(
-                [
-                    (
-                        name,
-                        "Allocate",
-                        pb.AllocateRequest(
-                            container_requests=[
-                                pb.ContainerAllocateRequest(devices_ids=chosen[name])
-                            ]
-                        ),
-                    )
-                ]
-            )[0]
+            allocate += driver.run([allocate_step(name, chosen[name])])[0]
             # kubelet records the devices as soon as its Allocate succeeds; so does the bench
             kubelet.allocations.setdefault(pod.key, {}).setdefault("c", {})[name] = chosen[name]
-        prestart = sum(
-            driver.run(
-                [gap_s]
-                + [
-                    (
-                        name,
-                        "PreStartContainer",
-                        pb.PreStartContainerRequest(devices_ids=chosen[name]),
-                    )
-                    for name in (CORE, MEMORY)
-                ]
-            )
-        )
+        prestart = sum(driver.run([gap_s, *(prestart_step(n, chosen[n]) for n in (CORE, MEMORY))]))
         parts["allocate"].append(allocate)
         parts["prestart"].append(prestart)
         # one container's Allocate (both resources) + PreStartContainer (both resources)
@@ -256,7 +252,7 @@ def allocate_and_prestart(
     return timed, baseline, parts
 
 
-def empty_sequence(driver: PythonDriver | GoDriver, gap_s: float) -> float:
+def empty_sequence(driver: Driver, gap_s: float) -> float:
     """Four empty calls in the rhythm of one container's Allocates and PreStarts."""
     empty = [(name, "GetDevicePluginOptions", pb.Empty()) for name in (CORE, MEMORY)]
     return sum(driver.run([empty[0]]) + driver.run([empty[1]]) + driver.run([gap_s, *empty]))
@@ -281,8 +277,6 @@ def steal_percent(before: list[int], after: list[int]) -> float | None:
 
 def scrape(port: int) -> str:
     """The plugin's /metrics page."""
-    import urllib.request
-
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         return str(response.read().decode())
 
@@ -467,13 +461,12 @@ def main(argv: list[str] | None = None) -> int:
         ids = {name: node.kubelet.capacity(name) for name in (CORE, MEMORY)}
         cpu_before = cpu_times()
         gap = args.gap_ms / 1000
-        driver = PythonDriver(node) if binary is None else GoDriver(binary, node)
+        driver: Driver = PythonDriver(node) if binary is None else GoDriver(binary, node)
         try:
             allocation, rpc_gap, parts = allocate_and_prestart(
                 node, driver, args.containers, gap, port
             )
-            for pod in list(node.kubelet.allocations):
-                node.kubelet.allocations.pop(pod)
+            node.kubelet.allocations.clear()  # every pod ends
             wait_freed(port)
             immediate, rpc, immediate_parts = allocate_and_prestart(
                 node, driver, args.containers, 0.0, port

@@ -89,17 +89,16 @@ class PodResourcesClient:
     def __init__(self, socket: Path, timeout_s: float) -> None:
         self.socket = socket
         self.timeout_s = timeout_s
-        self._channel: grpc.Channel | None = None
-        self._lister: pr_grpc.PodResourcesListerStub | None = None
         # PreStartContainer handlers, the verifier and the reconciler share one channel
         self._lock = threading.Lock()
+        self._connected: tuple[grpc.Channel, pr_grpc.PodResourcesListerStub] | None = None
 
     def _connection(self) -> tuple[grpc.Channel, pr_grpc.PodResourcesListerStub]:
         with self._lock:
-            if self._channel is None or self._lister is None:
-                self._channel = grpc.insecure_channel(f"unix://{self.socket}")
-                self._lister = pr_grpc.PodResourcesListerStub(self._channel)
-            return self._channel, self._lister
+            if self._connected is None:
+                channel = grpc.insecure_channel(f"unix://{self.socket}")
+                self._connected = (channel, pr_grpc.PodResourcesListerStub(channel))
+            return self._connected
 
     def _forget(self, channel: grpc.Channel) -> None:
         """Close ``channel`` if it is still the current one: the next call dials afresh.
@@ -108,9 +107,9 @@ class PodResourcesClient:
         channel would cancel that thread's calls, and its failure would close the next one.
         """
         with self._lock:
-            current = self._channel is channel
+            current = self._connected is not None and self._connected[0] is channel
             if current:
-                self._channel = self._lister = None
+                self._connected = None
         if current:
             channel.close()
 
@@ -141,6 +140,6 @@ class PodResourcesClient:
 
     def close(self) -> None:
         with self._lock:
-            channel, self._channel, self._lister = self._channel, None, None
-        if channel is not None:
-            channel.close()
+            connected, self._connected = self._connected, None
+        if connected is not None:
+            connected[0].close()

@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from bench import deviceplugin as bench
-from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import Container, Pod
 
@@ -33,33 +31,24 @@ def node() -> Iterator[GpuNode]:
 
 
 @pytest.fixture(params=["python", "go"])
-def driver(request: pytest.FixtureRequest, node: GpuNode) -> Iterator[Any]:
-    made = bench.PythonDriver(node) if request.param == "python" else None
-    if made is None:
-        made = bench.GoDriver(go_driver(), node)
+def driver(request: pytest.FixtureRequest, node: GpuNode) -> Iterator[bench.Driver]:
+    made: bench.Driver = (
+        bench.PythonDriver(node) if request.param == "python" else bench.GoDriver(go_driver(), node)
+    )
     yield made
     made.close()
 
 
 def test_a_container_is_allocated_and_started_through_the_driver(
-    node: GpuNode, driver: Any
+    node: GpuNode, driver: bench.Driver
 ) -> None:
     pod = Pod("bench", "p", [Container("c", {bench.CORE: 30, bench.MEMORY: 8})])
     held = node.kubelet.admit(pod)["c"]  # kubelet's choice and Allocate, from the fake
-    steps: list[bench.Step] = [
-        (
-            name,
-            "Allocate",
-            pb.AllocateRequest(
-                container_requests=[pb.ContainerAllocateRequest(devices_ids=held[name])]
-            ),
-        )
-        for name in (bench.CORE, bench.MEMORY)
-    ]
-    steps.append(0.001)
-    steps += [
-        (name, "PreStartContainer", pb.PreStartContainerRequest(devices_ids=held[name]))
-        for name in (bench.CORE, bench.MEMORY)
+    both = (bench.CORE, bench.MEMORY)
+    steps = [
+        *(bench.allocate_step(name, held[name]) for name in both),
+        0.001,
+        *(bench.prestart_step(name, held[name]) for name in both),
     ]
     took = driver.run(steps)
     assert len(took) == 4 and all(0 < t < 30 for t in took)
@@ -68,13 +57,10 @@ def test_a_container_is_allocated_and_started_through_the_driver(
 
 
 def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(
-    node: GpuNode, driver: Any
+    node: GpuNode, driver: bench.Driver
 ) -> None:
-    unknown = pb.AllocateRequest(
-        container_requests=[pb.ContainerAllocateRequest(devices_ids=["g7-c0"])]
-    )
     with pytest.raises(RuntimeError, match=r"Allocate: .*g7-c0"):
-        driver.run([(bench.CORE, "Allocate", unknown)])
+        driver.run([bench.allocate_step(bench.CORE, ["g7-c0"])])
 
 
 @pytest.mark.parametrize(

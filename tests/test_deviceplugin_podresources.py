@@ -101,7 +101,7 @@ def test_client_dials_once_for_concurrent_callers_and_again_after_a_failure(
             answers.append(None)
     assert answers[-1] == ["ns/p/c"]
     client.close()
-    assert client._channel is None
+    assert client._connected is None
 
 
 def test_a_failure_closes_only_the_channel_it_happened_on(served: FakeKubelet) -> None:
@@ -110,7 +110,7 @@ def test_a_failure_closes_only_the_channel_it_happened_on(served: FakeKubelet) -
     client.close()
     new, _ = client._connection()
     client._forget(old)  # a late failure on the old channel
-    assert client._channel is new
+    assert client._connection()[0] is new
     assert [c.name for c in client.list(OURS)] == ["ns/p/c"]
     client.close()
 

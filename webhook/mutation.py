@@ -184,8 +184,7 @@ class Mutator:
                     continue
                 name = str(container.get("name") or f"{list_name}[{index}]")
                 result = self._normalise(name, container.get("resources"), choice)
-                if result.errors:
-                    outcome.errors.extend(result.errors)
+                outcome.errors.extend(result.errors)
                 for warning in result.warnings:
                     if warning not in outcome.warnings:
                         outcome.warnings.append(warning)

@@ -265,8 +265,7 @@ def normalise_container(
     result.request = {k: _show(v) for k, v in asked.items()}
     if result.errors or not asked:
         return result
-    vocabularies = {_DIALECT_OF[k] for k in asked}
-    used = sorted(vocabularies, key=active.index) if len(vocabularies) > 1 else [*vocabularies]
+    used = sorted({_DIALECT_OF[k] for k in asked}, key=active.index)
     if len(used) > 1:
         names = " and ".join(", ".join(k for k in DIALECT_RESOURCES[d] if k in asked) for d in used)
         result.errors.append(

@@ -19,10 +19,10 @@ Real gRPC on unix sockets in a temporary directory, behaving as reference/kubern
   the allocation is recorded (and listed by PodResources) before it. Container restarts call it
   again with the same IDs.
 - PodResources ``List``: one ContainerDevices entry per device ID, as a real kubelet sends them,
-  in an order shuffled once per container and holding. Each container's entries are serialised
-  once and merged into every answer as bytes: kubelet answers List in Go, beside its device
-  manager, and a double that spent milliseconds of this process's interpreter per call would
-  put its own cost into the RPC timings of the test (or benchmark) driving it.
+  in an order shuffled once per pod and holding. Each pod is serialised once and joined into
+  every answer as bytes: kubelet answers List in Go, beside its device manager, and a double
+  that spent milliseconds of this process's interpreter per call would put its own cost into
+  the RPC timings of the test (or benchmark) driving it.
 - ``restart()``: closes the streams, stops serving, deletes every socket in the directory except
   ``kubelet_internal_checkpoint``, and serves a new ``kubelet.sock``; allocations survive.
 
@@ -47,6 +47,7 @@ from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin._proto import podresources_v1_pb2 as pr
 
 CHECKPOINT = "kubelet_internal_checkpoint"
+Holding = tuple[tuple[str, tuple[str, ...]], ...]  # one container's (resource, device IDs)
 _EXTENDED = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
 
 
@@ -117,8 +118,8 @@ class FakeKubelet:
         self._pr_server: grpc.Server | None = None
         self._pr_failures = 0
         self.list_calls = 0
-        # (container name, holding) -> serialised ContainerResources, for List
-        self._listed: dict[tuple[str, tuple[tuple[str, tuple[str, ...]], ...]], bytes] = {}
+        # (pod key, what its containers hold) -> that pod as a serialised one-pod List answer
+        self._listed: dict[tuple[str, tuple[tuple[str, Holding], ...]], bytes] = {}
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -390,50 +391,40 @@ class FakeKubelet:
         )
 
     def _list(self, context: grpc.ServicerContext) -> bytes:
-        """A serialised ListPodResourcesResponse of every pod holding devices."""
+        """A serialised ListPodResourcesResponse of every pod holding devices.
+
+        Serialised messages concatenate into one whose repeated fields hold all their entries,
+        so each pod is encoded once, as a one-pod response, and an answer is their join.
+        """
         self.list_calls += 1
         if self._pr_failures > 0:
             self._pr_failures -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet busy (injected)")
-        pods = []
-        for key, containers in list(self.allocations.items()):
-            namespace, name = key.split("/", 1)
-            pod = [pr.PodResources(name=name, namespace=namespace).SerializeToString()]
-            for container_name, held in list(containers.items()):
-                pod.append(_field(3, self._listed_container(container_name, held)))
-            pods.append(_field(1, b"".join(pod)))  # concatenated messages merge
-        return b"".join(pods)
+        return b"".join(self._listed_pod(k, c) for k, c in list(self.allocations.items()))
 
-    def _listed_container(self, name: str, held: dict[str, list[str]]) -> bytes:
-        key = (name, tuple((r, tuple(ids)) for r, ids in held.items()))
-        listed = self._listed.get(key)
+    def _listed_pod(self, key: str, containers: dict[str, dict[str, list[str]]]) -> bytes:
+        holding = tuple(
+            (name, tuple((r, tuple(ids)) for r, ids in held.items()))
+            for name, held in list(containers.items())
+        )
+        listed = self._listed.get((key, holding))
         if listed is None:
-            entries = [(r, i) for r, ids in held.items() for i in ids]
-            self.random.shuffle(entries)
-            container = pr.ContainerResources(
-                name=name,
-                devices=[  # one entry per device ID, as observed
-                    pr.ContainerDevices(resource_name=r, device_ids=[i]) for r, i in entries
-                ],
-            )
+            namespace, name = key.split("/", 1)
+            pod = pr.PodResources(name=name, namespace=namespace)
+            for container_name, held in holding:
+                entries = [(r, i) for r, ids in held for i in ids]
+                self.random.shuffle(entries)
+                pod.containers.add(
+                    name=container_name,
+                    devices=[  # one entry per device ID, as observed
+                        pr.ContainerDevices(resource_name=r, device_ids=[i]) for r, i in entries
+                    ],
+                )
             if len(self._listed) > 4096:
                 self._listed.clear()
-            listed = self._listed[key] = container.SerializeToString()
+            listed = pr.ListPodResourcesResponse(pod_resources=[pod]).SerializeToString()
+            self._listed[(key, holding)] = listed
         return listed
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited protobuf field (wire type 2): tag, length, payload."""
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 class _Registration(pb_grpc.RegistrationServicer):
