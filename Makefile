@@ -24,7 +24,7 @@ run: setup
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check webhook quota deviceplugin certs tests bench
+	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests bench
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -37,12 +37,12 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
+from core.kube import GPUQUOTAS, PODS, call_json
+from core.kube import NAMESPACES as NAMESPACES_API
 from quota.config import QuotaConfig
 from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.quota_pods import gpu_pod, gpu_quota, review
-from webhook.kube import GPUQUOTAS, PODS, call_json
-from webhook.kube import NAMESPACES as NAMESPACES_API
 from webhook.server import build_app
 
 CORE, BLOCKS = 10, 4  # each pod: 0.10 card, 1024 MiB

@@ -65,7 +65,7 @@ async def _server(port: int, directory: Path) -> None:
 
     from certs.config import CertsConfig
     from certs.serving import open_serving
-    from webhook.admission import AdmissionRequest, AdmissionResponse
+    from core.admission import AdmissionRequest, AdmissionResponse
     from webhook.config import AdmissionConfig
     from webhook.inventory import Inventory
     from webhook.mutation import Mutator

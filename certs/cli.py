@@ -31,7 +31,7 @@ from certs.rotation import Request, ca_renew_point, serving_renew_point
 from certs.secretstore import SecretStore
 from certs.sources import FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
-from webhook.kube import KubeConfigError, KubeError, call_json, kube_client
+from core.kube import KubeConfigError, KubeError, call_json, kube_client
 
 EXIT_OK, EXIT_ERROR, EXIT_ATTENTION = 0, 1, 2
 

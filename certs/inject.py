@@ -23,7 +23,7 @@ from typing import Any
 
 from certs.config import CertsConfig
 from certs.metrics import CertsMetrics
-from webhook.kube import (
+from core.kube import (
     MUTATING_WEBHOOK_CONFIGURATIONS,
     VALIDATING_WEBHOOK_CONFIGURATIONS,
     EventType,

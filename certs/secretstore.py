@@ -15,7 +15,7 @@ from typing import Any
 
 from certs.material import MANAGED_FILES
 from certs.stores import Files, StoreConflict
-from webhook.kube import SECRETS, KubeError, call_json
+from core.kube import SECRETS, KubeError, call_json
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
 from certs.tlspolicy import server_context
-from webhook.kube import kube_client
+from core.kube import kube_client
 
 log = logging.getLogger(__name__)
 

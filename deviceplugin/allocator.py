@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
+from core.units import BLOCK_MIB, CORE_PER_CARD, card_blocks
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
-from webhook.resources import BLOCK_MIB, CORE_PER_CARD, card_blocks
 
 log = logging.getLogger(__name__)
 

@@ -6,14 +6,14 @@ import argparse
 import os
 from pathlib import Path
 
-from deviceplugin import contract
+from core import contract
+from core.units import BLOCK_MIB, DOMAIN
 from deviceplugin.config import (
     DEFAULT_IGNORED_XIDS,
     KUBELET_DEVICE_PLUGIN_DIR,
     KUBELET_PODRESOURCES_SOCKET,
     Config,
 )
-from webhook.resources import BLOCK_MIB, DOMAIN
 
 
 def _xids(text: str) -> frozenset[int]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deviceplugin import contract
-from webhook.resources import BLOCK_MIB, DOMAIN
+from core import contract
+from core.units import BLOCK_MIB, DOMAIN
 
 KUBELET_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 KUBELET_PODRESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")

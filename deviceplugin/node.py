@@ -22,17 +22,19 @@ from typing import Any
 from kubernetes_asyncio import client
 from kubernetes_asyncio import config as kube_config
 
+from core.labels import (
+    COUNT_LABEL,
+    INVENTORY_ANNOTATION,
+    INVENTORY_VERSION,
+    MEMORY_LABEL,
+    PRODUCT_LABEL,
+)
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
 from deviceplugin.inventory import Card
 
 log = logging.getLogger(__name__)
 
-LABEL_PRODUCT = "fracgpu.io/gpu.product"
-LABEL_MEMORY = "fracgpu.io/gpu.memory-mib"
-LABEL_COUNT = "fracgpu.io/gpu.count"
-ANNOTATION_INVENTORY = "fracgpu.io/gpu.inventory"
-INVENTORY_VERSION = 1
 MERGE_PATCH = "application/merge-patch+json"
 
 
@@ -47,9 +49,9 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
     cards = sorted(cards, key=lambda c: c.index)
     products = {c.product for c in cards}
     labels = {
-        LABEL_COUNT: str(len(cards)),
-        LABEL_PRODUCT: label_safe(products.pop()) if len(products) == 1 else "mixed",
-        LABEL_MEMORY: str(min(c.memory_mib for c in cards)) if cards else "0",
+        COUNT_LABEL: str(len(cards)),
+        PRODUCT_LABEL: label_safe(products.pop()) if len(products) == 1 else "mixed",
+        MEMORY_LABEL: str(min(c.memory_mib for c in cards)) if cards else "0",
     }
     inventory = {
         "version": INVENTORY_VERSION,
@@ -66,7 +68,7 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
             for c in cards
         ],
     }
-    annotations = {ANNOTATION_INVENTORY: json.dumps(inventory, separators=(",", ":"))}
+    annotations = {INVENTORY_ANNOTATION: json.dumps(inventory, separators=(",", ":"))}
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 

@@ -26,7 +26,9 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-from deviceplugin import checkpoint, contract
+from core import contract
+from core.contract import VISIBLE_DEVICES_ENV
+from deviceplugin import checkpoint
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
 from deviceplugin.config import Config
@@ -137,7 +139,7 @@ class DevicePlugin:
         # PreStartContainer, which kubelet completes before it creates the container. Allocate
         # stays in memory, off the disk, while kubelet admits the pod.
         limits_dir, shared_dir = self._container_dirs(core)
-        response.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(c.uuid for c in cards)
+        response.envs[VISIBLE_DEVICES_ENV] = ",".join(c.uuid for c in cards)
         dev = self.config.dev_root
         for card in cards:
             path = f"/dev/nvidia{card.minor}"

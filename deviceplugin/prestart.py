@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from deviceplugin.contract import Limits
+from core.contract import Limits
+from core.units import CORE_PER_CARD, MIB
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
-from webhook.resources import CORE_PER_CARD, MIB
 
 
 class PreStartError(ValueError):

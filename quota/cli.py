@@ -13,13 +13,13 @@ import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from core.kube import PODS, call_json, kube_client
+from core.units import cards_text
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.kubestore import KubeQuotaStore
 from quota.ledger import Ledger
 from quota.model import GPUQuota, QuotaError
 from quota.store import MemoryStore, Unavailable, load_quota_file
-from quota.units import cards_text
-from webhook.kube import PODS, call_json, kube_client
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

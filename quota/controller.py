@@ -26,12 +26,12 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
+from core.kube import PODS, Informer, KubeError, call_json
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.ledger import Ledger
 from quota.metrics import QuotaMetrics
 from quota.model import Condition, GPUQuota, QuotaError, now
 from quota.store import Conflict, NotFound, QuotaStore, Unavailable
-from webhook.kube import PODS, Informer, KubeError, call_json
 
 log = logging.getLogger(__name__)
 

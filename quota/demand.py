@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from webhook.inventory import pinned_products
-from webhook.resources import BLOCK_MIB, Grant
+from core.labels import pinned_products
+from core.units import BLOCK_MIB, Grant
 
 
 @dataclass(frozen=True, slots=True)

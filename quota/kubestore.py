@@ -1,4 +1,4 @@
-"""GPUQuota objects in the cluster, through kubernetes-asyncio (``webhook.kube``).
+"""GPUQuota objects in the cluster, through kubernetes-asyncio (``core.kube``).
 
 Status writes are PUTs of the ``/status`` subresource carrying the resourceVersion that was
 read: the API server refuses a stale one with 409 Conflict, which is the compare-and-swap
@@ -19,8 +19,9 @@ from typing import Any
 
 import aiohttp
 
+from core.kube import GPUQUOTAS, Informer, KubeError, call_json, object_key
+from quota.model import API_VERSION
 from quota.store import Conflict, NotFound, Obj, Unavailable
-from webhook.kube import GPUQUOTAS, Informer, KubeError, call_json, object_key
 
 
 def _version(obj: Obj) -> int:
@@ -89,7 +90,7 @@ class KubeQuotaStore:
         answer = await self._call("GET", GPUQUOTAS.path(namespace))
         items = answer.get("items") or []
         for item in items:  # list items of custom resources keep these, but be sure
-            item.setdefault("apiVersion", "fracgpu.io/v1")
+            item.setdefault("apiVersion", API_VERSION)
             item.setdefault("kind", "GPUQuota")
         return [item for item in items if isinstance(item, dict)]
 

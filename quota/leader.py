@@ -19,9 +19,9 @@ from typing import Any
 
 import aiohttp
 
+from core.kube import LEASES, KubeError, call_json
 from quota.config import LeaderElection
 from quota.metrics import QuotaMetrics
-from webhook.kube import LEASES, KubeError, call_json
 
 log = logging.getLogger(__name__)
 

@@ -9,10 +9,10 @@ reservations of pods admitted but not yet counted. Only the limits the quota set
 
 from __future__ import annotations
 
+from core.labels import PRODUCT_LABEL
+from core.units import cards_phrase, cards_text
 from quota.demand import Demand
 from quota.ledger import Violation
-from quota.units import cards_phrase, cards_text
-from webhook.inventory import PRODUCT_LABEL
 
 
 def demand_phrase(demand: Demand) -> str:

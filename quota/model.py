@@ -19,9 +19,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic.alias_generators import to_camel
 
-from quota.units import UnitError, cards_text, parse_cards, parse_memory_mib, parse_pods
+from core.units import DOMAIN, UnitError, cards_text, parse_cards, parse_mib
 
-GROUP = "fracgpu.io"
+GROUP = DOMAIN
 VERSION = "v1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "GPUQuota"
@@ -48,17 +48,17 @@ class LimitSpec(BaseModel):
     @field_validator("gpu", mode="before")
     @classmethod
     def _cards(cls, raw: Any) -> int | None:
-        return None if raw is None else parse_cards(raw)
+        return None if raw is None else parse_cards(raw, source="quota")
 
     @field_validator("gpumem", mode="before")
     @classmethod
     def _memory(cls, raw: Any) -> int | None:
-        return None if raw is None else parse_memory_mib(raw)
+        return None if raw is None else parse_mib(raw, source="quota")
 
     @field_validator("pods", mode="before")
     @classmethod
     def _pods(cls, raw: Any) -> int | None:
-        return None if raw is None else parse_pods(raw)
+        return None if raw is None else _parse_pods(raw)
 
     @property
     def empty(self) -> bool:
@@ -227,3 +227,12 @@ def parse_spec(raw: Mapping[str, Any]) -> QuotaSpec:
 
 def now() -> datetime:
     return datetime.now(UTC)
+
+
+PODS_RULE = "must be a whole number of pods, 0 or more"
+
+
+def _parse_pods(raw: object) -> int:
+    if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
+        raise UnitError(PODS_RULE)
+    return raw

@@ -12,10 +12,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from core.admission import AdmissionRequest, AdmissionResponse
 from quota.demand import pod_demand
 from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
-from webhook.admission import AdmissionRequest, AdmissionResponse
 
 
 class QuotaReviewer:

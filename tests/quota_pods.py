@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from webhook.resources import CORE, MEMORY
+from core.units import CORE, MEMORY
 
 
 def container(name: str, core: int = 0, blocks: int = 0, **extra: Any) -> dict[str, Any]:

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.contract import Limits, LimitsError, c_header
+from core.contract import Limits, LimitsError, c_header
 
 
 @pytest.mark.parametrize("durable", [False, True])

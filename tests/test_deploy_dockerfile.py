@@ -10,7 +10,7 @@ import shlex
 import tomllib
 from dataclasses import dataclass, field
 
-from deviceplugin import contract
+from core import contract
 from tests.deploy_render import ROOT, find, render
 
 DOCKERFILE = ROOT / "Dockerfile"

@@ -17,6 +17,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from fracgpu.serve import ServeConfig
 from tests.deploy_render import ROOT, kubectl
 from tests.e2e.harness import (
     RUN_LABEL,
@@ -27,7 +28,6 @@ from tests.e2e.harness import (
 )
 from tests.fakes.apiserver import FakeApiServer
 from webhook import server
-from webhook.serve import ServeConfig
 
 EXAMPLE = ROOT / "examples" / "admissionreview-pod.json"
 

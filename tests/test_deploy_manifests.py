@@ -10,7 +10,8 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from deviceplugin import contract
+from core import contract
+from core.units import CANONICAL
 from tests.deploy_render import (
     DEPLOY,
     NAMESPACE,
@@ -23,7 +24,6 @@ from tests.deploy_render import (
     render,
 )
 from webhook.config import AdmissionConfig, ServerConfig
-from webhook.resources import CANONICAL
 
 # Kubernetes minor versions fracgpu supports: matchConditions are GA from 1.30. The newest is the
 # newest schema set that the pinned kubernetes-validate ships.

@@ -17,11 +17,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from fracgpu.serve import ServeConfig, run_server
 from tests.deploy_render import Grant, config_of, find, grants_of, of_kind, render
 from tests.fakes.apiserver import FakeApiServer
 from tests.support import eventually, free_port
 from webhook import server as server_module
-from webhook.serve import ServeConfig, run_server
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 
@@ -43,7 +43,7 @@ def test_deployed_config_file_is_accepted_by_serve(overlay: str) -> None:
 
 def test_serve_reads_the_quota_section_the_manifests_set() -> None:
     if "quota" not in ServeConfig.model_fields:
-        pytest.skip("webhook.serve.ServeConfig has no quota section yet (branch quota)")
+        pytest.skip("fracgpu.serve.ServeConfig has no quota section yet (branch quota)")
     ServeConfig.model_validate(config_of(render("default")))
 
 

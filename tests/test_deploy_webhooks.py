@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.units import ENV_GPU, ENV_MEMORY_MIB
 from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
 from webhook import server
 from webhook.config import AdmissionConfig, ServerConfig
@@ -24,8 +25,6 @@ from webhook.inventory import Inventory
 from webhook.mutation import TEMPLATE_PATHS, VISIBLE_DEVICES, Mutator
 from webhook.resources import (
     DIALECT_RESOURCES,
-    ENV_GPU,
-    ENV_MEMORY_MIB,
     OPTIONAL_DIALECTS,
     Dialect,
     enabled,

@@ -9,19 +9,11 @@ from typing import Any
 
 from kubernetes_asyncio import client
 
+from core.labels import COUNT_LABEL, INVENTORY_ANNOTATION, MEMORY_LABEL, PRODUCT_LABEL
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
 from deviceplugin.inventory import Card
-from deviceplugin.node import (
-    ANNOTATION_INVENTORY,
-    LABEL_COUNT,
-    LABEL_MEMORY,
-    LABEL_PRODUCT,
-    NodePublisher,
-    label_safe,
-    node_patch,
-    publish,
-)
+from deviceplugin.node import NodePublisher, label_safe, node_patch, publish
 from tests.fakes.apiserver import FakeApiServer
 
 CARDS = [
@@ -45,11 +37,11 @@ def test_patch_describes_cards_and_mixed_nodes() -> None:
     patch = node_patch(CARDS, {0: True, 1: False})
     labels = patch["metadata"]["labels"]
     assert labels == {
-        LABEL_COUNT: "2",
-        LABEL_PRODUCT: "NVIDIA-A100-SXM4-80GB",
-        LABEL_MEMORY: "81920",
+        COUNT_LABEL: "2",
+        PRODUCT_LABEL: "NVIDIA-A100-SXM4-80GB",
+        MEMORY_LABEL: "81920",
     }
-    inventory = json.loads(patch["metadata"]["annotations"][ANNOTATION_INVENTORY])
+    inventory = json.loads(patch["metadata"]["annotations"][INVENTORY_ANNOTATION])
     assert inventory["version"] == 1
     assert inventory["cards"][1] == {
         "index": 1,
@@ -61,8 +53,8 @@ def test_patch_describes_cards_and_mixed_nodes() -> None:
         "healthy": False,
     }
     mixed = node_patch([*CARDS, Card(2, "GPU-c", "Tesla T4", 15360, 2, None)], {})
-    assert mixed["metadata"]["labels"][LABEL_PRODUCT] == "mixed"
-    assert mixed["metadata"]["labels"][LABEL_MEMORY] == "15360"
+    assert mixed["metadata"]["labels"][PRODUCT_LABEL] == "mixed"
+    assert mixed["metadata"]["labels"][MEMORY_LABEL] == "15360"
 
 
 async def test_publish_merges_into_the_node() -> None:
@@ -73,8 +65,8 @@ async def test_publish_merges_into_the_node() -> None:
         stored = fake.get("nodes", "gpu-1")
         assert stored is not None
         assert stored["metadata"]["labels"]["a"] == "b"  # other labels untouched
-        assert stored["metadata"]["labels"][LABEL_COUNT] == "2"
-        assert ANNOTATION_INVENTORY in stored["metadata"]["annotations"]
+        assert stored["metadata"]["labels"][COUNT_LABEL] == "2"
+        assert INVENTORY_ANNOTATION in stored["metadata"]["annotations"]
 
 
 async def _until(predicate: Any, seconds: float = 5.0) -> bool:
@@ -88,7 +80,7 @@ async def _until(predicate: Any, seconds: float = 5.0) -> bool:
 
 def _healthy_flags(fake: FakeApiServer) -> list[bool]:
     stored = fake.get("nodes", "gpu-1") or {}
-    text = stored.get("metadata", {}).get("annotations", {}).get(ANNOTATION_INVENTORY)
+    text = stored.get("metadata", {}).get("annotations", {}).get(INVENTORY_ANNOTATION)
     return [c["healthy"] for c in json.loads(text)["cards"]] if text else []
 
 

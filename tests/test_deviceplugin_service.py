@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from deviceplugin import contract
+from core import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import Allocator, container_dir_name

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from deviceplugin.contract import LIMITS_FILE, MAX_DEVICES, MAX_FILE_BYTES, Limits, LimitsError
+from core.contract import LIMITS_FILE, MAX_DEVICES, MAX_FILE_BYTES, Limits, LimitsError
 from tests.fakes.native_kit import (
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_SUCCESS,

@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 import yaml
 
+from core.units import UnitError, parse_cards, parse_mib
 from quota.model import QuotaStatus
-from quota.units import UnitError, parse_cards, parse_memory_mib
 
 CRD = yaml.safe_load((Path(__file__).parents[1] / "deploy/crds/gpuquota.yaml").read_text())
 VERSION = CRD["spec"]["versions"][0]
@@ -58,7 +58,7 @@ def test_cards_rule_agrees_with_the_parser(text: str) -> None:
     rule = SPEC["gpu"]["x-kubernetes-validations"][0]["rule"]
     (pattern,) = _cel_regexes(rule)
     try:
-        parse_cards(text)
+        parse_cards(text, source="quota")
         parsed = True
     except UnitError:
         parsed = False
@@ -77,7 +77,7 @@ def test_memory_rule_agrees_with_the_parser(text: str) -> None:
         re.match(kib, text) is not None and int(text[:-2]) % 1024 == 0
     )
     try:
-        parse_memory_mib(text)
+        parse_mib(text, source="quota")
         parsed = True
     except UnitError:
         parsed = False

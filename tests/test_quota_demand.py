@@ -2,9 +2,9 @@
 
 from datetime import UTC, datetime, timedelta
 
+from core.labels import PRODUCT_LABEL
 from quota.demand import Demand, is_terminal, pod_demand
 from tests.quota_pods import container, gpu_pod, plain_pod
-from webhook.inventory import PRODUCT_LABEL
 
 
 def test_sum_of_app_containers() -> None:

@@ -141,7 +141,7 @@ async def test_conflict_storm(fake: FakeApiServer) -> None:
 
 
 def _request(pod: dict[str, Any], **kwargs: Any) -> Any:
-    from webhook.admission import AdmissionRequest
+    from core.admission import AdmissionRequest
 
     return AdmissionRequest.model_validate(review(pod, **kwargs))
 

@@ -6,12 +6,12 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
+from core.admission import AdmissionRequest
 from quota.config import QuotaConfig
 from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kinds import DEFAULT_KINDS, GPUQUOTA
 from tests.quota_pods import gpu_pod, gpu_quota, review
-from webhook.admission import AdmissionRequest
 
 
 def test_config_rules() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from webhook.cli import main
+from fracgpu.cli import main
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 H100 = ["--gpu-model", "NVIDIA-H100-80GB-HBM3=81559"]

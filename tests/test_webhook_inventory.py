@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from webhook.inventory import Inventory, pinned_products
+from core.labels import pinned_products
+from webhook.inventory import Inventory
 from webhook.resources import Card
 
 H100 = {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3", "fracgpu.io/gpu.memory-mib": "81559"}

@@ -13,9 +13,7 @@ import pytest
 from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
 from prometheus_client import CollectorRegistry
 
-from tests.fakes.apiserver import FakeApiServer, RequestRecord
-from tests.support import eventually
-from webhook.kube import (
+from core.kube import (
     NODES,
     PODS,
     SECRETS,
@@ -29,6 +27,8 @@ from webhook.kube import (
     kube_client,
     load_configuration,
 )
+from tests.fakes.apiserver import FakeApiServer, RequestRecord
+from tests.support import eventually
 
 IN_A_POD = os.path.exists(SERVICE_TOKEN_FILENAME)
 

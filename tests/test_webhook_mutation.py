@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webhook.admission import AdmissionRequest
+from core.admission import AdmissionRequest
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import TEMPLATE_PATHS, Mutator

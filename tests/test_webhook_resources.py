@@ -9,18 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from webhook.quantity import parse_quantity
-from webhook.resources import (
-    BLOCK_MIB,
-    CORE,
-    MEMORY,
-    Card,
-    CardChoice,
-    Dialect,
-    Grant,
-    card_blocks,
-    normalise_container,
-)
+from core.quantity import parse_quantity
+from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
+from webhook.resources import Card, CardChoice, Dialect, normalise_container
 
 H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
 L4 = Card("NVIDIA-L4", 23034)  # 89 blocks

@@ -13,11 +13,11 @@ import aiohttp
 import jsonpatch
 
 from certs.config import CertsConfig
+from fracgpu.serve import ServeConfig, run_server
 from quota.config import QuotaConfig
 from tests.fakes.apiserver import FakeApiServer
 from tests.support import eventually, free_port
 from webhook.config import AdmissionConfig, ServerConfig
-from webhook.serve import ServeConfig, run_server
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 

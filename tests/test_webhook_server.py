@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from certs.config import CertsConfig
 from certs.serving import open_serving
-from webhook.admission import AdmissionRequest, AdmissionResponse
+from core.admission import AdmissionRequest, AdmissionResponse
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics

@@ -12,6 +12,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from core.contract import VISIBLE_DEVICES_ENV
+from core.units import SYSTEM_ENV_PREFIX
 from webhook.resources import OPTIONAL_DIALECTS, Dialect
 
 DEFAULT_TOLERATIONS: list[dict[str, str]] = [
@@ -71,7 +73,7 @@ class AdmissionConfig(_Section):
     @classmethod
     def _not_system(cls, env: dict[str, str]) -> dict[str, str]:
         for name in env:
-            if name.startswith("FRACGPU_") or name == "NVIDIA_VISIBLE_DEVICES":
+            if name.startswith(SYSTEM_ENV_PREFIX) or name == VISIBLE_DEVICES_ENV:
                 raise ValueError(f"env {name}: this variable is set by fracgpu itself")
         return env
 

@@ -21,16 +21,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from core.labels import LABEL_PAIRS, PRODUCT_LABEL, PRODUCT_LABELS, pinned_products
 from webhook.resources import Card, CardChoice
 
-PRODUCT_LABEL = "fracgpu.io/gpu.product"
-MEMORY_LABEL = "fracgpu.io/gpu.memory-mib"
-COUNT_LABEL = "fracgpu.io/gpu.count"
-GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
-GFD_MEMORY_LABEL = "nvidia.com/gpu.memory"
-# (product label, memory label) pairs, most authoritative first.
-LABEL_PAIRS = ((PRODUCT_LABEL, MEMORY_LABEL), (GFD_PRODUCT_LABEL, GFD_MEMORY_LABEL))
-PRODUCT_LABELS = frozenset(p for p, _ in LABEL_PAIRS)
 _MAX_CHOICES = 256
 
 
@@ -142,55 +135,3 @@ class Inventory:
                 f"another"
             )
         return CardChoice(smallest, largest, warning)
-
-
-def pinned_products(pod_spec: Mapping[str, Any]) -> tuple[str, frozenset[str]] | None:
-    """The products a pod can only run on, by one product label, or None when unpinned.
-
-    nodeSelector is ANDed with required affinity; affinity terms are ORed, so the terms pin
-    only if every term pins.
-    """
-    selector = pod_spec.get("nodeSelector") or {}
-    if isinstance(selector, dict):
-        for key in PRODUCT_LABELS:
-            value = selector.get(key)
-            if isinstance(value, str) and value:
-                return key, frozenset({value})
-    terms = _dig(
-        pod_spec,
-        "affinity",
-        "nodeAffinity",
-        "requiredDuringSchedulingIgnoredDuringExecution",
-        "nodeSelectorTerms",
-    )
-    if not isinstance(terms, list) or not terms:
-        return None
-    union: set[str] = set()
-    label_key = None
-    for term in terms:
-        term_pin = None
-        exprs = _dig(term, "matchExpressions")
-        for expr in exprs if isinstance(exprs, list) else []:
-            if not isinstance(expr, dict):
-                continue
-            if expr.get("key") in PRODUCT_LABELS and expr.get("operator") == "In":
-                raw = expr.get("values")
-                values = [v for v in raw if isinstance(v, str)] if isinstance(raw, list) else []
-                if values:
-                    term_pin = (expr["key"], values)
-                    break
-        if term_pin is None:
-            return None
-        label_key = term_pin[0]
-        union.update(term_pin[1])
-    assert label_key is not None
-    return label_key, frozenset(union)
-
-
-def _dig(obj: object, *keys: str) -> object:
-    """Walk nested maps of an untrusted object; None as soon as a level is missing or odd."""
-    for key in keys:
-        if not isinstance(obj, dict):
-            return None
-        obj = obj.get(key)
-    return obj

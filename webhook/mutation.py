@@ -17,17 +17,14 @@ from typing import Any
 
 from pydantic_core import to_json
 
-from deviceplugin.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS
-from webhook.admission import AdmissionRequest, AdmissionResponse
+from core.admission import AdmissionRequest, AdmissionResponse
+from core.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS, VISIBLE_DEVICES_ENV
+from core.units import CANONICAL, DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX, Grant
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.resources import (
-    CANONICAL,
-    DOMAIN,
-    REQUEST_ANNOTATION,
     CardChoice,
     ContainerResult,
-    Grant,
     container_ref,
     enabled,
     input_resources,
@@ -46,10 +43,9 @@ TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 CONTAINER_LISTS = ("initContainers", "containers")
 _CANONICAL = frozenset(CANONICAL)
-SYSTEM_ENV_PREFIX = "FRACGPU_"
 # The NVIDIA container runtime hands cards to any container that sets this variable; only the
 # device plugin may set it. These values expose no card.
-VISIBLE_DEVICES = "NVIDIA_VISIBLE_DEVICES"
+VISIBLE_DEVICES = VISIBLE_DEVICES_ENV
 HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
 # Normalised containers remembered by the mutator (see Mutator._normalise); cleared when full.

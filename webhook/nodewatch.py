@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from core.kube import NODES, EventType, Informer
 from webhook.inventory import Inventory
-from webhook.kube import NODES, EventType, Informer
 
 
 def node_informer(api: Any, inventory: Inventory) -> Informer:

@@ -26,26 +26,29 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
-from webhook.quantity import Quantity, QuantityError, format_decimal, parse_quantity
-
-DOMAIN = "fracgpu.io"
-# The input language.
-GPU = f"{DOMAIN}/gpu"
-GPUMEM = f"{DOMAIN}/gpumem"
-GPUMEM_PERCENTAGE = f"{DOMAIN}/gpumem-percentage"
-# The canonical form.
-CORE = f"{DOMAIN}/core"
-MEMORY = f"{DOMAIN}/memory"
-CANONICAL = (CORE, MEMORY)
-
-CORE_PER_CARD = 100
-BLOCK_MIB = 256
-MIB = 2**20
+from core.quantity import Quantity, QuantityError, format_decimal, parse_quantity
+from core.units import (
+    BLOCK_MIB,
+    CANONICAL,
+    CORE,
+    CORE_PER_CARD,
+    GPU,
+    GPUMEM,
+    GPUMEM_PERCENTAGE,
+    MEMORY,
+    MIB,
+    POD_MIB_RULE,
+    Grant,
+    UnitError,
+    card_blocks,
+    ceil_div,
+    parse_cards,
+    parse_mib,
+)
 
 # Dialects of other sharing systems (DESIGN §1).
 HAMI_GPU = "nvidia.com/gpu"
@@ -54,16 +57,6 @@ HAMI_MEM = "nvidia.com/gpumem"
 HAMI_MEM_PERCENTAGE = "nvidia.com/gpumem-percentage"
 TKE_CORE = "tencent.com/vcuda-core"
 TKE_MEMORY = "tencent.com/vcuda-memory"
-
-# Annotation that records what the user asked, before it was rewritten.
-REQUEST_ANNOTATION = f"{DOMAIN}/request"
-# Environment variables that describe the grant to the application (DESIGN §3).
-ENV_GPU = "FRACGPU_GPU"
-ENV_MEMORY_MIB = "FRACGPU_MEMORY_MIB"
-
-_GPU_RULE = (
-    "must be a fraction between 0.01 and 1 with at most two decimals, or a whole number of cards"
-)
 
 
 class Dialect(StrEnum):
@@ -81,19 +74,6 @@ DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
 }
 # The dialects that can be switched off; ours and the canonical form are always understood.
 OPTIONAL_DIALECTS = frozenset({Dialect.HAMI, Dialect.TKESTACK})
-
-
-def card_blocks(memory_mib: int) -> int:
-    """Whole 256 MiB blocks a card of this size offers; the device plugin advertises as many."""
-    return memory_mib // BLOCK_MIB
-
-
-def format_cards(core: int) -> str:
-    """Hundredths of a card as a user writes cards: 30 → ``0.3``, 200 → ``2``."""
-    whole, hundredths = divmod(core, CORE_PER_CARD)
-    if not hundredths:
-        return str(whole)
-    return f"{whole}.{hundredths:02d}".rstrip("0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,61 +97,6 @@ class CardChoice:
     largest: Card | None = None
     warning: str | None = None
     unknown: str = "no GPU models are known to fracgpu"
-
-
-@dataclass(frozen=True, slots=True)
-class Grant:
-    """A container's canonical GPU resources."""
-
-    core: int
-    memory_blocks: int
-
-    @property
-    def whole_cards(self) -> int:
-        """Number of whole cards, or 0 for a share of one card."""
-        return self.core // CORE_PER_CARD if self.core >= CORE_PER_CARD else 0
-
-    @property
-    def cards(self) -> Decimal:
-        return Decimal(self.core) / CORE_PER_CARD
-
-    @property
-    def memory_mib(self) -> int:
-        return self.memory_blocks * BLOCK_MIB
-
-    @property
-    def memory_mib_per_card(self) -> int:
-        return self.memory_mib // max(self.whole_cards, 1)
-
-    def resources(self) -> dict[str, str]:
-        return {CORE: str(self.core), MEMORY: str(self.memory_blocks)}
-
-    def env(self) -> dict[str, str]:
-        return {ENV_GPU: format_cards(self.core), ENV_MEMORY_MIB: str(self.memory_mib_per_card)}
-
-    @classmethod
-    def from_resources(cls, resources: Mapping[str, Any]) -> Grant | None:
-        """Read the canonical grant from a container's admitted ``limits`` (None if absent).
-
-        Used on objects that admission already canonicalised; malformed values read as absent.
-        """
-        try:
-            core = _integer(resources.get(CORE))
-            memory = _integer(resources.get(MEMORY))
-        except (QuantityError, ValueError):
-            return None
-        if core is None or memory is None or core <= 0 or memory <= 0:
-            return None
-        return cls(core, memory)
-
-
-def _integer(raw: object) -> int | None:
-    if raw is None:
-        return None
-    q = parse_quantity(raw)
-    if not q.is_integer:
-        raise ValueError(raw)
-    return int(q.value)
 
 
 class RequestError(ValueError):
@@ -332,28 +257,21 @@ def _quantity(name: str, key: str, raw: object, rule: str) -> Quantity:
 
 def _cards(name: str, key: str, raw: object) -> int | None:
     """Parse a card count into hundredths; None for zero."""
-    q = _quantity(name, key, raw, _GPU_RULE)
-    if q.format == "binary":
-        raise RequestError(f"{container_ref(name)}: {key} {_GPU_RULE}; got {_show(raw)}")
-    if q.value == 0:
-        return None
-    hundredths = q.value * CORE_PER_CARD
-    valid_fraction = q.value <= 1 and hundredths == hundredths.to_integral_value()
-    if not (valid_fraction or q.is_integer):
-        raise RequestError(f"{container_ref(name)}: {key} {_GPU_RULE}; got {_show(raw)}")
-    return int(hundredths)
+    try:
+        core = parse_cards(raw, source="pod")
+    except UnitError as exc:
+        raise RequestError(f"{container_ref(name)}: {key} {exc.rule}; got {_show(raw)}") from None
+    return core or None
 
 
 def _mib(name: str, key: str, raw: object) -> int:
-    rule = (
-        "must be a whole number of MiB (a plain number such as 8192) or a byte quantity with a "
-        "binary suffix that is a whole number of MiB (such as 8Gi)"
-    )
-    q = _quantity(name, key, raw, rule)
-    mib = q.value / MIB if q.format == "binary" else q.value
-    if mib < 1 or mib != mib.to_integral_value():
-        raise RequestError(f"{container_ref(name)}: {key} {rule}; got {_show(raw)}")
-    return int(mib)
+    try:
+        mib = parse_mib(raw, source="pod")
+    except UnitError as exc:
+        raise RequestError(f"{container_ref(name)}: {key} {exc.rule}; got {_show(raw)}") from None
+    if mib < 1:
+        raise RequestError(f"{container_ref(name)}: {key} {POD_MIB_RULE}; got {_show(raw)}")
+    return mib
 
 
 def _percent(name: str, key: str, raw: object) -> int:
@@ -429,7 +347,7 @@ def _per_card(core: int | None, blocks: int | None) -> int | None:
     if core is None or blocks is None or core < CORE_PER_CARD:
         return blocks
     cards = core // CORE_PER_CARD
-    return -(-blocks // cards)
+    return ceil_div(blocks, cards)
 
 
 def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
@@ -503,7 +421,7 @@ def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> G
     core = ask.core
     blocks = ask.memory_blocks
     if ask.memory_mib is not None:
-        blocks = -(-ask.memory_mib // BLOCK_MIB)
+        blocks = ceil_div(ask.memory_mib, BLOCK_MIB)
         if blocks * BLOCK_MIB != ask.memory_mib:
             warnings.append(
                 f"{container_ref(name)}: {ask.memory_mib} MiB of GPU memory rounded up to "
@@ -539,7 +457,7 @@ def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> G
         card = _need_card(name, choice, "work out the card share for a memory-only request")
         used_choice = True
         per_card = max(card_blocks(card.memory_mib), 1)
-        core = min(CORE_PER_CARD, max(1, -(-blocks * CORE_PER_CARD // per_card)))
+        core = min(CORE_PER_CARD, max(1, ceil_div(blocks * CORE_PER_CARD, per_card)))
     if used_choice and choice.warning:
         warnings.append(f"{container_ref(name)}: {choice.warning}")
     return Grant(core, blocks)

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from webhook.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, ReviewError
+from core.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, ReviewError
 from webhook.metrics import AdmissionMetrics
 
 log = logging.getLogger(__name__)

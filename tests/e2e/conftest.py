@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from core.kube import NAMESPACES, KubeError, call_json, kube_client
 from tests.e2e.harness import (
     ENV_BIND,
     ENV_HOST,
@@ -34,7 +35,6 @@ from tests.e2e.harness import (
     rendered_webhook_configurations,
 )
 from tests.e2e.scenarios import gpu_pod, manifest
-from webhook.kube import NAMESPACES, KubeError, call_json, kube_client
 
 E2E_ENV = "FRACGPU_E2E_KUBECONFIG"
 _HERE = Path(__file__).parent

@@ -120,7 +120,7 @@ def fracgpu_command() -> list[str]:
     found = shutil.which("fracgpu")
     if found:
         return [found]
-    return [sys.executable, "-m", "webhook.cli"]
+    return [sys.executable, "-m", "fracgpu.cli"]
 
 
 class LocalWebhook:
@@ -146,7 +146,7 @@ class LocalWebhook:
             "shutdown_delay_seconds": 0,
         }
         self.config_path.write_text(yaml.safe_dump(config))
-        self.log_path = workdir / "webhook.log"
+        self.log_path = workdir / "core.log"
         self.process: subprocess.Popen[bytes] | None = None
 
     def url(self, path: str) -> str:

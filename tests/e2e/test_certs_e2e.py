@@ -23,7 +23,7 @@ from certs.inject import CaBundleInjector
 from certs.material import Material
 from certs.secretstore import SecretStore
 from certs.sources import ManagedSource
-from webhook.kube import (
+from core.kube import (
     NAMESPACES,
     SECRETS,
     VALIDATING_WEBHOOK_CONFIGURATIONS,

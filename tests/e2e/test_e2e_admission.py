@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from core.units import CANONICAL, REQUEST_ANNOTATION
 from tests.e2e.harness import Kubectl, LocalWebhook
 from tests.e2e.scenarios import deployment, expected, gpu_pod, manifest, plain_pod
-from webhook.resources import CANONICAL, REQUEST_ANNOTATION
 
 MUTATE = "mutate.fracgpu.io"
 GPU_FIELDS = ("schedulerName", "tolerations")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from webhook.kube import NAMESPACES, SECRETS, call_json
+from core.kube import NAMESPACES, SECRETS, call_json
 
 
 async def test_cluster_answers_and_a_namespace_is_usable(kube_api: Any, e2e_namespace: str) -> None:

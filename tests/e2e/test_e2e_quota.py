@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from webhook.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, call_json, kube_client
+from core.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, call_json, kube_client
 
 KUBECONFIG = os.environ.get("FRACGPU_E2E_KUBECONFIG")
 pytestmark = [

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from deviceplugin.contract import LIMITS_FILE, SHARED_REGION_FILE, Limits
+from core.contract import LIMITS_FILE, SHARED_REGION_FILE, Limits
 
 REPO = Path(__file__).resolve().parents[2]
 NATIVE = REPO / "native"

@@ -38,6 +38,8 @@ from kubernetes_asyncio import config as kube_config
 from kubernetes_asyncio.client import ApiClient, Configuration
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from core.units import DOMAIN
+
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
@@ -156,7 +158,7 @@ MUTATING_WEBHOOK_CONFIGURATIONS = Resource(
 VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
 )
-GPUQUOTAS = Resource("fracgpu.io", "v1", "gpuquotas", namespaced=True)
+GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
 
 
 async def open_request(

@@ -15,12 +15,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from webhook import log
-from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
-from webhook.inventory import Inventory
-from webhook.mutation import Mutator
-from webhook.resources import OPTIONAL_DIALECTS, Dialect
-from webhook.review import (
+from core import log
+from fracgpu.review import (
     ManifestError,
     apply_quota,
     read_manifests,
@@ -28,6 +24,10 @@ from webhook.review import (
     render_text,
     review_object,
 )
+from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
+from webhook.inventory import Inventory
+from webhook.mutation import Mutator
+from webhook.resources import OPTIONAL_DIALECTS, Dialect
 
 # Packages that contribute subcommands, in the order `fracgpu --help` lists them.
 SUBCOMMAND_MODULES: tuple[str, ...] = ("quota.cli", "certs.cli", "deviceplugin.cli")
@@ -143,7 +143,7 @@ def _run_review(args: argparse.Namespace) -> int:
 
 
 def _run_serve(args: argparse.Namespace) -> int:
-    from webhook.serve import serve
+    from fracgpu.serve import serve
 
     return serve(args, admission_config(args))
 

@@ -4,7 +4,7 @@ The device plugin writes a *limits file* (as root, into a directory it mounts re
 container) and mounts the hook with ``/etc/ld.so.preload``; ``native/libfracgpu.so`` reads the
 file and keeps its shared accounting region in a second, writable directory. The C side never
 spells a path, key or version itself: ``native/`` generates ``fracgpu_contract.h`` from this
-module at build time (``python -m deviceplugin.contract c-header``), and a test proves the
+module at build time (``python -m core.contract c-header``), and a test proves the
 Python writer and the C reader agree.
 
 File format (version 1), ASCII, one ``key=value`` per line, ``#`` comments, order free::
@@ -45,6 +45,9 @@ MAX_DEVICES = 16
 MAX_MEMORY_BYTES = 2**63 - 1  # what native/'s reader holds (int64)
 
 RESERVED_CONTAINER_PATHS = (CONTAINER_ROOT, CONTAINER_HOOK_DIR, LD_SO_PRELOAD)
+# The variable through which the NVIDIA container runtime is told which cards a container sees.
+# The node agent sets it; a pod that sets it itself is denied (it would pick its own cards).
+VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
 
 
 class LimitsError(ValueError):
@@ -159,7 +162,7 @@ def c_header() -> str:
         "FRACGPU_MAX_MEMORY_BYTES": MAX_MEMORY_BYTES,
     }
     lines = [
-        "/* Generated from deviceplugin/contract.py by `python -m deviceplugin.contract c-header`.",
+        "/* Generated from deviceplugin/contract.py by `python -m core.contract c-header`.",
         " * Do not edit: change the Python module, which is the one definition. */",
         "#ifndef FRACGPU_CONTRACT_H",
         "#define FRACGPU_CONTRACT_H",
@@ -179,5 +182,5 @@ def c_header() -> str:
 
 if __name__ == "__main__":  # pragma: no cover - exercised by native/'s build
     if sys.argv[1:] != ["c-header"]:
-        sys.exit("usage: python -m deviceplugin.contract c-header")
+        sys.exit("usage: python -m core.contract c-header")
     sys.stdout.write(c_header())

@@ -25,11 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import open_serving
+from core.kube import kube_client
 from quota.config import QuotaConfig
 from quota.service import open_quota
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
-from webhook.kube import kube_client
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
