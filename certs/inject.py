@@ -29,6 +29,7 @@ from core.kube import (
     EventType,
     Informer,
     KubeError,
+    KubeNotFound,
     Resource,
     call_json,
 )
@@ -118,10 +119,8 @@ class CaBundleInjector:
     async def _get(self, target: Target) -> dict[str, Any] | None:
         try:
             return await call_json(self.api, "GET", target.resource.path(name=target.name))
-        except KubeError as err:
-            if err.status == 404:
-                return None
-            raise
+        except KubeNotFound:
+            return None
 
     async def _inject_one(
         self, target: Target, obj: dict[str, Any] | None, bundle_pem: bytes

@@ -15,7 +15,7 @@ from typing import Any
 
 from certs.material import MANAGED_FILES
 from certs.stores import Files, StoreConflict
-from core.kube import SECRETS, KubeError, call_json
+from core.kube import SECRETS, KubeConflict, KubeNotFound, call_json
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +38,9 @@ class SecretStore:
     async def load(self) -> tuple[Files | None, str | None]:
         try:
             obj = await call_json(self.api, "GET", SECRETS.path(self.namespace, self.name))
-        except KubeError as err:
-            if err.status == 404:
-                self._read = None
-                return None, None
-            raise
+        except KubeNotFound:
+            self._read = None
+            return None, None
         self._read = obj
         version = str(obj["metadata"]["resourceVersion"])
         data = obj.get("data") or {}
@@ -75,11 +73,11 @@ class SecretStore:
     async def _write(self, method: str, path: str, body: dict[str, Any]) -> str:
         try:
             obj = await call_json(self.api, method, path, body=body)
-        except KubeError as err:
-            # 409: another replica created or updated it first; 404: deleted since it was read.
-            if err.status == 409 or (err.status == 404 and method == "PUT"):
-                raise StoreConflict(f"{self.description}: {err.reason}: {err.message}") from err
-            raise
+        except (KubeConflict, KubeNotFound) as err:
+            # 409: another replica created or updated it first; 404 on PUT: deleted since read.
+            if isinstance(err, KubeNotFound) and method != "PUT":
+                raise
+            raise StoreConflict(f"{self.description}: {err.reason}: {err.message}") from err
         self._read = obj
         return str(obj["metadata"]["resourceVersion"])
 

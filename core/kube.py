@@ -63,6 +63,43 @@ class KubeError(Exception):
         self.body = body or {}
 
 
+class KubeNotFound(KubeError):
+    """404: the object (or its kind: a CRD that is not installed) does not exist."""
+
+
+class KubeConflict(KubeError):
+    """409: the object changed since it was read, or already exists; re-read and retry."""
+
+
+class KubeGone(KubeError):
+    """410: the resourceVersion or continue token was compacted away; only a fresh list helps."""
+
+
+class KubeInvalid(KubeError):
+    """422: the API server's validation refused the object; the message says which field."""
+
+
+_BY_CODE: dict[int, type[KubeError]] = {
+    404: KubeNotFound,
+    409: KubeConflict,
+    410: KubeGone,
+    422: KubeInvalid,
+}
+
+
+def status_error(status: int, body: Mapping[str, Any] | None, raw: bytes = b"") -> KubeError:
+    """The typed error for an HTTP failure or a watch ERROR event (one parser for both).
+
+    A ``Status`` body's own ``code`` wins over the HTTP status: a watch stream reports failures
+    inside an HTTP 200.
+    """
+    if isinstance(body, Mapping) and body.get("kind", "Status") == "Status" and body:
+        code = int(body.get("code") or status)
+        reason, message = str(body.get("reason") or ""), str(body.get("message") or "")
+        return _BY_CODE.get(code, KubeError)(code, reason, message, dict(body))
+    return _BY_CODE.get(status, KubeError)(status, "Unknown", raw[:200].decode("utf-8", "replace"))
+
+
 # --- client factory ---------------------------------------------------------------------------
 
 
@@ -223,13 +260,8 @@ def _error(status: int, raw: bytes) -> KubeError:
     except ValueError:
         body = None
     if isinstance(body, dict) and body.get("kind") == "Status":
-        return KubeError(
-            int(body.get("code") or status),
-            str(body.get("reason") or ""),
-            str(body.get("message") or ""),
-            body,
-        )
-    return KubeError(status, "Unknown", raw[:200].decode("utf-8", "replace"))
+        return status_error(status, body)
+    return status_error(status, None, raw)
 
 
 def object_key(obj: Mapping[str, Any]) -> Key:
@@ -238,10 +270,6 @@ def object_key(obj: Mapping[str, Any]) -> Key:
 
 
 # --- informer ---------------------------------------------------------------------------------
-
-
-class _Relist(Exception):
-    """The version we hold is gone (410): only a fresh list can continue."""
 
 
 @dataclass
@@ -412,7 +440,7 @@ class Informer:
                     backoff = self.backoff_initial_s
                 await self._watch()
                 backoff = self.backoff_initial_s  # a watch that ended cleanly
-            except _Relist:
+            except KubeGone:
                 self.stats.relists_410 += 1
                 if self.metrics:
                     self.metrics.relists_410.labels(self.name).inc()
@@ -463,10 +491,8 @@ class Informer:
                 page = await call_json(
                     self.api, "GET", path, query=query, timeout_s=self.request_timeout_s
                 )
-            except KubeError as err:
-                if err.status == 410:
-                    raise _Relist from err  # the continue token expired: start over
-                raise
+            except KubeGone:
+                raise  # the continue token expired: the caller starts over
             for item in page.get("items") or []:
                 fresh[object_key(item)] = item
             meta = page.get("metadata") or {}
@@ -511,19 +537,14 @@ class Informer:
         if self.resource_version:
             query.append(("resourceVersion", self.resource_version))
         self.stats.watches += 1
-        try:
-            response = await open_request(
-                self.api,
-                "GET",
-                self.resource.path(self.namespace),
-                query=query,
-                # No total limit: the server ends the watch; a silent connection fails the read.
-                timeout_s=(self.request_timeout_s, timeout + self.request_timeout_s),
-            )
-        except KubeError as err:
-            if err.status == 410:
-                raise _Relist from err
-            raise
+        response = await open_request(
+            self.api,
+            "GET",
+            self.resource.path(self.namespace),
+            query=query,
+            # No total limit: the server ends the watch; a silent connection fails the read.
+            timeout_s=(self.request_timeout_s, timeout + self.request_timeout_s),
+        )
         try:
             while True:
                 line = await response.content.readline()
@@ -540,14 +561,7 @@ class Informer:
         if not isinstance(obj, dict):
             raise ValueError(f"watch event without an object: {str(event)[:200]}")
         if kind == "ERROR":
-            if obj.get("code") == 410:
-                raise _Relist
-            raise KubeError(
-                int(obj.get("code") or 500),
-                str(obj.get("reason") or ""),
-                str(obj.get("message") or ""),
-                obj,
-            )
+            raise status_error(500, {"kind": "Status", **obj})
         version = _version(obj)
         if kind == "BOOKMARK":
             self.stats.bookmarks += 1

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from core.kube import PODS, Informer, KubeError, call_json
+from core.kube import PODS, Informer, KubeError, KubeNotFound, call_json
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.ledger import Ledger
 from quota.metrics import QuotaMetrics
@@ -197,9 +197,9 @@ class UsageController:
             pod = await call_json(
                 self.api, "GET", PODS.path(namespace, name), timeout_s=self.request_timeout_s
             )
+        except KubeNotFound:
+            return False
         except KubeError as err:
-            if err.status == 404:
-                return False
             raise Unavailable(f"pod {namespace}/{name}: {err}") from None
         except (TimeoutError, OSError) as err:
             raise Unavailable(f"pod {namespace}/{name}: {err}") from None

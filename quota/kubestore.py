@@ -19,7 +19,15 @@ from typing import Any
 
 import aiohttp
 
-from core.kube import GPUQUOTAS, Informer, KubeError, call_json, object_key
+from core.kube import (
+    GPUQUOTAS,
+    Informer,
+    KubeConflict,
+    KubeError,
+    KubeNotFound,
+    call_json,
+    object_key,
+)
 from quota.model import API_VERSION
 from quota.store import Conflict, NotFound, Obj, Unavailable
 
@@ -64,11 +72,11 @@ class KubeQuotaStore:
             return await call_json(
                 self.api, method, path, body=body, timeout_s=self.request_timeout_s
             )
+        except KubeConflict as err:
+            raise Conflict(err.message) from None
+        except KubeNotFound as err:
+            raise NotFound(err.message) from None
         except KubeError as err:
-            if err.status == 409:
-                raise Conflict(err.message) from None
-            if err.status == 404:
-                raise NotFound(err.message) from None
             raise Unavailable(
                 f"the Kubernetes API server answered {err.status} {err.reason}: {err.message}"
             ) from None

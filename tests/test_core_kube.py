@@ -1,5 +1,6 @@
-"""webhook/kube.py against the fake API server: client factory, raw calls, and the informer's
-list → watch → relist loop through syncs, events, bookmarks, 410s and dropped connections."""
+"""core/kube.py against the fake API server: client factory, raw calls, typed errors, and the
+informer's list → watch → relist loop through syncs, events, bookmarks, 410s and dropped
+connections."""
 
 from __future__ import annotations
 
@@ -21,11 +22,16 @@ from core.kube import (
     Informer,
     InformerMetrics,
     KubeConfigError,
+    KubeConflict,
     KubeError,
+    KubeGone,
+    KubeInvalid,
+    KubeNotFound,
     Resource,
     call_json,
     kube_client,
     load_configuration,
+    status_error,
 )
 from tests.fakes.apiserver import FakeApiServer, RequestRecord
 from tests.support import eventually
@@ -371,3 +377,33 @@ async def test_stop_cancels_cleanly(api: Any, fake: FakeApiServer) -> None:
     await inf.stop()
     await inf.stop()  # idempotent
     await eventually(lambda: fake.watch_count == 0)
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "kind"),
+    [
+        pytest.param(404, {"kind": "Status", "code": 404}, KubeNotFound, id="not found"),
+        pytest.param(409, {"kind": "Status", "code": 409}, KubeConflict, id="conflict"),
+        pytest.param(410, {"kind": "Status", "code": 410}, KubeGone, id="gone"),
+        pytest.param(422, {"kind": "Status", "code": 422}, KubeInvalid, id="invalid"),
+        pytest.param(500, {"kind": "Status", "code": 500}, KubeError, id="other code is the base"),
+        pytest.param(200, {"kind": "Status", "code": 410}, KubeGone, id="watch ERROR event in 200"),
+        pytest.param(404, None, KubeNotFound, id="404 page not found, no Status body"),
+    ],
+)
+def test_status_error_is_typed_by_code(
+    status: int, body: dict[str, object] | None, kind: type[KubeError]
+) -> None:
+    err = status_error(status, body, b"404 page not found")
+    assert type(err) is kind
+
+
+def test_status_error_keeps_the_message() -> None:
+    err = status_error(422, {"kind": "Status", "code": 422, "reason": "Invalid", "message": "m"})
+    assert err.reason == "Invalid"
+    assert err.message == "m"
+
+
+async def test_a_missing_object_raises_not_found(api: Any) -> None:
+    with pytest.raises(KubeNotFound):
+        await call_json(api, "GET", PODS.path("default", "nothing-here"))
