@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native run test lint typecheck unit bench clean
+.PHONY: setup native run test test-fast lint typecheck unit bench clean
 
 setup: $(STAMP) native
 
@@ -23,6 +23,7 @@ run: setup
 	$(BIN)/fracgpu serve --standalone
 
 lint: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests bench
 
@@ -31,6 +32,11 @@ typecheck: $(STAMP)
 
 unit: setup
 	$(BIN)/pytest -q
+
+# The edit-test loop: unit tests only (no native throttle timing, no e2e, no GPU), in well under
+# a minute. `make test` stays the whole suite that CI runs.
+test-fast: setup
+	$(BIN)/pytest -q -m "not slow" -x
 
 # The whole test suite: lint, types, then every pytest suite (the native ones included).
 test: lint typecheck unit

@@ -53,7 +53,7 @@ async def serve_fake() -> None:
     """The API server process: print the URLs and token, serve until stdin closes.
 
     Besides the fake API server it serves ``POST /put``, which stores a pod as it is, UID
-    included: kube-apiserver persists the UID that validating admission saw (reference §1.7),
+    included: kube-apiserver persists the UID that validating admission saw (design K4),
     while a client's create through the API would get a new one.
     """
     async with FakeApiServer(namespaces=NAMESPACES) as fake:

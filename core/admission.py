@@ -1,6 +1,6 @@
 """AdmissionReview (``admission.k8s.io/v1`` and ``v1beta1``) as typed models.
 
-Only what kube-apiserver sends and checks is modelled (reference §1.1–1.3). Objects stay plain
+Only what kube-apiserver sends and checks is modelled (design K1). Objects stay plain
 dicts: the webhook patches the JSON the apiserver sent, so round-tripping it through typed Pod
 models would risk dropping fields we do not know.
 """

@@ -162,7 +162,7 @@ def c_header() -> str:
         "FRACGPU_MAX_MEMORY_BYTES": MAX_MEMORY_BYTES,
     }
     lines = [
-        "/* Generated from deviceplugin/contract.py by `python -m core.contract c-header`.",
+        "/* Generated from core/contract.py by `python -m core.contract c-header`.",
         " * Do not edit: change the Python module, which is the one definition. */",
         "#ifndef FRACGPU_CONTRACT_H",
         "#define FRACGPU_CONTRACT_H",

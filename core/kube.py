@@ -4,7 +4,7 @@ Objects stay plain dicts with the field names as on the wire (`metadata.resource
 as raw JSON (`_preload_content=False`): faster than kubernetes-asyncio's model classes, and the
 same shape the admission webhook receives.
 
-The informer follows the loop that survives real API servers (reference §6.2; kubernetes-asyncio's
+The informer follows the loop that survives real API servers (design K6; kubernetes-asyncio's
 `watch.Watch` does not relist on 410 and so cannot be used for this):
 
 1. list, paginated (`limit`/`continue`), and take the list's resourceVersion;

@@ -4,7 +4,7 @@ One lock guards all of it; the gRPC handlers, the health thread and the reconcil
 their own threads. Every change bumps ``version`` and wakes ListAndWatch streams, which then send
 the complete list again (kubelet replaces its view with each message).
 
-Honest arithmetic (DESIGN §2). kubelet and kube-scheduler count the two resources independently,
+Honest arithmetic (design §2). kubelet and kube-scheduler count the two resources independently,
 so a node whose card 0 has no core left but 40 free memory blocks would advertise 40 blocks that no
 container can use. The plugin therefore reports a card's *free* memory IDs Unhealthy while the card
 has no free core, and its free core IDs Unhealthy while it has no free memory. Allocated IDs stay

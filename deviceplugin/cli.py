@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from core import contract
+from core.flags import add_kube_flags
 from core.units import BLOCK_MIB, DOMAIN
 from deviceplugin.config import (
     DEFAULT_IGNORED_XIDS,
@@ -76,7 +77,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=os.environ.get("NODE_NAME"),
         help="publish the inventory on this Node (default: $NODE_NAME; unset: do not publish)",
     )
-    parser.add_argument("--kubeconfig", type=Path, default=None)
+    add_kube_flags(parser, context=False)
     parser.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
     parser.add_argument(
         "--health-quiet",

@@ -1,21 +1,25 @@
 """The ``fracgpu`` command (also installed as ``kubectl-fracgpu`` for ``kubectl fracgpu``).
 
-Each package adds its own subcommands through ``add_parser``; imports of heavy dependencies
-(gRPC, NVML, the Kubernetes client) happen inside the commands, so ``fracgpu review`` starts
-fast.
+A composition root: it wires the components' subcommands together and is the only module,
+besides ``fracgpu.serve`` and ``fracgpu.review``, that imports more than one component. Each
+component contributes an ``add_parser`` that only defines flags; the command itself is imported
+when it runs (``core.flags.deferred``), so building the parser loads neither the Kubernetes
+client, gRPC nor cryptography, and ``fracgpu review`` starts fast.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from certs.cli import add_parser as add_certs_parser
 from core import log
+from core.flags import add_kube_flags, add_log_flags
+from deviceplugin.cli import add_parser as add_deviceplugin_parser
 from fracgpu.review import (
     ManifestError,
     apply_quota,
@@ -24,13 +28,11 @@ from fracgpu.review import (
     render_text,
     review_object,
 )
+from quota.cli import add_parser as add_quota_parser
 from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
 from webhook.resources import OPTIONAL_DIALECTS, Dialect
-
-# Packages that contribute subcommands, in the order `fracgpu --help` lists them.
-SUBCOMMAND_MODULES: tuple[str, ...] = ("quota.cli", "certs.cli", "deviceplugin.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,17 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fracgpu",
         description="Fractional GPUs for Kubernetes: admission webhook, quota, device plugin.",
     )
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
-    parser.add_argument(
-        "--log-format",
-        choices=["json", "text"],
-        help="json (default when stderr is not a terminal) or text",
-    )
+    add_log_flags(parser)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_review(sub)
-    for module in SUBCOMMAND_MODULES:
-        importlib.import_module(module).add_parser(sub)
+    # In the order `fracgpu --help` lists them.
+    add_quota_parser(sub)
+    add_certs_parser(sub)
+    add_deviceplugin_parser(sub)
     return parser
 
 
@@ -63,7 +62,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--standalone", action="store_true", help="no cluster: local certs, no watches")
     p.add_argument("--host", help="listen address (default 0.0.0.0, or 127.0.0.1 standalone)")
     p.add_argument("--port", type=int, help="listen port (default 8443)")
-    p.add_argument("--kubeconfig", type=Path, help="kubeconfig path (default: in-cluster)")
+    add_kube_flags(p)
     _add_admission_flags(p)
     p.set_defaults(run=_run_serve)
 

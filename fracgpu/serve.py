@@ -48,6 +48,7 @@ class ServeConfig(BaseModel):
     certs: CertsConfig = Field(default_factory=CertsConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
     kubeconfig: Path | None = None
+    context: str | None = Field(None, description="kubeconfig context (default: the current one)")
     shutdown_delay_seconds: float = Field(
         3.0,
         ge=0,
@@ -83,6 +84,7 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
             "admission": admission,
             "server": server,
             "kubeconfig": args.kubeconfig or config.kubeconfig,
+            "context": args.context or config.context,
         }
     )
 
@@ -109,7 +111,7 @@ async def run_server(
     async with contextlib.AsyncExitStack() as stack:
         api = None
         if not standalone:
-            api = await stack.enter_async_context(kube_client(config.kubeconfig))
+            api = await stack.enter_async_context(kube_client(config.kubeconfig, config.context))
         certificates = await open_serving(
             config.certs, standalone=standalone, registry=registry, api=api
         )

@@ -1,7 +1,7 @@
 """The usage controller: ``status.used`` recounted from the pods that exist.
 
 Usage is recomputed from the informer's cache, never kept as increments, so a relist (410),
-a restart or a missed event heals completely (reference §6.2 step 8). For each GPUQuota:
+a restart or a missed event heals completely (design K6). For each GPUQuota:
 
 * ``used`` = the demand of every non-terminal pod of the namespace that holds canonical GPU
   resources (terminal as Kubernetes' own quota defines it, :func:`quota.demand.is_terminal`);

@@ -1,4 +1,4 @@
-"""Every message a user sees from GPU quota, in cards and MiB (DESIGN §4).
+"""Every message a user sees from GPU quota, in cards and MiB (design §4).
 
 The basic denial is exactly the documented format:
 ``GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 8192 MiB; quota

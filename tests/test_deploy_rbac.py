@@ -1,4 +1,4 @@
-"""RBAC in deploy/ is the least each component needs (DESIGN §7): every grant is listed here, so
+"""RBAC in deploy/ is the least each component needs (design §7): every grant is listed here, so
 adding one is a reviewed change to this test, and the general rules hold in every overlay."""
 
 from __future__ import annotations

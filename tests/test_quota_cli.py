@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from quota.cli import add_parser, render
+from quota.cli import add_parser
 from quota.model import GPUQuota
 from quota.offline import review_pods
+from quota.report import render
 from tests.fakes.apiserver import FakeApiServer
 from tests.quota_pods import gpu_pod, gpu_quota
 

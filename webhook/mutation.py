@@ -1,4 +1,4 @@
-"""Mutation of GPU pods and of the pod templates of built-in workloads (DESIGN §3).
+"""Mutation of GPU pods and of the pod templates of built-in workloads (design §3).
 
 For each object the webhook either denies with every problem named, or returns a JSON patch
 built against the exact JSON the apiserver sent: the request rewritten into the canonical form,

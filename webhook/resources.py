@@ -1,6 +1,6 @@
 """The request language users write and the canonical form the cluster accounts.
 
-This module owns both (DESIGN §1–2); every other component imports its names and arithmetic.
+This module owns both (design §1–2); every other component imports its names and arithmetic.
 
 Input, per container, in ``resources.limits``:
     ``fracgpu.io/gpu``                 0.01–1 with two decimals, or whole cards
@@ -50,7 +50,7 @@ from core.units import (
     parse_mib,
 )
 
-# Dialects of other sharing systems (DESIGN §1).
+# Dialects of other sharing systems (design §1).
 HAMI_GPU = "nvidia.com/gpu"
 HAMI_CORES = "nvidia.com/gpucores"
 HAMI_MEM = "nvidia.com/gpumem"

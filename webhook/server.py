@@ -1,7 +1,7 @@
 """The admission HTTPS server: AdmissionReview in, AdmissionReview out, always HTTP 200.
 
 kube-apiserver treats any non-200 answer as a *call failure* (subject to failurePolicy) and
-only ``allowed: false`` as a denial (reference §1.4), so every decision, including our own
+only ``allowed: false`` as a denial (design K2), so every decision, including our own
 internal errors, is an HTTP 200 review; only bodies that are not AdmissionReviews get a 400.
 Reviewers are plain async functions, one per path: ``/mutate`` (webhook.mutation) and
 ``/validate`` (quota) plug in the same way.
@@ -32,7 +32,7 @@ METRICS_PATH = "/metrics"
 Reviewer = Callable[[AdmissionRequest], Awaitable[AdmissionResponse]]
 Readiness = Callable[[], str | None]  # None when ready, else why not
 # Large pods (many env vars, volumes) exceed aiohttp's 1 MiB default; controller-runtime and
-# pod-security-admission accept 3 MiB and more (reference §1.5).
+# pod-security-admission accept 3 MiB and more (design K3).
 MAX_BODY_BYTES = 8 * 2**20
 
 

@@ -1,0 +1,141 @@
+"""``fracgpu quota``: the GPUQuotas of a namespace (or all) with used/limit and their pods.
+
+Reads the cluster (kubeconfig, in-cluster, $KUBECONFIG) or, with ``--file``, a quota file as
+embedded mode uses it. "used" is what the quota charges now: pods counted by the controller
+plus pending reservations of admitted pods not yet counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from core.kube import PODS, call_json, kube_client
+from core.units import cards_text
+from quota.demand import Demand, is_terminal, pod_demand
+from quota.kubestore import KubeQuotaStore
+from quota.ledger import Ledger
+from quota.model import GPUQuota, QuotaError
+from quota.store import MemoryStore, Unavailable, load_quota_file
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        quotas, pods = asyncio.run(_load(args))
+        print(render(quotas, pods, show_pods=not args.no_pods), end="")
+    except (QuotaError, Unavailable, OSError) as exc:
+        print(f"fracgpu quota: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # kubeconfig and API errors from the client library
+        print(f"fracgpu quota: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _load(
+    args: argparse.Namespace,
+) -> tuple[list[GPUQuota], dict[str, list[dict[str, Any]]]]:
+    namespace = None if args.all_namespaces else args.namespace
+    if args.file:
+        store = MemoryStore(load_quota_file(args.file))
+        raws = await store.list(None if args.all_namespaces else (namespace or "default"))
+        return [GPUQuota(raw) for raw in raws], {}
+    async with kube_client(args.kubeconfig, args.context) as api:
+        if namespace is None and not args.all_namespaces:
+            namespace = "default"
+        raws = await KubeQuotaStore(api, request_timeout_s=30).list(namespace)
+        quotas = [GPUQuota(raw) for raw in raws]
+        pods: dict[str, list[dict[str, Any]]] = {}
+        for ns in sorted({q.namespace for q in quotas}):
+            listed = await call_json(api, "GET", PODS.path(ns))
+            pods[ns] = [p for p in listed.get("items") or [] if isinstance(p, dict)]
+        return quotas, pods
+
+
+def render(
+    quotas: Sequence[GPUQuota],
+    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    *,
+    show_pods: bool = True,
+) -> str:
+    """The table, then per quota the pods charged to it (cluster) or reserved in it (file)."""
+    if not quotas:
+        return "No GPUQuotas found.\n"
+    header = (
+        "NAMESPACE",
+        "NAME",
+        "CARDS USED/LIMIT",
+        "MEMORY MiB USED/LIMIT",
+        "GPU PODS",
+        "PENDING",
+    )
+    rows = [header]
+    for quota in quotas:
+        ledger = Ledger.of(quota)
+        charged = ledger.charged(None)
+        spec = quota.spec
+        rows.append(
+            (
+                quota.namespace,
+                quota.name,
+                f"{cards_text(charged.core)}/{_limit(spec.gpu, cards_text)}",
+                f"{charged.memory_mib}/{_limit(spec.gpumem, str)}",
+                f"{charged.pods}/{_limit(spec.pods, str)}",
+                str(len(ledger.reservations)),
+            )
+        )
+        for model, limit in sorted(spec.models.items()):
+            used = ledger.charged(model)
+            rows.append(
+                (
+                    "",
+                    f"  model {model}",
+                    f"{cards_text(used.core)}/{_limit(limit.gpu, cards_text)}",
+                    f"{used.memory_mib}/{_limit(limit.gpumem, str)}",
+                    f"{used.pods}/{_limit(limit.pods, str)}",
+                    "",
+                )
+            )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    lines = [
+        "   ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    if show_pods:
+        for quota in quotas:
+            lines.extend(_pod_lines(quota, pods.get(quota.namespace)))
+    return "\n".join(lines) + "\n"
+
+
+def _limit(value: int | None, fmt: Any) -> str:
+    return "-" if value is None else str(fmt(value))
+
+
+def _describe(demand: Demand) -> str:
+    text = f"{cards_text(demand.core)} card, {demand.memory_mib} MiB"
+    if demand.models is not None:
+        text += f", on {', '.join(sorted(demand.models))}"
+    return text
+
+
+def _pod_lines(quota: GPUQuota, pods: Sequence[Mapping[str, Any]] | None) -> list[str]:
+    ledger = Ledger.of(quota)
+    lines = [f"\n{quota.namespace}/{quota.name}:"]
+    counted = set()
+    for pod in pods or []:
+        demand = pod_demand(pod)
+        if demand is None or is_terminal(pod):
+            continue
+        meta = pod.get("metadata") or {}
+        counted.add(str(meta.get("uid")))
+        lines.append(f"  {meta.get('name')}  {_describe(demand)}")
+    for uid, reservation in sorted(ledger.reservations.items()):
+        if uid in counted:
+            continue
+        lines.append(f"  {reservation.pod}  {_describe(reservation.demand)}  (pending)")
+    if len(lines) == 1:
+        lines.append("  no GPU pods")
+    return lines
