@@ -30,7 +30,7 @@ from certs.rotation import Request, ca_renew_point, serving_renew_point
 from certs.secretstore import SecretStore
 from certs.sources import FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
-from core.kube import KubeConfigError, KubeError, call_json, kube_client
+from core.kube import Api, KubeConfigError, KubeError, call_json, kube_client
 
 EXIT_OK, EXIT_ERROR, EXIT_ATTENTION = 0, 1, 2
 
@@ -67,7 +67,7 @@ async def _cluster(config: CertsConfig, args: argparse.Namespace) -> AsyncIterat
         yield api
 
 
-def _store(config: CertsConfig, api: Any) -> CertificateStore:
+def _store(config: CertsConfig, api: Api) -> CertificateStore:
     if config.mode == "secret":
         return SecretStore(api, config.namespace, config.secret_name)
     return DirectoryStore(config.directory)
@@ -239,7 +239,7 @@ def _print_cert(cert: dict[str, Any], indent: str = "  ") -> None:
 
 
 async def _injection_status(
-    api: Any, config: CertsConfig, state: ServingState
+    api: Api, config: CertsConfig, state: ServingState
 ) -> list[dict[str, Any]]:
     result = []
     for target in targets(config):

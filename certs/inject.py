@@ -19,17 +19,19 @@ import logging
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from certs.config import CertsConfig
 from certs.metrics import CertsMetrics
 from core.kube import (
     MUTATING_WEBHOOK_CONFIGURATIONS,
     VALIDATING_WEBHOOK_CONFIGURATIONS,
+    Api,
     EventType,
     Informer,
     KubeError,
     KubeNotFound,
+    RawBody,
     Resource,
     call_json,
 )
@@ -87,7 +89,7 @@ def with_bundle(obj: dict[str, Any], bundle_pem: bytes) -> tuple[dict[str, Any],
 
 
 class CaBundleInjector:
-    def __init__(self, api: Any, config: CertsConfig, metrics: CertsMetrics | None = None) -> None:
+    def __init__(self, api: Api, config: CertsConfig, metrics: CertsMetrics | None = None) -> None:
         self.api = api
         self.targets = targets(config)
         self.metrics = metrics
@@ -145,8 +147,8 @@ class CaBundleInjector:
         wake.set()
         names = {(t.kind, t.name) for t in self.targets}
 
-        def on_event(kind: str) -> Callable[[EventType, dict[str, Any]], None]:
-            def handler(event: EventType, obj: dict[str, Any]) -> None:
+        def on_event(kind: str) -> Callable[[EventType, RawBody], None]:
+            def handler(event: EventType, obj: RawBody) -> None:
                 if (kind, (obj.get("metadata") or {}).get("name")) in names:
                     wake.set()
 
@@ -174,7 +176,7 @@ class CaBundleInjector:
             while True:
                 await wake.wait()
                 wake.clear()
-                cached = {t: informers[t.kind].get(t.name) for t in self.targets}
+                cached = {t: _plain(informers[t.kind].get(t.name)) for t in self.targets}
                 try:
                     await self.inject(bundle(), cached)
                     failures = 0
@@ -197,3 +199,8 @@ def summary(outcomes: Sequence[Outcome]) -> list[str]:
         else:
             lines.append(f"{o.target}: already current ({o.webhooks} webhook(s))")
     return lines
+
+
+def _plain(obj: RawBody | None) -> dict[str, Any] | None:
+    """The informer's typed view of a webhook configuration, as the JSON the patcher edits."""
+    return None if obj is None else cast(dict[str, Any], obj)

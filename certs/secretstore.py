@@ -15,7 +15,7 @@ from typing import Any
 
 from certs.material import MANAGED_FILES
 from certs.stores import Files, StoreConflict
-from core.kube import SECRETS, KubeConflict, KubeNotFound, call_json
+from core.kube import SECRETS, Api, KubeConflict, KubeNotFound, call_json
 
 log = logging.getLogger(__name__)
 
@@ -24,7 +24,7 @@ SECRET_TYPE = "kubernetes.io/tls"  # tls.crt and tls.key are there; kubectl show
 
 
 class SecretStore:
-    def __init__(self, api: Any, namespace: str, name: str) -> None:
+    def __init__(self, api: Api, namespace: str, name: str) -> None:
         self.api = api
         self.namespace = namespace
         self.name = name

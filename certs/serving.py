@@ -18,19 +18,19 @@ import random
 import ssl
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.inject import CaBundleInjector
-from certs.material import ServingState, fingerprint
+from certs.material import MaterialError, ServingState, fingerprint
 from certs.metrics import CertsMetrics
 from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
 from certs.tlspolicy import server_context
-from core.kube import kube_client
+from core.kube import Api, kube_client
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ async def open_serving(
     *,
     standalone: bool,
     registry: CollectorRegistry | None = None,
-    api: Any = None,
+    api: Api | None = None,
     kubeconfig: Path | None = None,
     clock: Clock = utcnow,
 ) -> ServingCertificates:
@@ -178,7 +178,7 @@ async def open_serving(
             source = FileSource(config)
         else:
             store: CertificateStore = (
-                SecretStore(api, config.namespace, config.secret_name)
+                SecretStore(_cluster(api), config.namespace, config.secret_name)
                 if config.mode == "secret"
                 else DirectoryStore(config.directory)
             )
@@ -187,7 +187,7 @@ async def open_serving(
             )
         consumers: tuple[BundleConsumer, ...] = ()
         if not standalone and config.injects:
-            consumers = (CaBundleInjector(api, config, metrics),)
+            consumers = (CaBundleInjector(_cluster(api), config, metrics),)
         initial = await source.refresh()
     except BaseException:
         await resources.aclose()
@@ -195,3 +195,13 @@ async def open_serving(
     return ServingCertificates(
         source, initial, metrics=metrics, consumers=consumers, resources=resources
     )
+
+
+def _cluster(api: Api | None) -> Api:
+    """The client for what needs a cluster (the Secret store, caBundle injection)."""
+    if api is None:
+        raise MaterialError(
+            "certs.mode secret and caBundle injection need a Kubernetes cluster, and this "
+            "webhook runs standalone; use certs.mode: directory, or run without --standalone"
+        )
+    return api

@@ -31,7 +31,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, cast
 
 import aiohttp
 from kubernetes_asyncio import config as kube_config
@@ -43,9 +43,43 @@ from core.units import DOMAIN
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
+"""A JSON object as the API server sends it (a list, a Status, an object of any kind)."""
+
+
+class RawMeta(TypedDict, total=False):
+    """The ``metadata`` fields fracgpu reads. Objects stay plain dicts (unknown fields are kept,
+    never dropped); these types only let the checker catch a misspelt key."""
+
+    name: str
+    generateName: str
+    namespace: str
+    uid: str
+    resourceVersion: str
+    generation: int
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    ownerReferences: list[dict[str, Any]]
+    deletionTimestamp: str
+    creationTimestamp: str
+
+
+class RawBody(TypedDict, total=False):
+    """One Kubernetes object as fracgpu reads it: a Pod, a Node, a GPUQuota, a Secret…"""
+
+    apiVersion: str
+    kind: str
+    metadata: RawMeta
+    spec: dict[str, Any]
+    status: dict[str, Any]
+    data: dict[str, str]
+
+
 Key = tuple[str, str]  # (namespace or "", name)
 EventType = Literal["ADDED", "MODIFIED", "DELETED"]
-Handler = Callable[[EventType, Obj], Awaitable[None] | None]
+Handler = Callable[[EventType, RawBody], Awaitable[None] | None]
+Api = ApiClient
+"""The client every component uses, made by :func:`kube_client` (kubernetes-asyncio ships no types,
+so this alias names the intent where ``Any`` would not)."""
 
 
 class KubeConfigError(RuntimeError):
@@ -199,7 +233,7 @@ GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
 
 
 async def open_request(
-    api: Any,
+    api: Api,
     method: str,
     path: str,
     *,
@@ -218,7 +252,7 @@ async def open_request(
         body=body,
         auth_settings=["BearerToken"],
         _preload_content=False,
-        _request_timeout=timeout_s,
+        _request_timeout=_client_timeout(timeout_s),
     )
     if not 200 <= response.status < 300:
         raw = await response.read()
@@ -228,7 +262,7 @@ async def open_request(
 
 
 async def call_json(
-    api: Any,
+    api: Api,
     method: str,
     path: str,
     *,
@@ -252,6 +286,16 @@ async def call_json(
     if not isinstance(data, dict):
         raise KubeError(response.status, "BadResponse", f"not a JSON object: {raw[:200]!r}")
     return data
+
+
+def _client_timeout(timeout_s: float | tuple[float, float] | None) -> aiohttp.ClientTimeout | None:
+    """A total timeout, or (connect, read) for streams that may run long but must not go quiet."""
+    if timeout_s is None:
+        return None
+    if isinstance(timeout_s, tuple):
+        connect, read = timeout_s
+        return aiohttp.ClientTimeout(connect=connect, sock_connect=connect, sock_read=read)
+    return aiohttp.ClientTimeout(total=timeout_s)
 
 
 def _error(status: int, raw: bytes) -> KubeError:
@@ -326,7 +370,7 @@ class InformerMetrics:
 
 @dataclass
 class _Subscription:
-    queue: asyncio.Queue[tuple[EventType, Obj]] = field(default_factory=asyncio.Queue)
+    queue: asyncio.Queue[tuple[EventType, RawBody]] = field(default_factory=asyncio.Queue)
 
 
 class Informer:
@@ -340,7 +384,7 @@ class Informer:
 
     def __init__(
         self,
-        api: Any,
+        api: Api,
         resource: Resource,
         *,
         namespace: str | None = None,
@@ -370,7 +414,7 @@ class Informer:
         self.resource_version = ""
         self.synced = asyncio.Event()
         self.stats = InformerStats()
-        self._cache: dict[Key, Obj] = {}
+        self._cache: dict[Key, RawBody] = {}
         self._handlers: list[Handler] = [handler] if handler else []
         self._subscriptions: list[_Subscription] = []
         self._task: asyncio.Task[None] | None = None
@@ -381,10 +425,10 @@ class Informer:
     def has_synced(self) -> bool:
         return self.synced.is_set()
 
-    def get(self, name: str, namespace: str | None = None) -> Obj | None:
+    def get(self, name: str, namespace: str | None = None) -> RawBody | None:
         return self._cache.get((namespace or "", name))
 
-    def objects(self, namespace: str | None = None) -> list[Obj]:
+    def objects(self, namespace: str | None = None) -> list[RawBody]:
         return [o for k, o in self._cache.items() if namespace is None or k[0] == namespace]
 
     def __len__(self) -> int:
@@ -398,7 +442,7 @@ class Informer:
     def add_handler(self, handler: Handler) -> None:
         self._handlers.append(handler)
 
-    async def events(self) -> AsyncIterator[tuple[EventType, Obj]]:
+    async def events(self) -> AsyncIterator[tuple[EventType, RawBody]]:
         """Every change from now on, in order, until the iterator is closed."""
         subscription = _Subscription()
         self._subscriptions.append(subscription)
@@ -478,7 +522,7 @@ class Informer:
 
     async def _list(self) -> None:
         path = self.resource.path(self.namespace)
-        fresh: dict[Key, Obj] = {}
+        fresh: dict[Key, RawBody] = {}
         token = ""
         version = ""
         while True:
@@ -494,7 +538,7 @@ class Informer:
             except KubeGone:
                 raise  # the continue token expired: the caller starts over
             for item in page.get("items") or []:
-                fresh[object_key(item)] = item
+                fresh[object_key(item)] = cast(RawBody, item)
             meta = page.get("metadata") or {}
             version = str(meta.get("resourceVersion") or "")
             token = str(meta.get("continue") or "")
@@ -512,7 +556,7 @@ class Informer:
             self.metrics.lists.labels(self.name).inc()
             self.metrics.synced.labels(self.name).set(1)
 
-    async def _replace(self, fresh: dict[Key, Obj]) -> None:
+    async def _replace(self, fresh: dict[Key, RawBody]) -> None:
         """Swap in a fresh list: what vanished is DELETED, what is new ADDED, changes MODIFIED."""
         old = self._cache
         self._cache = dict(fresh)
@@ -557,7 +601,7 @@ class Informer:
 
     async def _apply(self, event: Mapping[str, Any]) -> None:
         kind = event.get("type")
-        obj = event.get("object")
+        obj = cast(RawBody, event.get("object"))
         if not isinstance(obj, dict):
             raise ValueError(f"watch event without an object: {str(event)[:200]}")
         if kind == "ERROR":
@@ -580,7 +624,7 @@ class Informer:
         self.stats.events += 1
         await self._emit(kind, obj)
 
-    async def _emit(self, kind: EventType, obj: Obj) -> None:
+    async def _emit(self, kind: EventType, obj: RawBody) -> None:
         if self.metrics:
             self.metrics.events.labels(self.name, kind).inc()
             self.metrics.objects.labels(self.name).set(len(self._cache))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from core.kube import PODS, Informer, KubeError, KubeNotFound, call_json
+from core.kube import PODS, Api, Informer, KubeError, KubeNotFound, call_json
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.ledger import Ledger
 from quota.metrics import QuotaMetrics
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class UsageController:
     def __init__(
         self,
-        api: Any,
+        api: Api,
         store: QuotaStore,
         *,
         metrics: QuotaMetrics | None = None,

@@ -15,12 +15,13 @@ a pod unaccounted, and an unreachable API server still denies GPU pods there.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
 from core.kube import (
     GPUQUOTAS,
+    Api,
     Informer,
     KubeConflict,
     KubeError,
@@ -38,7 +39,7 @@ def _version(obj: Obj) -> int:
 
 
 class KubeQuotaStore:
-    def __init__(self, api: Any, *, request_timeout_s: float = 2.0, watch: bool = False) -> None:
+    def __init__(self, api: Api, *, request_timeout_s: float = 2.0, watch: bool = False) -> None:
         self.api = api
         self.request_timeout_s = request_timeout_s
         self._informer = (
@@ -94,7 +95,7 @@ class KubeQuotaStore:
         if namespace is not None and informer is not None and informer.has_synced:
             cached = informer.objects(namespace)
             if cached:
-                return [self._newest(obj) for obj in cached]
+                return [self._newest(cast(Obj, obj)) for obj in cached]
         answer = await self._call("GET", GPUQUOTAS.path(namespace))
         items = answer.get("items") or []
         for item in items:  # list items of custom resources keep these, but be sure

@@ -19,7 +19,7 @@ from typing import Any
 
 import aiohttp
 
-from core.kube import LEASES, KubeError, call_json
+from core.kube import LEASES, Api, KubeError, call_json
 from quota.config import LeaderElection
 from quota.metrics import QuotaMetrics
 
@@ -33,7 +33,7 @@ def _micro_time() -> str:
 class LeaderElector:
     def __init__(
         self,
-        api: Any,
+        api: Api,
         config: LeaderElection,
         *,
         metrics: QuotaMetrics | None = None,

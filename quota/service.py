@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from core.kube import Api
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.kubestore import KubeQuotaStore
@@ -37,7 +37,7 @@ class QuotaService:
         config: QuotaConfig,
         store: QuotaStore,
         metrics: QuotaMetrics,
-        api: Any | None = None,
+        api: Api | None = None,
     ) -> None:
         self.config = config
         self.store = store
@@ -110,7 +110,7 @@ class QuotaService:
 
 
 async def open_quota(
-    config: QuotaConfig, api: Any | None, *, registry: CollectorRegistry | None = None
+    config: QuotaConfig, api: Api | None, *, registry: CollectorRegistry | None = None
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
     required) or None (embedded mode). ``registry``: where metrics go (the server's own)."""

@@ -6,20 +6,18 @@ Kubernetes client.
 
 from __future__ import annotations
 
-from typing import Any
-
-from core.kube import NODES, EventType, Informer
+from core.kube import NODES, Api, EventType, Informer, RawBody
 from webhook.inventory import Inventory
 
 
-def node_informer(api: Any, inventory: Inventory) -> Informer:
+def node_informer(api: Api, inventory: Inventory) -> Informer:
     """An informer on Nodes whose events update ``inventory``; start it, then await its sync.
 
     A relist replays vanished nodes as DELETED, so a node removed while the watch was down
     does not linger in the inventory.
     """
 
-    def on_event(kind: EventType, node: dict[str, Any]) -> None:
+    def on_event(kind: EventType, node: RawBody) -> None:
         meta = node.get("metadata") or {}
         name = str(meta.get("name") or "")
         if kind == "DELETED":
