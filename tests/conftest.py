@@ -1,4 +1,8 @@
-"""Fixtures shared by several suites: the fake API server with a client, the native test kit."""
+"""Fixtures shared by several suites: the fake API server with a client, the native test kit.
+
+Also marks the suites that take seconds of wall-clock time ``slow``, so that ``make test-fast``
+(``-m "not slow"``) keeps the edit-test loop well under a minute; ``make test`` runs them all.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,36 @@ from kubernetes_asyncio import config as kube_config
 
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.native_kit import Kit, sanitized_kit
+
+# Suites whose tests sample real time (throttling), validate manifests against every Kubernetes
+# version's schemas, start real servers and subprocesses, or build and run native binaries.
+SLOW_SUITES = frozenset(
+    {
+        "test_native_throttle.py",
+        "test_native_interpose.py",
+        "test_native_memory.py",
+        "test_native_limits.py",
+        "test_deploy_manifests.py",
+        "test_deploy_webhooks.py",
+        "test_deploy_serve.py",
+        "test_deploy_e2e_harness.py",
+        "test_deviceplugin_service.py",
+        "test_deviceplugin_health.py",
+        "test_fakes_apiserver.py",
+        "test_fakes_kubelet.py",
+        "test_bench_deviceplugin.py",
+        "test_certs_hotreload.py",
+        "test_certs_rotation.py",
+        "test_certs_serving.py",
+        "test_webhook_server.py",
+    }
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SLOW_SUITES or "e2e" in item.path.parts:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture
