@@ -6,9 +6,11 @@ spellings the two accept alike and where they differ (core/units.py's docstring 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
-from core.units import UnitError, cards_phrase, cards_text, parse_cards, parse_mib
+from core.units import Source, UnitError, cards_phrase, cards_text, parse_cards, parse_mib
 
 REJECT = None  # the parser raises UnitError
 
@@ -50,40 +52,31 @@ MIB = [
 ]
 
 
-@pytest.mark.parametrize(("raw", "pod", "quota"), CARDS)
-def test_cards_in_a_pod(raw: object, pod: int | None, quota: int | None) -> None:
-    if pod is REJECT:
+def _by_source(table: list[Any]) -> list[Any]:
+    """Each row once per source: ``(raw, source, expected)``, named ``<row> / in a <source>``."""
+    return [
+        pytest.param(row.values[0], source, expected, id=f"{row.id} / in a {source}")
+        for row in table
+        for source, expected in zip(("pod", "quota"), row.values[1:], strict=True)
+    ]
+
+
+@pytest.mark.parametrize(("raw", "source", "expected"), _by_source(CARDS))
+def test_cards(raw: object, source: Source, expected: int | None) -> None:
+    if expected is REJECT:
         with pytest.raises(UnitError, match="at most two decimals"):
-            parse_cards(raw, source="pod")
+            parse_cards(raw, source=source)
     else:
-        assert parse_cards(raw, source="pod") == pod
+        assert parse_cards(raw, source=source) == expected
 
 
-@pytest.mark.parametrize(("raw", "pod", "quota"), CARDS)
-def test_cards_in_a_quota(raw: object, pod: int | None, quota: int | None) -> None:
-    if quota is REJECT:
-        with pytest.raises(UnitError, match="at most two decimals"):
-            parse_cards(raw, source="quota")
-    else:
-        assert parse_cards(raw, source="quota") == quota
-
-
-@pytest.mark.parametrize(("raw", "pod", "quota"), MIB)
-def test_mib_in_a_pod(raw: object, pod: int | None, quota: int | None) -> None:
-    if pod is REJECT:
+@pytest.mark.parametrize(("raw", "source", "expected"), _by_source(MIB))
+def test_mib(raw: object, source: Source, expected: int | None) -> None:
+    if expected is REJECT:
         with pytest.raises(UnitError, match="whole number of MiB"):
-            parse_mib(raw, source="pod")
+            parse_mib(raw, source=source)
     else:
-        assert parse_mib(raw, source="pod") == pod
-
-
-@pytest.mark.parametrize(("raw", "pod", "quota"), MIB)
-def test_mib_in_a_quota(raw: object, pod: int | None, quota: int | None) -> None:
-    if quota is REJECT:
-        with pytest.raises(UnitError, match="whole number of MiB"):
-            parse_mib(raw, source="quota")
-    else:
-        assert parse_mib(raw, source="quota") == quota
+        assert parse_mib(raw, source=source) == expected
 
 
 @pytest.mark.parametrize(
