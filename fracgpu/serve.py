@@ -156,35 +156,43 @@ async def run_server(
     return status
 
 
+class _Stopped(Exception):
+    """SIGTERM, SIGINT or the caller's stop event: a clean end, not a failure."""
+
+
+async def _raise_when(stop: asyncio.Event) -> None:
+    await stop.wait()
+    raise _Stopped
+
+
 async def _until_stopped(background: list[Awaitable[Any]], stop: asyncio.Event | None) -> int:
-    """Run the background jobs until stopped (0) or until one of them fails (1)."""
+    """Run the background jobs until stopped (0) or until one of them fails (1).
+
+    A job that returns has finished its work (the embedded quota has nothing to reconcile),
+    which is not a failure: the server keeps serving. The task group cancels the other jobs
+    when one fails or the stop event raises.
+    """
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-    tasks: list[asyncio.Future[Any]] = [asyncio.ensure_future(job) for job in background]
-    failed = asyncio.ensure_future(_first_failure(tasks))
-    stopped = asyncio.ensure_future(stop.wait())
-    await asyncio.wait([stopped, failed], return_when="FIRST_COMPLETED")
     status = 0
-    if failed.done() and failed.exception() is not None:
-        log.error("a background task failed; stopping", exc_info=failed.exception())
+    try:
+        async with asyncio.TaskGroup() as group:
+            for job in background:
+                group.create_task(_as_coroutine(job))
+            group.create_task(_raise_when(stop))
+    except* _Stopped:
+        pass
+    except* Exception as failed:
+        log.error("a background task failed; stopping", exc_info=failed.exceptions[0])
         status = 1
-    for task in [*tasks, failed, stopped]:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
     return status
 
 
-async def _first_failure(tasks: list[asyncio.Future[Any]]) -> None:
-    """Raise as soon as a background job fails. A job that returns has finished its work (the
-    embedded quota has nothing to reconcile), which is not a failure: keep serving."""
-    for done in asyncio.as_completed(tasks):
-        await done
-    await asyncio.Event().wait()
+async def _as_coroutine(job: Awaitable[Any]) -> None:
+    await job
 
 
 def _print_try_it(config: ServeConfig, ca_file: Path) -> None:

@@ -7,13 +7,15 @@ import base64
 import copy
 import json
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
 import jsonpatch
+import pytest
 
 from certs.config import CertsConfig
-from fracgpu.serve import ServeConfig, run_server
+from fracgpu.serve import ServeConfig, _until_stopped, run_server
 from quota.config import QuotaConfig
 from tests.fakes.apiserver import FakeApiServer
 from tests.support import eventually, free_port
@@ -142,3 +144,34 @@ async def test_standalone_serves_mutate_and_validate_until_stopped(tmp_path: Pat
                 assert (await resp.json())["response"]["allowed"] is True
     stop.set()
     assert await asyncio.wait_for(server, 10) == 0
+
+
+async def _finishes() -> None:
+    """A job that has nothing to do, as the embedded quota controller."""
+
+
+async def _fails() -> None:
+    raise RuntimeError("the job broke")
+
+
+async def _forever() -> None:
+    await asyncio.Event().wait()
+
+
+@pytest.mark.parametrize(
+    ("jobs", "stop_after_s", "status"),
+    [
+        pytest.param([_forever], 0.05, 0, id="stop event: clean exit"),
+        pytest.param([_finishes, _forever], 0.05, 0, id="a job that returns keeps serving"),
+        pytest.param([_finishes], 0.05, 0, id="every job returned: serve until stopped"),
+        pytest.param([_forever, _fails], None, 1, id="a failing job stops the server"),
+    ],
+)
+async def test_supervision_of_background_jobs(
+    jobs: list[Callable[[], Awaitable[None]]], stop_after_s: float | None, status: int
+) -> None:
+    stop = asyncio.Event()
+    if stop_after_s is not None:
+        asyncio.get_running_loop().call_later(stop_after_s, stop.set)
+    result = await asyncio.wait_for(_until_stopped([job() for job in jobs], stop), 5)
+    assert result == status
