@@ -230,6 +230,9 @@ VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
 )
 GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
+RESOURCE_CLAIM_TEMPLATES = Resource(
+    "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True
+)
 
 
 async def open_request(

@@ -173,6 +173,14 @@ GPUQUOTA = Kind(
     tracks_generation=True,
     returns_deleted_object=True,
 )
+RESOURCE_CLAIM_TEMPLATE = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaimTemplate",
+    "resourceclaimtemplates",
+    namespaced=True,
+    top_fields=frozenset({"spec"}),
+)
 
 DEFAULT_KINDS: tuple[Kind, ...] = (
     POD,
@@ -185,4 +193,5 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     MUTATING_WEBHOOK_CONFIGURATION,
     VALIDATING_WEBHOOK_CONFIGURATION,
     GPUQUOTA,
+    RESOURCE_CLAIM_TEMPLATE,
 )

@@ -1,0 +1,41 @@
+"""DRA mode's names: what the node agent publishes and what admission and quota ask for.
+
+In DRA mode (design §9) each card is one device of the driver ``gpu.fracgpu.io`` with two
+consumable capacities, ``cores`` (hundredths of the card, like ``fracgpu.io/core``) and
+``memory`` (bytes, in 256 MiB steps, like ``fracgpu.io/memory``). The DRA kubelet plugin
+publishes them in its node's ResourceSlice; admission writes ResourceClaimTemplates that request
+them; quota adds up what claims of the class request. This module is their one definition.
+"""
+
+from __future__ import annotations
+
+from core.units import BLOCK_MIB, DOMAIN
+
+DRIVER = f"gpu.{DOMAIN}"
+"""The DRA driver name, and the name of the DeviceClass that selects its devices."""
+DEVICE_CLASS = DRIVER
+CORES = "cores"
+MEMORY = "memory"
+MEMORY_STEP = f"{BLOCK_MIB}Mi"
+# Device attributes the plugin publishes, under the driver's own domain in CEL:
+# device.attributes["gpu.fracgpu.io"].productName
+PRODUCT_ATTRIBUTE = "productName"
+UUID_ATTRIBUTE = "uuid"
+INDEX_ATTRIBUTE = "index"
+MAX_SUBREQUESTS = 8
+"""The API server's limit on ``firstAvailable`` alternatives in one device request."""
+
+API_GROUP = "resource.k8s.io"
+API_VERSION = f"{API_GROUP}/v1"
+
+
+def memory_quantity(blocks: int) -> str:
+    """A memory capacity request for whole 256 MiB blocks, as the API server re-serialises it
+    would be noisy (``8Gi``); MiB is exact and readable."""
+    return f"{blocks * BLOCK_MIB}Mi"
+
+
+def product_selector(product: str) -> str:
+    """CEL that selects the cards of one model."""
+    quoted = product.replace("\\", "\\\\").replace('"', '\\"')
+    return f'device.attributes["{DRIVER}"].{PRODUCT_ATTRIBUTE} == "{quoted}"'

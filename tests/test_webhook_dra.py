@@ -1,0 +1,225 @@
+"""webhook/dra.py: the request language as ResourceClaimTemplates, and the store that keeps them.
+
+The templates are checked against Kubernetes 1.36's own schema (kubernetes-validate), so a field
+the API server would refuse fails here, not on a cluster.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from core import dra
+from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json, kube_client
+from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from webhook.dra import LAST_USED_ANNOTATION, ClaimPlan, TemplateStore, plan_claim
+from webhook.resources import Card, RequestError, _Ask
+
+SMALL = Card("NVIDIA-L4", 23034)  # 89 blocks
+LARGE = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
+MODELS = {SMALL.product: SMALL, LARGE.product: LARGE}
+
+
+def _request(plan: ClaimPlan) -> dict[str, Any]:
+    request: dict[str, Any] = plan.template["spec"]["spec"]["devices"]["requests"][0]
+    return request
+
+
+def _capacity(request: dict[str, Any]) -> dict[str, str] | None:
+    capacity: dict[str, str] | None = request.get("capacity", {}).get("requests")
+    return capacity
+
+
+# name, ask, models, template name (prefix), exact request or per-model (product, cores, memory)
+EXACT = [
+    pytest.param(_Ask(core=100), {}, "fracgpu-cards-1", {"count": 1}, id="a whole card, no model"),
+    pytest.param(_Ask(core=300), MODELS, "fracgpu-cards-3", {"count": 3}, id="three whole cards"),
+    pytest.param(
+        _Ask(core=30, memory_mib=8192),
+        {},
+        "fracgpu-c30-m8192",
+        {"count": 1, "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}}},
+        id="a share with its memory needs no model",
+    ),
+    pytest.param(
+        _Ask(core=5, memory_blocks=2),
+        {},
+        "fracgpu-c5-m512",
+        {"count": 1, "capacity": {"requests": {"cores": "5", "memory": "512Mi"}}},
+        id="canonical blocks",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ask", "models", "name", "request_fields"), EXACT)
+def test_exact_requests(
+    ask: _Ask, models: dict[str, Card], name: str, request_fields: dict[str, Any]
+) -> None:
+    plan = plan_claim("c", ask, models)
+    assert plan.name == name
+    assert _request(plan) == {
+        "name": "gpu",
+        "exactly": {"deviceClassName": dra.DEVICE_CLASS, **request_fields},
+    }
+
+
+PER_MODEL = [
+    pytest.param(
+        _Ask(core=50),
+        [(SMALL, "50", "11264Mi"), (LARGE, "50", "40704Mi")],
+        id="a fraction gets that fraction of whichever card it lands on",
+    ),
+    pytest.param(
+        _Ask(memory_percent=25),
+        [(SMALL, "25", "5632Mi"), (LARGE, "25", "20224Mi")],
+        id="a percentage is of the card it lands on",
+    ),
+    pytest.param(
+        _Ask(memory_mib=40960),
+        [(LARGE, "51", "40960Mi")],
+        id="memory alone: only cards that hold it, with the share of compute to match",
+    ),
+    pytest.param(
+        _Ask(core=10, memory_percent=50),
+        [(SMALL, "10", "11264Mi"), (LARGE, "10", "40704Mi")],
+        id="a fraction with a percentage of memory",
+    ),
+]
+
+
+@pytest.mark.parametrize(("ask", "alternatives"), PER_MODEL)
+def test_model_dependent_requests_offer_one_alternative_per_model(
+    ask: _Ask, alternatives: list[tuple[Card, str, str]]
+) -> None:
+    request = _request(plan_claim("c", ask, MODELS))
+    offered = [
+        (alt["selectors"][0]["cel"]["expression"], _capacity(alt))
+        for alt in request["firstAvailable"]
+    ]
+    assert offered == [
+        (dra.product_selector(card.product), {"cores": cores, "memory": memory})
+        for card, cores, memory in alternatives
+    ]
+
+
+def test_a_template_name_changes_when_the_models_change() -> None:
+    one = plan_claim("c", _Ask(core=50), {SMALL.product: SMALL})
+    both = plan_claim("c", _Ask(core=50), MODELS)
+    assert one.name != both.name
+
+
+def test_rounded_memory_is_said() -> None:
+    plan = plan_claim("train", _Ask(core=30, memory_mib=3000), {})
+    assert _capacity(_request(plan)["exactly"]) == {"cores": "30", "memory": "3072Mi"}
+    assert plan.warnings == (
+        'container "train": 3000 MiB of GPU memory rounded up to 3072 MiB (GPU memory is '
+        "granted in 256 MiB blocks)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("ask", "models", "message"),
+    [
+        pytest.param(_Ask(core=50), {}, "no GPU models are published", id="no model known"),
+        pytest.param(_Ask(memory_percent=10), {}, "no GPU models are published", id="percent"),
+        pytest.param(
+            _Ask(memory_mib=200000), MODELS, "more GPU memory than any card", id="too much memory"
+        ),
+    ],
+)
+def test_requests_that_cannot_be_sized_are_denied(
+    ask: _Ask, models: dict[str, Card], message: str
+) -> None:
+    with pytest.raises(RequestError, match=message):
+        plan_claim("c", ask, models)
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [
+        pytest.param(_Ask(core=200), id="whole cards"),
+        pytest.param(_Ask(core=30, memory_mib=8192), id="share"),
+        pytest.param(_Ask(memory_percent=25), id="first available"),
+    ],
+)
+def test_templates_are_valid_kubernetes_1_36_objects(ask: _Ask) -> None:
+    template = dict(plan_claim("c", ask, MODELS).template)
+    template["metadata"] = {**template["metadata"], "namespace": "team-a"}
+    kubernetes_validate.validate(template, "1.36.0", strict=True)
+
+
+def test_env_describes_what_the_webhook_knows() -> None:
+    assert plan_claim("c", _Ask(core=200), {}).env == {"FRACGPU_GPU": "2"}
+    assert plan_claim("c", _Ask(core=30, memory_mib=8192), {}).env == {
+        "FRACGPU_GPU": "0.3",
+        "FRACGPU_MEMORY_MIB": "8192",
+    }
+    # The memory depends on the card: the node agent, which knows it, sets FRACGPU_MEMORY_MIB.
+    assert plan_claim("c", _Ask(core=50), MODELS).env == {"FRACGPU_GPU": "0.5"}
+
+
+# --- the store, against the fake API server ---------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[Api]:
+    async with (
+        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
+        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as api,
+    ):
+        yield api
+
+
+async def _templates(api: Api, namespace: str) -> list[dict[str, Any]]:
+    listing = await call_json(api, "GET", RESOURCE_CLAIM_TEMPLATES.path(namespace))
+    items: list[dict[str, Any]] = listing["items"]
+    return items
+
+
+async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
+    store = TemplateStore(client, clock=Clock())
+    plan = plan_claim("c", _Ask(core=30, memory_mib=8192), {})
+    await store.ensure("team-a", plan, dry_run=True)
+    assert await _templates(client, "team-a") == []
+    await store.ensure("team-a", plan, dry_run=False)
+    await store.ensure("team-a", plan, dry_run=False)
+    assert [t["metadata"]["name"] for t in await _templates(client, "team-a")] == [plan.name]
+
+
+async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
+    clock = Clock()
+    plan = plan_claim("c", _Ask(core=100), {})
+    await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
+    clock.now += 300
+    await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
+    [stored] = await _templates(client, "team-a")
+    assert stored["metadata"]["annotations"][LAST_USED_ANNOTATION] == str(int(clock.now))
+
+
+async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> None:
+    clock = Clock()
+    store = TemplateStore(client, grace_s=600, clock=clock)
+    used = plan_claim("c", _Ask(core=100), {})
+    idle = plan_claim("c", _Ask(core=200), {})
+    fresh = plan_claim("c", _Ask(core=300), {})
+    await store.ensure("team-a", used, dry_run=False)
+    await store.ensure("team-a", idle, dry_run=False)
+    clock.now += 601
+    await store.ensure("team-a", fresh, dry_run=False)
+    pods = {"team-a": [{"spec": {"resourceClaims": [{"resourceClaimTemplateName": used.name}]}}]}
+    deleted = await store.collect(pods)
+    assert deleted == [f"team-a/{idle.name}"]
+    names = sorted(t["metadata"]["name"] for t in await _templates(client, "team-a"))
+    assert names == sorted([used.name, fresh.name])
