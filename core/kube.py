@@ -230,6 +230,7 @@ VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
 )
 GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
+RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", namespaced=False)
 RESOURCE_CLAIM_TEMPLATES = Resource(
     "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True
 )

@@ -1,4 +1,5 @@
-"""webhook/dra.py: the request language as ResourceClaimTemplates, and the store that keeps them.
+"""webhook/claims.py and claimstore.py: the request language as ResourceClaimTemplates (DRA
+mode), the models ResourceSlices publish, and the store that keeps the templates.
 
 The templates are checked against Kubernetes 1.36's own schema (kubernetes-validate), so a field
 the API server would refuse fails here, not on a cluster.
@@ -16,7 +17,8 @@ import pytest
 from core import dra
 from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json, kube_client
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
-from webhook.dra import LAST_USED_ANNOTATION, ClaimPlan, TemplateStore, plan_claim
+from webhook.claims import ClaimPlan, SliceModels, plan_claim
+from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore
 from webhook.resources import Card, RequestError, _Ask
 
 SMALL = Card("NVIDIA-L4", 23034)  # 89 blocks
@@ -223,3 +225,53 @@ async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> N
     assert deleted == [f"team-a/{idle.name}"]
     names = sorted(t["metadata"]["name"] for t in await _templates(client, "team-a"))
     assert names == sorted([used.name, fresh.name])
+
+
+def _slice(products: list[tuple[str, str]], driver: str = dra.DRIVER) -> dict[str, Any]:
+    return {
+        "driver": driver,
+        "devices": [
+            {
+                "name": f"gpu-{i}",
+                "attributes": {dra.PRODUCT_ATTRIBUTE: {"string": product}},
+                "capacity": {dra.MEMORY: {"value": memory}},
+            }
+            for i, (product, memory) in enumerate(products)
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("slices", "models"),
+    [
+        pytest.param({}, {}, id="no slice"),
+        pytest.param({"a": _slice([("L4", "22784Mi")])}, {"L4": Card("L4", 22784)}, id="one model"),
+        pytest.param(
+            {"a": _slice([("L4", "22784Mi")]), "b": _slice([("L4", "22528Mi")])},
+            {"L4": Card("L4", 22528)},
+            id="the smallest report of a model wins",
+        ),
+        pytest.param(
+            {"a": _slice([("L4", "22784Mi")], driver="gpu.nvidia.com")},
+            {},
+            id="another driver's slice is not ours",
+        ),
+        pytest.param(
+            {"a": _slice([("L4", "lots")])}, {}, id="a memory that is not a quantity is skipped"
+        ),
+    ],
+)
+def test_models_come_from_the_slices(
+    slices: dict[str, dict[str, Any]], models: dict[str, Card]
+) -> None:
+    known = SliceModels()
+    for name, spec in slices.items():
+        known.set_slice(name, spec)
+    assert known.models() == models
+
+
+def test_a_deleted_slice_takes_its_models_along() -> None:
+    known = SliceModels()
+    known.set_slice("a", _slice([("L4", "22784Mi")]))
+    known.remove_slice("a")
+    assert known.models() == {}

@@ -3,7 +3,8 @@
 In DRA mode (design §9) a GPU container does not carry extended resources; it holds one
 ResourceClaim made from a template in the pod's namespace, and the stock scheduler places the
 claim on a card whose ``cores`` and ``memory`` capacities can hold it. This module decides what
-that template says; ``TemplateStore`` makes sure it exists.
+that template says, without talking to the cluster (``fracgpu review`` uses it too);
+``webhook.claimstore`` makes sure the template exists.
 
 The templates are shared: one per *shape* (``0.3`` card with 8 GiB is one shape, two whole cards
 another), named from the shape, so a Deployment of a hundred replicas uses one template and the
@@ -30,19 +31,18 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from core import dra
-from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, KubeConflict, KubeNotFound, call_json
+from core.quantity import QuantityError, parse_quantity
 from core.units import (
     BLOCK_MIB,
     CORE_PER_CARD,
-    DOMAIN,
     ENV_GPU,
     ENV_MEMORY_MIB,
+    MIB,
     ceil_div,
     format_cards,
 )
@@ -51,9 +51,7 @@ from webhook.resources import Card, CardChoice, RequestError, _Ask, _resolve, co
 log = logging.getLogger(__name__)
 
 TEMPLATE_PREFIX = "fracgpu-"
-MANAGED_LABEL = "app.kubernetes.io/managed-by"
-MANAGED_VALUE = "fracgpu"
-LAST_USED_ANNOTATION = f"{DOMAIN}/last-used"
+TEMPLATE_LABELS = {"app.kubernetes.io/managed-by": "fracgpu"}
 REQUEST_NAME = "gpu"
 
 
@@ -157,7 +155,7 @@ def _plan(
         "kind": "ResourceClaimTemplate",
         "metadata": {
             "name": f"{TEMPLATE_PREFIX}{shape}",
-            "labels": {MANAGED_LABEL: MANAGED_VALUE},
+            "labels": dict(TEMPLATE_LABELS),
         },
         "spec": {"spec": {"devices": {"requests": [{"name": REQUEST_NAME, **request}]}}},
     }
@@ -170,79 +168,39 @@ def pod_claim_name(container_kind: str, index: int) -> str:
     return f"{prefix}-{index}"
 
 
-@dataclass
-class TemplateStore:
-    """Makes sure the templates admission names exist, and deletes those no pod uses.
+class SliceModels:
+    """The GPU models the cluster's ResourceSlices publish, for sizing model-dependent shares.
 
-    ``ensure`` is on the admission path, so it remembers what it created or found (bounded)
-    and refreshes a template's last-used annotation at most once per ``touch_interval_s``.
-    ``collect`` deletes a managed template that no pod in its namespace references and that was
-    last used longer ago than ``grace_s``: a pod is created within seconds of its admission, so
-    a template in use by a pod being admitted is never older than that.
+    Each device of the fracgpu driver names its model (``productName``) and its memory capacity;
+    a model's memory is the smallest any slice reports for it, so a share sized for the model
+    fits every card of it.
     """
 
-    api: Api
-    grace_s: float = 600.0
-    touch_interval_s: float = 60.0
-    clock: Callable[[], float] = time.time
-    _known: dict[tuple[str, str], float] = field(default_factory=dict)
+    def __init__(self) -> None:
+        self._slices: dict[str, dict[str, int]] = {}  # slice name -> product -> MiB
 
-    async def ensure(self, namespace: str, plan: ClaimPlan, *, dry_run: bool) -> None:
-        if dry_run:
-            return  # sideEffects: NoneOnDryRun
-        key = (namespace, plan.name)
-        now = self.clock()
-        seen = self._known.get(key)
-        if seen is not None and now - seen < self.touch_interval_s:
+    def set_slice(self, name: str, slice_spec: Mapping[str, Any]) -> None:
+        if slice_spec.get("driver") != dra.DRIVER:
             return
-        body = json.loads(json.dumps(plan.template))
-        body["metadata"]["namespace"] = namespace
-        body["metadata"]["annotations"] = {LAST_USED_ANNOTATION: str(int(now))}
-        try:
-            await call_json(self.api, "POST", RESOURCE_CLAIM_TEMPLATES.path(namespace), body=body)
-        except KubeConflict:
-            await self._touch(namespace, plan.name, now)
-        if len(self._known) >= 4096:
-            self._known.clear()
-        self._known[key] = now
-
-    async def _touch(self, namespace: str, name: str, now: float) -> None:
-        patch = {"metadata": {"annotations": {LAST_USED_ANNOTATION: str(int(now))}}}
-        await call_json(
-            self.api,
-            "PATCH",
-            RESOURCE_CLAIM_TEMPLATES.path(namespace, name),
-            body=patch,
-            content_type="application/merge-patch+json",
-        )
-
-    async def collect(self, pods_by_namespace: Mapping[str, list[Mapping[str, Any]]]) -> list[str]:
-        """Delete unused managed templates; returns ``namespace/name`` of each one deleted."""
-        listing = await call_json(
-            self.api,
-            "GET",
-            RESOURCE_CLAIM_TEMPLATES.path(None),
-            query=[("labelSelector", f"{MANAGED_LABEL}={MANAGED_VALUE}")],
-        )
-        now = self.clock()
-        deleted: list[str] = []
-        for template in listing.get("items") or []:
-            meta = template.get("metadata") or {}
-            namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-            used = {
-                str(claim.get("resourceClaimTemplateName"))
-                for pod in pods_by_namespace.get(namespace, [])
-                for claim in (pod.get("spec") or {}).get("resourceClaims") or []
-            }
-            last = (meta.get("annotations") or {}).get(LAST_USED_ANNOTATION, "0")
-            idle = now - float(last) if last.isdigit() else float("inf")
-            if name in used or idle < self.grace_s:
-                continue
+        found: dict[str, int] = {}
+        for device in slice_spec.get("devices") or []:
+            attributes = device.get("attributes") or {}
+            product = (attributes.get(dra.PRODUCT_ATTRIBUTE) or {}).get("string")
+            memory = ((device.get("capacity") or {}).get(dra.MEMORY) or {}).get("value")
             try:
-                await call_json(self.api, "DELETE", RESOURCE_CLAIM_TEMPLATES.path(namespace, name))
-            except KubeNotFound:
+                mib = int(parse_quantity(memory).value) // MIB
+            except QuantityError:
                 continue
-            self._known.pop((namespace, name), None)
-            deleted.append(f"{namespace}/{name}")
-            log.info("deleted an unused claim template", extra={"template": deleted[-1]})
-        return deleted
+            if isinstance(product, str) and product and mib > 0:
+                found[product] = min(mib, found.get(product, mib))
+        self._slices[name] = found
+
+    def remove_slice(self, name: str) -> None:
+        self._slices.pop(name, None)
+
+    def models(self) -> dict[str, Card]:
+        smallest: dict[str, int] = {}
+        for products in self._slices.values():
+            for product, mib in products.items():
+                smallest[product] = min(mib, smallest.get(product, mib))
+        return {product: Card(product, mib) for product, mib in smallest.items()}
