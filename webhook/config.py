@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.contract import VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
-from webhook.resources import OPTIONAL_DIALECTS, Dialect
+from webhook.resources import DEFAULT_MAX_CARDS, OPTIONAL_DIALECTS, Dialect
 
 DEFAULT_TOLERATIONS: list[dict[str, str]] = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -59,6 +59,12 @@ class AdmissionConfig(_Section):
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
     allow_privileged: bool = Field(
         False, description="admit privileged containers in GPU pods (they see every GPU)"
+    )
+    max_cards: int = Field(
+        DEFAULT_MAX_CARDS,
+        ge=1,
+        le=1024,
+        description="whole cards one container may ask for; more could never be scheduled",
     )
 
     @field_validator("dialects")
