@@ -63,7 +63,7 @@ def test_fraction_is_rewritten_with_everything_design_3_adds() -> None:
         {"name": "FRACGPU_GPU", "value": "0.3"},
         {"name": "FRACGPU_MEMORY_MIB", "value": "24320"},
     ]
-    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
+    assert "schedulerName" not in out["spec"]  # left to the pod (admission.scheduler_name)
     assert out["spec"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
@@ -98,14 +98,39 @@ def test_existing_env_tolerations_and_scheduler() -> None:
     ]
     assert out["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert out["spec"]["schedulerName"] == "my-scheduler"
-    out = apply(mutator(override_scheduler=True), obj)
-    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
 
 
-def test_default_scheduler_is_replaced_and_empty_name_leaves_it() -> None:
-    obj = pod(container("a", {"fracgpu.io/gpu": "1"}), schedulerName="default-scheduler")
-    assert apply(mutator(), obj)["spec"]["schedulerName"] == "fracgpu-scheduler"
-    assert apply(mutator(scheduler_name=""), obj)["spec"]["schedulerName"] == "default-scheduler"
+PROFILE = "fracgpu-scheduler"
+
+
+@pytest.mark.parametrize(
+    ("config", "named", "expected"),
+    [
+        pytest.param({}, None, None, id="default-leaves-it-unset"),
+        pytest.param({}, "default-scheduler", "default-scheduler", id="default-leaves-default"),
+        pytest.param({}, "my-scheduler", "my-scheduler", id="default-leaves-named"),
+        pytest.param({"scheduler_name": PROFILE}, None, PROFILE, id="configured-sets-unset"),
+        pytest.param(
+            {"scheduler_name": PROFILE},
+            "default-scheduler",
+            PROFILE,
+            id="configured-replaces-default",
+        ),
+        pytest.param(
+            {"scheduler_name": PROFILE}, "my-scheduler", "my-scheduler", id="configured-keeps-named"
+        ),
+        pytest.param(
+            {"scheduler_name": PROFILE, "override_scheduler": True},
+            "my-scheduler",
+            PROFILE,
+            id="override-replaces-named",
+        ),
+    ],
+)
+def test_scheduler_name(config: dict[str, Any], named: str | None, expected: str | None) -> None:
+    extra = {} if named is None else {"schedulerName": named}
+    out = apply(mutator(**config), pod(container("a", {"fracgpu.io/gpu": "1"}), **extra))
+    assert out["spec"].get("schedulerName") == expected
 
 
 def test_init_containers_and_sidecars_and_multi_container() -> None:
