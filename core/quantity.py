@@ -33,8 +33,12 @@ _QUANTITY = re.compile(
     r"^(?P<num>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
     r"(?:(?P<bin>Ki|Mi|Gi|Ti|Pi|Ei)|(?P<exp>[eE][+-]?[0-9]+)|(?P<dec>[numkMGTPE]?))$"
 )
-# Quantities past this are certainly typos, and Decimal arithmetic on 1e999999 is slow.
+# Quantities past these are certainly typos, and Decimal arithmetic on 1e999999 is slow. The
+# length bound also keeps every parsed value printable: Python refuses to turn an integer of
+# more than 4,300 digits into text, and a value is at most 64 digits scaled by 10^48 here.
 _MAX_EXPONENT = 30
+MAX_CHARS = 64
+_MAX_INT = 10**MAX_CHARS
 
 Format = Literal["binary", "decimal"]
 
@@ -63,6 +67,11 @@ def parse_quantity(raw: object) -> Quantity:
     """
     if isinstance(raw, bool) or not isinstance(raw, str | int | float):
         raise QuantityError(f"{raw!r} is not a quantity")
+    if isinstance(raw, int) and abs(raw) >= _MAX_INT:
+        raise QuantityError(f"a quantity has at most {MAX_CHARS} digits")
+    if isinstance(raw, str) and len(raw) > MAX_CHARS:
+        # Checked before the cache, which would otherwise hold megabytes of hostile text.
+        raise QuantityError(f"a quantity has at most {MAX_CHARS} characters; got {len(raw)}")
     return _parse(raw)
 
 

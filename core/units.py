@@ -39,11 +39,11 @@ from core.quantity import QuantityError, parse_quantity
 DOMAIN = "fracgpu.io"
 """The API group of the GPUQuota CRD, and the prefix of every resource, label and annotation."""
 
-# The request language users write (docs/design.md §1).
+# The request language users write (design §1).
 GPU = f"{DOMAIN}/gpu"
 GPUMEM = f"{DOMAIN}/gpumem"
 GPUMEM_PERCENTAGE = f"{DOMAIN}/gpumem-percentage"
-# The canonical form the cluster accounts (docs/design.md §2).
+# The canonical form the cluster accounts (design §2).
 CORE = f"{DOMAIN}/core"
 MEMORY = f"{DOMAIN}/memory"
 CANONICAL = (CORE, MEMORY)
@@ -54,7 +54,7 @@ MIB = 2**20
 
 # Annotation that records what the user asked, before it was rewritten.
 REQUEST_ANNOTATION = f"{DOMAIN}/request"
-# Environment variables that describe the grant to the application (docs/design.md §3).
+# Environment variables that describe the grant to the application (design §3).
 ENV_GPU = "FRACGPU_GPU"
 ENV_MEMORY_MIB = "FRACGPU_MEMORY_MIB"
 SYSTEM_ENV_PREFIX = "FRACGPU_"
@@ -164,7 +164,13 @@ def cards_phrase(core: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Grant:
-    """A container's canonical GPU resources."""
+    """A container's canonical GPU resources.
+
+    ``memory_blocks`` is 0 for whole cards admitted without a memory resource: they hold all
+    the memory of each card they land on, which only the node knows, so admission neither
+    needs the card model nor writes a size that a bigger card would then be held to. Whole
+    cards admitted with memory (by earlier versions, or written so) keep it.
+    """
 
     core: int
     memory_blocks: int
@@ -173,6 +179,11 @@ class Grant:
     def whole_cards(self) -> int:
         """Number of whole cards, or 0 for a share of one card."""
         return self.core // CORE_PER_CARD if self.core >= CORE_PER_CARD else 0
+
+    @property
+    def all_memory(self) -> bool:
+        """Whole cards with all of their memory, however much the cards have."""
+        return self.memory_blocks == 0
 
     @property
     def cards(self) -> Decimal:
@@ -187,9 +198,14 @@ class Grant:
         return self.memory_mib // max(self.whole_cards, 1)
 
     def resources(self) -> dict[str, str]:
+        if self.all_memory:
+            return {CORE: str(self.core)}
         return {CORE: str(self.core), MEMORY: str(self.memory_blocks)}
 
     def env(self) -> dict[str, str]:
+        """What the application is told; the node agent adds the memory of whole cards."""
+        if self.all_memory:
+            return {ENV_GPU: format_cards(self.core)}
         return {ENV_GPU: format_cards(self.core), ENV_MEMORY_MIB: str(self.memory_mib_per_card)}
 
     @classmethod
@@ -203,7 +219,11 @@ class Grant:
             memory = _integer(resources.get(MEMORY))
         except (QuantityError, ValueError):
             return None
-        if core is None or memory is None or core <= 0 or memory <= 0:
+        if core is None or core <= 0:
+            return None
+        if memory is None and core % CORE_PER_CARD == 0:
+            return cls(core, 0)
+        if memory is None or memory <= 0:
             return None
         return cls(core, memory)
 

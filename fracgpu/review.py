@@ -61,6 +61,12 @@ def read_manifests(paths: Iterable[str]) -> Iterator[tuple[str, Any]]:
             documents = list(yaml.safe_load_all(text))
         except yaml.YAMLError as exc:
             raise ManifestError(f"{source}: not YAML or JSON: {exc}") from None
+        except ValueError:
+            # PyYAML turns a plain number into an int, which Python refuses past 4,300 digits.
+            raise ManifestError(
+                f"{source}: holds a number too long to read (more than 4300 digits); "
+                f"no Kubernetes quantity is that long"
+            ) from None
         for index, doc in enumerate(documents):
             if doc is None:
                 continue

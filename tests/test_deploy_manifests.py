@@ -23,7 +23,7 @@ from tests.deploy_render import (
     pod_specs,
     render,
 )
-from webhook.config import AdmissionConfig, ServerConfig
+from webhook.config import SCHEDULER_PROFILE, AdmissionConfig, ServerConfig
 
 # Kubernetes minor versions fracgpu supports: matchConditions are GA from 1.30. The newest is the
 # newest schema set that the pinned kubernetes-validate ships.
@@ -165,7 +165,7 @@ def test_webhook_config_is_accepted_by_the_webhook(overlay: str) -> None:
     config = config_of(render(overlay))
     assert ServerConfig.model_validate(config["server"]) == ServerConfig()
     admission = AdmissionConfig.model_validate(config["admission"])
-    assert admission.scheduler_name == "fracgpu-scheduler"
+    assert admission.scheduler_name == "", "GPU pods keep their scheduler unless configured"
     assert set(config) <= {
         "server",
         "admission",
@@ -274,8 +274,7 @@ def test_scheduler_profile_packs_the_canonical_resources() -> None:
     assert sched["apiVersion"] == "kubescheduler.config.k8s.io/v1"
     assert sched["kind"] == "KubeSchedulerConfiguration"
     (profile,) = sched["profiles"]
-    assert profile["schedulerName"] == AdmissionConfig().scheduler_name
-    assert profile["schedulerName"] == config_of(objs)["admission"]["scheduler_name"]
+    assert profile["schedulerName"] == SCHEDULER_PROFILE
     (fit,) = [p for p in profile["pluginConfig"] if p["name"] == "NodeResourcesFit"]
     strategy = fit["args"]["scoringStrategy"]
     assert strategy["type"] == "MostAllocated"

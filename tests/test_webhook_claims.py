@@ -61,7 +61,7 @@ EXACT = [
 def test_exact_requests(
     ask: _Ask, models: dict[str, Card], name: str, request_fields: dict[str, Any]
 ) -> None:
-    plan = plan_claim("c", ask, models)
+    plan = plan_claim("c", ask, models, max_cards=16)
     assert plan.name == name
     assert _request(plan) == {
         "name": "gpu",
@@ -97,7 +97,7 @@ PER_MODEL = [
 def test_model_dependent_requests_offer_one_alternative_per_model(
     ask: _Ask, alternatives: list[tuple[Card, str, str]]
 ) -> None:
-    request = _request(plan_claim("c", ask, MODELS))
+    request = _request(plan_claim("c", ask, MODELS, max_cards=16))
     offered = [
         (alt["selectors"][0]["cel"]["expression"], _capacity(alt))
         for alt in request["firstAvailable"]
@@ -109,13 +109,13 @@ def test_model_dependent_requests_offer_one_alternative_per_model(
 
 
 def test_a_template_name_changes_when_the_models_change() -> None:
-    one = plan_claim("c", _Ask(core=50), {SMALL.product: SMALL})
-    both = plan_claim("c", _Ask(core=50), MODELS)
+    one = plan_claim("c", _Ask(core=50), {SMALL.product: SMALL}, max_cards=16)
+    both = plan_claim("c", _Ask(core=50), MODELS, max_cards=16)
     assert one.name != both.name
 
 
 def test_rounded_memory_is_said() -> None:
-    plan = plan_claim("train", _Ask(core=30, memory_mib=3000), {})
+    plan = plan_claim("train", _Ask(core=30, memory_mib=3000), {}, max_cards=16)
     assert _capacity(_request(plan)["exactly"]) == {"cores": "30", "memory": "3072Mi"}
     assert plan.warnings == (
         'container "train": 3000 MiB of GPU memory rounded up to 3072 MiB (GPU memory is '
@@ -131,13 +131,19 @@ def test_rounded_memory_is_said() -> None:
         pytest.param(
             _Ask(memory_mib=200000), MODELS, "more GPU memory than any card", id="too much memory"
         ),
+        pytest.param(
+            _Ask(core=2000, core_key="fracgpu.io/gpu", core_shown="20"),
+            {},
+            "more whole cards than a node has",
+            id="more cards than admission.max_cards",
+        ),
     ],
 )
 def test_requests_that_cannot_be_sized_are_denied(
     ask: _Ask, models: dict[str, Card], message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
-        plan_claim("c", ask, models)
+        plan_claim("c", ask, models, max_cards=16)
 
 
 @pytest.mark.parametrize(
@@ -149,19 +155,19 @@ def test_requests_that_cannot_be_sized_are_denied(
     ],
 )
 def test_templates_are_valid_kubernetes_1_36_objects(ask: _Ask) -> None:
-    template = dict(plan_claim("c", ask, MODELS).template)
+    template = dict(plan_claim("c", ask, MODELS, max_cards=16).template)
     template["metadata"] = {**template["metadata"], "namespace": "team-a"}
     kubernetes_validate.validate(template, "1.36.0", strict=True)
 
 
 def test_env_describes_what_the_webhook_knows() -> None:
-    assert plan_claim("c", _Ask(core=200), {}).env == {"FRACGPU_GPU": "2"}
-    assert plan_claim("c", _Ask(core=30, memory_mib=8192), {}).env == {
+    assert plan_claim("c", _Ask(core=200), {}, max_cards=16).env == {"FRACGPU_GPU": "2"}
+    assert plan_claim("c", _Ask(core=30, memory_mib=8192), {}, max_cards=16).env == {
         "FRACGPU_GPU": "0.3",
         "FRACGPU_MEMORY_MIB": "8192",
     }
     # The memory depends on the card: the node agent, which knows it, sets FRACGPU_MEMORY_MIB.
-    assert plan_claim("c", _Ask(core=50), MODELS).env == {"FRACGPU_GPU": "0.5"}
+    assert plan_claim("c", _Ask(core=50), MODELS, max_cards=16).env == {"FRACGPU_GPU": "0.5"}
 
 
 # --- the store, against the fake API server ---------------------------------------------------
@@ -192,7 +198,7 @@ async def _templates(api: Api, namespace: str) -> list[dict[str, Any]]:
 
 async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
     store = TemplateStore(client, clock=Clock())
-    plan = plan_claim("c", _Ask(core=30, memory_mib=8192), {})
+    plan = plan_claim("c", _Ask(core=30, memory_mib=8192), {}, max_cards=16)
     await store.ensure("team-a", plan, dry_run=True)
     assert await _templates(client, "team-a") == []
     await store.ensure("team-a", plan, dry_run=False)
@@ -202,7 +208,7 @@ async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
 
 async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
     clock = Clock()
-    plan = plan_claim("c", _Ask(core=100), {})
+    plan = plan_claim("c", _Ask(core=100), {}, max_cards=16)
     await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
     clock.now += 300
     await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
@@ -213,9 +219,9 @@ async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
 async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> None:
     clock = Clock()
     store = TemplateStore(client, grace_s=600, clock=clock)
-    used = plan_claim("c", _Ask(core=100), {})
-    idle = plan_claim("c", _Ask(core=200), {})
-    fresh = plan_claim("c", _Ask(core=300), {})
+    used = plan_claim("c", _Ask(core=100), {}, max_cards=16)
+    idle = plan_claim("c", _Ask(core=200), {}, max_cards=16)
+    fresh = plan_claim("c", _Ask(core=300), {}, max_cards=16)
     await store.ensure("team-a", used, dry_run=False)
     await store.ensure("team-a", idle, dry_run=False)
     clock.now += 601

@@ -150,3 +150,25 @@ def test_review_with_quota_file(capsys: pytest.CaptureFixture[str], tmp_path: Pa
         'GPU quota exceeded in namespace "team-a": this pod asks 0.30 card and 8192 MiB; '
         'quota "team-a" allows 0.50 card (0.30 used) and 16384 MiB (8192 used)'
     )
+
+
+@pytest.mark.parametrize(
+    ("value", "expected", "status"),
+    [
+        pytest.param("1" * 5000, "more than 4300 digits", 2, id="plain-number"),
+        pytest.param('"' + "1" * 5000 + '"', "(5002 characters)", 1, id="quoted-number"),
+        pytest.param("1e30", "a container may have at most 16 cards", 1, id="absurd-cards"),
+    ],
+)
+def test_review_of_absurd_quantities_answers_without_a_traceback(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, value: str, expected: str, status: int
+) -> None:
+    manifest = tmp_path / "pod.yaml"
+    manifest.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: p}\nspec:\n  containers:\n"
+        f"  - name: c\n    image: x\n    resources:\n      limits:\n"
+        f"        fracgpu.io/gpu: {value}\n"
+    )
+    got, out, err = run(capsys, "review", str(manifest))
+    assert expected in out + err
+    assert got == status

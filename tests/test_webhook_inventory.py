@@ -42,7 +42,17 @@ def test_unpinned_mixed_cluster_takes_smallest_and_warns() -> None:
     choice = inventory().choose({})
     assert choice.card == Card("Static-GPU", 16384)
     assert choice.largest == Card("NVIDIA-H100-80GB-HBM3", 81559)
-    assert choice.warning is not None and "smallest of 3 GPU models" in choice.warning
+    assert choice.card is not None
+    assert "the smallest of 3 GPU models" in str(choice.warning(choice.card))
+
+
+def test_unpinned_mixed_cluster_offers_every_model_smallest_first() -> None:
+    choice = inventory().choose({})
+    assert [c.product for c in choice.cards] == [
+        "Static-GPU",
+        "NVIDIA-L4",
+        "NVIDIA-H100-80GB-HBM3",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -80,8 +90,22 @@ def test_unpinned_mixed_cluster_takes_smallest_and_warns() -> None:
 )
 def test_pinned(spec: dict[str, Any], product: str) -> None:
     choice = inventory().choose(spec)
-    assert choice.card is not None and choice.card.product == product
-    assert choice.warning is None
+    assert [c.product for c in choice.cards] == [product]
+
+
+@pytest.mark.parametrize(
+    ("spec", "pin"),
+    [
+        pytest.param({}, "fracgpu.io/gpu.product", id="unpinned"),
+        pytest.param(
+            {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"}},
+            "nvidia.com/gpu.product",
+            id="pinned-with-gfd-label",
+        ),
+    ],
+)
+def test_warning_names_the_label_to_pin_with(spec: dict[str, Any], pin: str) -> None:
+    assert inventory().choose(spec).pin == pin
 
 
 def test_pinned_to_unknown_model() -> None:

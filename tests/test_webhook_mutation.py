@@ -63,7 +63,7 @@ def test_fraction_is_rewritten_with_everything_design_3_adds() -> None:
         {"name": "FRACGPU_GPU", "value": "0.3"},
         {"name": "FRACGPU_MEMORY_MIB", "value": "24320"},
     ]
-    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
+    assert "schedulerName" not in out["spec"]  # left to the pod (admission.scheduler_name)
     assert out["spec"]["tolerations"] == [
         {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
     ]
@@ -98,14 +98,39 @@ def test_existing_env_tolerations_and_scheduler() -> None:
     ]
     assert out["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists"}]
     assert out["spec"]["schedulerName"] == "my-scheduler"
-    out = apply(mutator(override_scheduler=True), obj)
-    assert out["spec"]["schedulerName"] == "fracgpu-scheduler"
 
 
-def test_default_scheduler_is_replaced_and_empty_name_leaves_it() -> None:
-    obj = pod(container("a", {"fracgpu.io/gpu": "1"}), schedulerName="default-scheduler")
-    assert apply(mutator(), obj)["spec"]["schedulerName"] == "fracgpu-scheduler"
-    assert apply(mutator(scheduler_name=""), obj)["spec"]["schedulerName"] == "default-scheduler"
+PROFILE = "fracgpu-scheduler"
+
+
+@pytest.mark.parametrize(
+    ("config", "named", "expected"),
+    [
+        pytest.param({}, None, None, id="default-leaves-it-unset"),
+        pytest.param({}, "default-scheduler", "default-scheduler", id="default-leaves-default"),
+        pytest.param({}, "my-scheduler", "my-scheduler", id="default-leaves-named"),
+        pytest.param({"scheduler_name": PROFILE}, None, PROFILE, id="configured-sets-unset"),
+        pytest.param(
+            {"scheduler_name": PROFILE},
+            "default-scheduler",
+            PROFILE,
+            id="configured-replaces-default",
+        ),
+        pytest.param(
+            {"scheduler_name": PROFILE}, "my-scheduler", "my-scheduler", id="configured-keeps-named"
+        ),
+        pytest.param(
+            {"scheduler_name": PROFILE, "override_scheduler": True},
+            "my-scheduler",
+            PROFILE,
+            id="override-replaces-named",
+        ),
+    ],
+)
+def test_scheduler_name(config: dict[str, Any], named: str | None, expected: str | None) -> None:
+    extra = {} if named is None else {"schedulerName": named}
+    out = apply(mutator(**config), pod(container("a", {"fracgpu.io/gpu": "1"}), **extra))
+    assert out["spec"].get("schedulerName") == expected
 
 
 def test_init_containers_and_sidecars_and_multi_container() -> None:
@@ -315,8 +340,12 @@ async def test_reviewer_answers_admission_requests() -> None:
     assert (await m(delete)).allowed
 
 
+# Huge numbers and long text: Python will not print an integer of more than 4,300 digits.
+_huge = st.integers(4301, 5000).map(lambda n: -(10**n) if n % 2 else 10**n) | st.sampled_from(
+    ["9" * 5000, "1e30", "0." + "1" * 70]
+)
 pod_json = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.text(max_size=10),
+    st.none() | st.booleans() | st.integers() | st.text(max_size=10) | _huge,
     lambda c: (
         st.lists(c, max_size=3)
         | st.dictionaries(
@@ -459,3 +488,152 @@ def test_long_lived_mutator_answers_as_a_fresh_one(steps: list[Any]) -> None:
             want.warnings,
             want.gpu,
         )
+
+
+# Deployment → ReplicaSet → Pod --------------------------------------------------------------
+
+
+def replicaset_from(deploy: dict[str, Any]) -> dict[str, Any]:
+    """A ReplicaSet as the Deployment controller makes it: the template copied, a hash added."""
+    template = copy.deepcopy(deploy["spec"]["template"])
+    template.setdefault("metadata", {}).setdefault("labels", {})["pod-template-hash"] = "5d9f"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "ReplicaSet",
+        "metadata": {"name": "w-5d9f", "ownerReferences": [{"kind": "Deployment", "name": "w"}]},
+        "spec": {"replicas": 1, "selector": deploy["spec"]["selector"], "template": template},
+    }
+
+
+def pod_from(owner: dict[str, Any]) -> dict[str, Any]:
+    """A Pod as the ReplicaSet controller makes it from the template."""
+    template = copy.deepcopy(owner["spec"]["template"])
+    meta = {**template.get("metadata", {}), "generateName": "w-5d9f-"}
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": template["spec"]}
+
+
+def admitted(m: Mutator, obj: dict[str, Any], group: str, kind: str) -> dict[str, Any]:
+    outcome = m.mutate(obj, group, kind)
+    assert outcome.errors == [], kind
+    patched: dict[str, Any] = jsonpatch.apply_patch(obj, outcome.patch)
+    return patched
+
+
+NODES = {"l4": L4_LABELS, "h100": H100_LABELS}
+
+
+@pytest.mark.parametrize(
+    ("limits", "before", "after"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpumem": "24576"}, ["l4", "h100"], ["l4", "h100"], id="memory-over-l4"
+        ),
+        pytest.param({"fracgpu.io/gpu": "1"}, [], [], id="whole-card-no-model-known"),
+        pytest.param({"fracgpu.io/gpu": "2"}, ["l4", "h100"], ["l4", "h100"], id="two-cards-mixed"),
+        pytest.param({"fracgpu.io/gpu": "0.5"}, ["h100"], ["l4", "h100"], id="l4-pool-appears"),
+        pytest.param(
+            {"fracgpu.io/gpumem": "24576"}, ["h100"], ["l4", "h100"], id="memory-l4-pool-appears"
+        ),
+        pytest.param({"fracgpu.io/gpu": "0.3"}, ["l4", "h100"], ["h100"], id="l4-pool-removed"),
+    ],
+)
+def test_deployment_replicaset_pod_chain_is_admitted_unchanged(
+    limits: dict[str, Any], before: list[str], after: list[str]
+) -> None:
+    """Each object of the chain carries what admission wrote on the first; it must pass as is,
+    even when the GPU models the cluster knows changed in between."""
+    inv = Inventory()
+    m = Mutator(AdmissionConfig(), inv)
+    inv.replace_nodes((n, NODES[n]) for n in before)
+    deploy = admitted(m, deployment("Deployment", "apps", limits), "apps", "Deployment")
+    inv.replace_nodes((n, NODES[n]) for n in after)
+    rs = replicaset_from(deploy)
+    assert m.mutate(rs, "apps", "ReplicaSet").patch == []
+    assert m.mutate(rs, "apps", "ReplicaSet").errors == []
+    made = pod_from(rs)
+    assert m.mutate(made, "", "Pod").patch == []
+    assert m.mutate(made, "", "Pod").errors == []
+
+
+def test_memory_only_over_the_smallest_model_is_a_share_of_the_model_that_holds_it() -> None:
+    inv = Inventory()
+    inv.replace_nodes(NODES.items())
+    out = apply(
+        Mutator(AdmissionConfig(), inv), pod(container("c", {"fracgpu.io/gpumem": "24576"}))
+    )
+    c = out["spec"]["containers"][0]
+    assert c["resources"]["limits"] == {"fracgpu.io/core": "31", "fracgpu.io/memory": "96"}
+    assert c["env"] == [
+        {"name": "FRACGPU_GPU", "value": "0.31"},
+        {"name": "FRACGPU_MEMORY_MIB", "value": "24576"},
+    ]
+
+
+@pytest.mark.parametrize(
+    "inventory",
+    [pytest.param({}, id="no-model-known"), pytest.param(INVENTORY, id="model-known")],
+)
+def test_whole_cards_are_core_only_and_the_node_tells_the_memory(inventory: dict[str, int]) -> None:
+    out = apply(
+        Mutator(AdmissionConfig(), Inventory(inventory)),
+        pod(container("c", {"fracgpu.io/gpu": "2"})),
+    )
+    c = out["spec"]["containers"][0]
+    assert c["resources"] == {
+        "limits": {"fracgpu.io/core": "200"},
+        "requests": {"fracgpu.io/core": "200"},
+    }
+    assert c["env"] == [{"name": "FRACGPU_GPU", "value": "2"}]
+
+
+def test_earlier_whole_card_admissions_pass_unchanged() -> None:
+    """A template admitted by an earlier version carries memory and its variable: kept."""
+    old = container(
+        "c",
+        {"fracgpu.io/core": "200", "fracgpu.io/memory": "636"},
+        env=[
+            {"name": "FRACGPU_GPU", "value": "2"},
+            {"name": "FRACGPU_MEMORY_MIB", "value": "81408"},
+        ],
+    )
+    old["resources"]["requests"] = dict(old["resources"]["limits"])
+    obj = pod(old)
+    obj["metadata"]["annotations"] = {"fracgpu.io/request": '{"c":{"fracgpu.io/gpu":"2"}}'}
+    obj["spec"]["schedulerName"] = "default-scheduler"
+    obj["spec"]["tolerations"] = [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    ]
+    outcome = Mutator(AdmissionConfig(scheduler_name=""), Inventory()).mutate(obj, "", "Pod")
+    assert (outcome.errors, outcome.patch) == ([], [])
+
+
+@pytest.mark.parametrize(
+    ("limits", "env"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu": "2"},
+            {"name": "FRACGPU_MEMORY_MIB", "value": "81408"},
+            id="memory-variable-on-whole-cards",
+        ),
+        pytest.param(
+            {"fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+            {"name": "FRACGPU_MEMORY_MIB", "value": "24576"},
+            id="memory-variable-not-the-grant",
+        ),
+        pytest.param(
+            {"fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+            {"name": "FRACGPU_GPU", "value": "0.30"},
+            id="same-number-other-text",
+        ),
+        pytest.param(
+            {"fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+            {"name": "FRACGPU_GPU", "valueFrom": {"configMapKeyRef": {"name": "x", "key": "y"}}},
+            id="from-a-config-map",
+        ),
+    ],
+)
+def test_system_variables_that_differ_from_the_grant_are_denied(
+    limits: dict[str, Any], env: dict[str, Any]
+) -> None:
+    outcome = mutator().mutate(pod(container("c", limits, env=[env])), "", "Pod")
+    assert f"environment variable {env['name']} is set by fracgpu" in outcome.message

@@ -11,12 +11,13 @@ from hypothesis import strategies as st
 
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
-from webhook.resources import Card, CardChoice, Dialect, normalise_container
+from webhook.resources import DEFAULT_MAX_CARDS, Card, CardChoice, Dialect, normalise_container
 
 H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
 L4 = Card("NVIDIA-L4", 23034)  # 89 blocks
-KNOWN = CardChoice(H100, H100)
-UNKNOWN = CardChoice(None)
+KNOWN = CardChoice((H100,))
+UNKNOWN = CardChoice()
+MIXED = CardChoice((L4, H100))
 ALL = (Dialect.HAMI, Dialect.TKESTACK)
 
 
@@ -34,35 +35,63 @@ def error_of(limits: dict[str, Any], card: CardChoice = KNOWN, **kw: Any) -> str
 
 
 VALID = [
-    # (limits, core, blocks)
-    ({"fracgpu.io/gpu": "0.3"}, 30, 318 * 30 // 100),
-    ({"fracgpu.io/gpu": "300m"}, 30, 95),
-    ({"fracgpu.io/gpu": "0.30"}, 30, 95),
-    ({"fracgpu.io/gpu": 0.3}, 30, 95),
-    ({"fracgpu.io/gpu": "0.01"}, 1, 3),
-    ({"fracgpu.io/gpu": "10m"}, 1, 3),
-    ({"fracgpu.io/gpu": "1e-2"}, 1, 3),
-    ({"fracgpu.io/gpu": "0.56"}, 56, 178),
-    ({"fracgpu.io/gpu": "1"}, 100, 318),
-    ({"fracgpu.io/gpu": 2}, 200, 636),
-    ({"fracgpu.io/gpu": "8"}, 800, 8 * 318),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8192"}, 50, 32),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8Gi"}, 50, 32),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8k"}, 50, 32),  # 8000 MiB, rounded up
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": 3000}, 50, 12),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": 50}, 50, 159),
-    ({"fracgpu.io/gpu": "0.2", "fracgpu.io/gpumem-percentage": "100"}, 20, 318),
-    ({"fracgpu.io/gpumem": "8Gi"}, 11, 32),  # memory only: a share of at least 32/318
-    ({"fracgpu.io/gpumem-percentage": 25}, 25, 79),
-    ({"fracgpu.io/core": "30", "fracgpu.io/memory": "95"}, 30, 95),  # canonical passes through
-    ({"fracgpu.io/core": "200", "fracgpu.io/memory": "636"}, 200, 636),
-    ({"fracgpu.io/core": "40"}, 40, 127),
-    ({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "3000"}, 30, 12),
-    ({"nvidia.com/gpu": "1"}, 100, 318),
-    ({"nvidia.com/gpu": "2"}, 200, 636),
-    ({"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "50"}, 50, 159),
-    ({"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "30"}, 50, 30),
-    ({"tencent.com/vcuda-core": "200"}, 200, 636),
+    # (limits, core, blocks); blocks 0: whole cards with all the memory of the cards
+    pytest.param({"fracgpu.io/gpu": "0.3"}, 30, 318 * 30 // 100, id="fraction"),
+    pytest.param({"fracgpu.io/gpu": "300m"}, 30, 95, id="fraction-milli"),
+    pytest.param({"fracgpu.io/gpu": "0.30"}, 30, 95, id="fraction-trailing-zero"),
+    pytest.param({"fracgpu.io/gpu": 0.3}, 30, 95, id="fraction-yaml-float"),
+    pytest.param({"fracgpu.io/gpu": "0.01"}, 1, 3, id="smallest-share"),
+    pytest.param({"fracgpu.io/gpu": "10m"}, 1, 3, id="smallest-share-milli"),
+    pytest.param({"fracgpu.io/gpu": "1e-2"}, 1, 3, id="smallest-share-exponent"),
+    pytest.param({"fracgpu.io/gpu": "0.56"}, 56, 178, id="fraction-two-decimals"),
+    pytest.param({"fracgpu.io/gpu": "1"}, 100, 0, id="one-card"),
+    pytest.param({"fracgpu.io/gpu": 2}, 200, 0, id="two-cards-yaml-int"),
+    pytest.param({"fracgpu.io/gpu": "8"}, 800, 0, id="eight-cards"),
+    pytest.param({"fracgpu.io/gpu": "16"}, 1600, 0, id="max-cards"),
+    pytest.param({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8192"}, 50, 32, id="mib"),
+    pytest.param({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8Gi"}, 50, 32, id="bytes"),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8k"}, 50, 32, id="mib-decimal-suffix"
+    ),
+    pytest.param({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": 3000}, 50, 12, id="mib-rounded"),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": 50}, 50, 159, id="percentage"
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.2", "fracgpu.io/gpumem-percentage": "100"}, 20, 318, id="all-memory"
+    ),
+    pytest.param({"fracgpu.io/gpumem": "8Gi"}, 11, 32, id="memory-only"),
+    pytest.param({"fracgpu.io/gpumem-percentage": 25}, 25, 79, id="percentage-only"),
+    pytest.param({"fracgpu.io/core": "30", "fracgpu.io/memory": "95"}, 30, 95, id="canonical"),
+    pytest.param({"fracgpu.io/core": "200"}, 200, 0, id="canonical-whole-cards"),
+    pytest.param(
+        {"fracgpu.io/core": "200", "fracgpu.io/memory": "636"},
+        200,
+        636,
+        id="canonical-whole-cards-with-memory-kept",
+    ),
+    pytest.param(
+        {"fracgpu.io/core": "100", "fracgpu.io/memory": "96"},
+        100,
+        96,
+        id="canonical-whole-card-with-other-memory-kept",
+    ),
+    pytest.param({"fracgpu.io/core": "40"}, 40, 127, id="canonical-core-only"),
+    pytest.param(
+        {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "3000"},
+        30,
+        12,
+        id="hami-share",
+    ),
+    pytest.param({"nvidia.com/gpu": "1"}, 100, 0, id="hami-one-card"),
+    pytest.param({"nvidia.com/gpu": "2"}, 200, 0, id="hami-two-cards"),
+    pytest.param(
+        {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "50"}, 50, 159, id="hami-percent"
+    ),
+    pytest.param(
+        {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "30"}, 50, 30, id="tke-share"
+    ),
+    pytest.param({"tencent.com/vcuda-core": "200"}, 200, 0, id="tke-two-cards"),
 ]
 
 
@@ -77,36 +106,131 @@ GPU_RULE = (
 )
 
 INVALID = [
-    ({"fracgpu.io/gpu": "1.5"}, GPU_RULE + "1.5"),
-    ({"fracgpu.io/gpu": "1500m"}, GPU_RULE + "1.5"),
-    ({"fracgpu.io/gpu": "2.7"}, GPU_RULE + "2.7"),
-    ({"fracgpu.io/gpu": "0.333"}, GPU_RULE + "0.333"),
-    ({"fracgpu.io/gpu": "0.005"}, GPU_RULE + "0.005"),
-    ({"fracgpu.io/gpu": "-1"}, GPU_RULE + "-1"),
-    ({"fracgpu.io/gpu": "-0.5"}, GPU_RULE + "-0.5"),
-    ({"fracgpu.io/gpu": "abc"}, GPU_RULE + '"abc"'),
-    ({"fracgpu.io/gpu": True}, GPU_RULE + "true"),
-    ({"fracgpu.io/gpu": "1Gi"}, GPU_RULE + "1Gi"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "0.5"}, "whole number of MiB"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1536Ki"}, "got 1536Ki"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "-5"}, "whole number of MiB"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "100Gi"}, "more than NVIDIA-H100-80GB-HBM3"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8000000000"}, "write a binary suffix"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "0"}, "between 1 and 100; got 0"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "101"}, "got 101"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "50.5"}, "got 50.5"),
-    (
+    pytest.param({"fracgpu.io/gpu": "1.5"}, GPU_RULE + "1.5", id="one-and-a-half"),
+    pytest.param({"fracgpu.io/gpu": "1500m"}, GPU_RULE + "1.5", id="one-and-a-half-milli"),
+    pytest.param({"fracgpu.io/gpu": "2.7"}, GPU_RULE + "2.7", id="two-point-seven"),
+    pytest.param({"fracgpu.io/gpu": "0.333"}, GPU_RULE + "0.333", id="three-decimals"),
+    pytest.param({"fracgpu.io/gpu": "0.005"}, GPU_RULE + "0.005", id="below-smallest-share"),
+    pytest.param({"fracgpu.io/gpu": "-1"}, GPU_RULE + "-1", id="negative-cards"),
+    pytest.param({"fracgpu.io/gpu": "-0.5"}, GPU_RULE + "-0.5", id="negative-share"),
+    pytest.param({"fracgpu.io/gpu": "abc"}, GPU_RULE + '"abc"', id="not-a-number"),
+    pytest.param({"fracgpu.io/gpu": True}, GPU_RULE + "true", id="boolean"),
+    pytest.param({"fracgpu.io/gpu": "1Gi"}, GPU_RULE + "1Gi", id="binary-cards"),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "0.5"},
+        "whole number of MiB",
+        id="fractional-mib",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1536Ki"},
+        "got 1536Ki",
+        id="bytes-not-whole-mib",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "-5"},
+        "whole number of MiB",
+        id="negative-mib",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "100Gi"},
+        "more than NVIDIA-H100-80GB-HBM3",
+        id="more-memory-than-the-card",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8000000000"},
+        "write a binary suffix",
+        id="bytes-as-mib",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "0"},
+        "between 1 and 100; got 0",
+        id="zero-percent",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "101"},
+        "got 101",
+        id="percent-over-100",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "50.5"},
+        "got 50.5",
+        id="fractional-percent",
+    ),
+    pytest.param(
         {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpumem-percentage": 5},
         "are both set",
+        id="mib-and-percent",
     ),
-    ({"fracgpu.io/gpu": "0", "fracgpu.io/gpumem": "8Gi"}, "is 0 but GPU memory is requested"),
-    ({"fracgpu.io/core": "150"}, "multiple of 100"),
-    ({"fracgpu.io/core": "30", "fracgpu.io/memory": "0"}, "at least 1 block"),
-    ({"fracgpu.io/gpu": "0.5", "fracgpu.io/core": "50"}, "mixes resources"),
-    ({"fracgpu.io/gpu": "0.5", "nvidia.com/gpumem": "1000"}, "mixes resources"),
-    ({"nvidia.com/gpu": "2", "nvidia.com/gpucores": "30"}, "share of one card or whole cards"),
-    ({"nvidia.com/gpu": "1", "nvidia.com/gpucores": "130"}, "between 0 and 100"),
-    ({"tencent.com/vcuda-core": "150"}, "multiple of 100"),
+    pytest.param(
+        {"fracgpu.io/gpu": "0", "fracgpu.io/gpumem": "8Gi"},
+        "is 0 but GPU memory is requested",
+        id="zero-cards-with-memory",
+    ),
+    pytest.param({"fracgpu.io/core": "150"}, "multiple of 100", id="canonical-core-not-whole"),
+    pytest.param(
+        {"fracgpu.io/core": "30", "fracgpu.io/memory": "0"},
+        "at least 1 block",
+        id="canonical-zero-memory",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/core": "50"},
+        "mixes resources",
+        id="mixes-fracgpu-and-canonical",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "nvidia.com/gpumem": "1000"},
+        "mixes resources",
+        id="mixes-fracgpu-and-hami",
+    ),
+    pytest.param(
+        {"nvidia.com/gpu": "2", "nvidia.com/gpucores": "30"},
+        "share of one card or whole cards",
+        id="hami-share-of-two-cards",
+    ),
+    pytest.param(
+        {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "130"},
+        "between 0 and 100",
+        id="hami-cores-over-100",
+    ),
+    pytest.param({"tencent.com/vcuda-core": "150"}, "multiple of 100", id="tke-core-not-whole"),
+    pytest.param(
+        {"fracgpu.io/gpu": "17"},
+        "fracgpu.io/gpu asks for more whole cards than a node has: a container may have at "
+        "most 16 cards (admission.max_cards); got 17; ask for fewer cards",
+        id="cards-over-bound",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "1e30"},
+        "most 16 cards (admission.max_cards); got 1000000000000000000000000000000;",
+        id="cards-absurd",
+    ),
+    pytest.param(
+        {"fracgpu.io/core": "1e30"},
+        "fracgpu.io/core asks for more whole cards",
+        id="canonical-cards-absurd",
+    ),
+    pytest.param(
+        {"nvidia.com/gpu": "1000"},
+        "nvidia.com/gpu asks for more whole cards than a node has",
+        id="hami-cards-absurd",
+    ),
+    pytest.param(
+        {"tencent.com/vcuda-core": "1e25"},
+        "tencent.com/vcuda-core asks for more whole cards",
+        id="tke-cards-absurd",
+    ),
+    pytest.param({"fracgpu.io/gpu": "1" * 5000}, "… (5002 characters)", id="cards-5000-digits"),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "9" * 4400},
+        "whole number of MiB",
+        id="mib-4400-digits",
+    ),
+    pytest.param(
+        {"fracgpu.io/core": "2" * 4301}, "hundredths of a card", id="canonical-4301-digits"
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": 10**5000}, "got a number of 16610 bits", id="yaml-int-5000-digits"
+    ),
 ]
 
 
@@ -156,16 +280,60 @@ def test_dialects_off_by_default() -> None:
 @pytest.mark.parametrize(
     "limits",
     [
-        {"fracgpu.io/gpu": "0.3"},
-        {"fracgpu.io/gpu": "2"},
-        {"fracgpu.io/gpumem": "8Gi"},
-        {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem-percentage": "10"},
+        pytest.param({"fracgpu.io/gpu": "0.3"}, id="fraction"),
+        pytest.param({"fracgpu.io/gpumem": "8Gi"}, id="memory-only"),
+        pytest.param(
+            {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem-percentage": "10"}, id="percentage"
+        ),
     ],
 )
 def test_needs_card_when_unknown(limits: dict[str, Any]) -> None:
     message = error_of(limits, UNKNOWN)
     assert "no GPU models are known to fracgpu" in message
-    assert "inventory.models" in message
+
+
+def test_unknown_card_message_says_how_to_fix() -> None:
+    assert "inventory.models" in error_of({"fracgpu.io/gpu": "0.3"}, UNKNOWN)
+
+
+@pytest.mark.parametrize(
+    ("limits", "core"),
+    [
+        pytest.param({"fracgpu.io/gpu": "1"}, 100, id="one-card"),
+        pytest.param({"fracgpu.io/gpu": "2"}, 200, id="two-cards"),
+        pytest.param({"fracgpu.io/core": "400"}, 400, id="canonical"),
+        pytest.param({"nvidia.com/gpu": "1"}, 100, id="hami"),
+        pytest.param({"tencent.com/vcuda-core": "300"}, 300, id="tke"),
+        pytest.param(
+            {"fracgpu.io/gpu": "1", "fracgpu.io/gpumem-percentage": "100"}, 100, id="all-memory"
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "card",
+    [
+        pytest.param(UNKNOWN, id="no-model-known"),
+        pytest.param(MIXED, id="two-models"),
+        pytest.param(KNOWN, id="one-model"),
+    ],
+)
+def test_whole_cards_need_no_model_and_carry_no_memory(
+    limits: dict[str, Any], core: int, card: CardChoice
+) -> None:
+    assert grant_of(limits, card) == Grant(core, 0)
+
+
+@pytest.mark.parametrize(
+    "card",
+    [pytest.param(UNKNOWN, id="no-model-known"), pytest.param(MIXED, id="two-models")],
+)
+def test_whole_cards_are_admitted_without_a_warning(card: CardChoice) -> None:
+    result = normalise_container("t", {"limits": {GPU: "2"}}, (), card)
+    assert result.warnings == []
+
+
+def test_canonical_whole_cards_with_memory_need_no_model() -> None:
+    assert grant_of({CORE: "200", MEMORY: "636"}, UNKNOWN) == Grant(200, 636)
 
 
 def test_explicit_memory_needs_no_inventory() -> None:
@@ -183,20 +351,63 @@ def test_rounding_warns() -> None:
 GPU, GPUMEM = "fracgpu.io/gpu", "fracgpu.io/gpumem"
 
 
-def test_whole_cards_ignore_memory_limit_with_warning() -> None:
-    result = normalise_container("t", {"limits": {GPU: "1", GPUMEM: "8Gi"}}, (), KNOWN)
-    assert result.grant == Grant(100, 318)
-    assert "whole cards come with all of their memory" in result.warnings[0]
+@pytest.mark.parametrize(
+    "limits",
+    [
+        pytest.param({GPU: "1", GPUMEM: "8Gi"}, id="mib"),
+        pytest.param({GPU: "2", "fracgpu.io/gpumem-percentage": "50"}, id="percentage"),
+        pytest.param(
+            {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "100", "nvidia.com/gpumem": "8000"},
+            id="hami",
+        ),
+        pytest.param({"tencent.com/vcuda-core": "100", "tencent.com/vcuda-memory": "4"}, id="tke"),
+    ],
+)
+def test_whole_cards_ignore_memory_limit_with_warning(limits: dict[str, Any]) -> None:
+    result = normalise_container("t", {"limits": limits}, ALL, KNOWN)
+    assert result.grant is not None
+    assert result.grant.memory_blocks == 0
+    assert result.warnings == [
+        'container "t": whole cards come with all of their memory; the memory limit is ignored'
+    ]
 
 
-def test_unpinned_mixed_cluster_uses_smallest_and_warns() -> None:
-    choice = CardChoice(L4, H100, warning="sized for NVIDIA-L4")
-    result = normalise_container("t", {"limits": {GPU: "0.5"}}, (), choice)
+def test_max_cards_is_configurable() -> None:
+    result = normalise_container("t", {"limits": {GPU: "4"}}, (), KNOWN, max_cards=2)
+    assert result.errors == [
+        'container "t": fracgpu.io/gpu asks for more whole cards than a node has: a container '
+        "may have at most 2 cards (admission.max_cards); got 4; ask for fewer cards"
+    ]
+
+
+def test_unpinned_mixed_cluster_sizes_fractions_for_the_smallest_and_warns() -> None:
+    result = normalise_container("t", {"limits": {GPU: "0.5"}}, (), MIXED)
     assert result.grant == Grant(50, card_blocks(L4.memory_mib) // 2)
-    assert result.warnings == ['container "t": sized for NVIDIA-L4']
-    # Explicit memory is bounded by the largest candidate, and needs no sizing: no warning.
-    result = normalise_container("t", {"limits": {GPU: "0.5", GPUMEM: "40Gi"}}, (), choice)
-    assert result.grant == Grant(50, 160) and result.warnings == []
+    assert result.warnings == [
+        'container "t": sized for NVIDIA-L4 (23034 MiB), the smallest of 2 GPU models it may '
+        "land on; pin a model with nodeSelector fracgpu.io/gpu.product to size for another"
+    ]
+
+
+def test_explicit_memory_is_bounded_by_the_largest_and_needs_no_warning() -> None:
+    result = normalise_container("t", {"limits": {GPU: "0.5", GPUMEM: "40Gi"}}, (), MIXED)
+    assert (result.grant, result.warnings) == (Grant(50, 160), [])
+
+
+@pytest.mark.parametrize(
+    ("mib", "grant", "sized_for"),
+    [
+        pytest.param(8192, Grant(36, 32), "NVIDIA-L4", id="fits-the-smallest"),
+        # 96 blocks do not fit an L4 (89): sized as 31 % of an H100, not as a whole L4.
+        pytest.param(24576, Grant(31, 96), "NVIDIA-H100-80GB-HBM3", id="only-the-largest"),
+    ],
+)
+def test_memory_only_is_sized_for_the_smallest_model_that_holds_it(
+    mib: int, grant: Grant, sized_for: str
+) -> None:
+    result = normalise_container("t", {"limits": {GPUMEM: str(mib)}}, (), MIXED)
+    assert result.grant == grant
+    assert result.warnings[0].startswith(f'container "t": sized for {sized_for} ')
 
 
 def test_proportional_shares_always_fit_one_card() -> None:
@@ -208,12 +419,46 @@ def test_proportional_shares_always_fit_one_card() -> None:
             assert a.memory_blocks + b.memory_blocks <= card_blocks(H100.memory_mib)
 
 
-def test_grant_env_and_round_trip() -> None:
-    grant = Grant(30, 95)
-    assert grant.env() == {"FRACGPU_GPU": "0.3", "FRACGPU_MEMORY_MIB": str(95 * BLOCK_MIB)}
-    assert Grant(200, 636).env()["FRACGPU_MEMORY_MIB"] == str(318 * BLOCK_MIB)
+@pytest.mark.parametrize(
+    ("grant", "env"),
+    [
+        pytest.param(
+            Grant(30, 95),
+            {"FRACGPU_GPU": "0.3", "FRACGPU_MEMORY_MIB": str(95 * BLOCK_MIB)},
+            id="share",
+        ),
+        pytest.param(
+            Grant(200, 636),
+            {"FRACGPU_GPU": "2", "FRACGPU_MEMORY_MIB": str(318 * BLOCK_MIB)},
+            id="whole-cards-with-memory-per-card",
+        ),
+        pytest.param(Grant(200, 0), {"FRACGPU_GPU": "2"}, id="whole-cards-memory-from-the-node"),
+    ],
+)
+def test_grant_env(grant: Grant, env: dict[str, str]) -> None:
+    assert grant.env() == env
+
+
+@pytest.mark.parametrize(
+    ("resources", "grant"),
+    [
+        pytest.param({CORE: "30", MEMORY: "95"}, Grant(30, 95), id="share"),
+        pytest.param({CORE: "200"}, Grant(200, 0), id="whole-cards"),
+        pytest.param({CORE: "200", MEMORY: "636"}, Grant(200, 636), id="whole-cards-with-memory"),
+        pytest.param({CORE: "30"}, None, id="share-without-memory"),
+        pytest.param({CORE: "x", MEMORY: "1"}, None, id="malformed"),
+        pytest.param({MEMORY: "1"}, None, id="memory-only"),
+    ],
+)
+def test_grant_from_resources(resources: dict[str, str], grant: Grant | None) -> None:
+    assert Grant.from_resources(resources) == grant
+
+
+@pytest.mark.parametrize(
+    "grant", [Grant(30, 95), Grant(200, 0), Grant(200, 636)], ids=["share", "whole", "old-whole"]
+)
+def test_grant_resources_round_trip(grant: Grant) -> None:
     assert Grant.from_resources(grant.resources()) == grant
-    assert Grant.from_resources({CORE: "x", MEMORY: "1"}) is None
 
 
 # Properties ---------------------------------------------------------------------------------
@@ -287,7 +532,7 @@ keys = st.sampled_from(
             optional={"requests": st.dictionaries(keys, json_values, max_size=3)},
         ),
     ),
-    card=st.sampled_from([KNOWN, UNKNOWN, CardChoice(L4, H100, "w")]),
+    card=st.sampled_from([KNOWN, UNKNOWN, MIXED]),
 )
 def test_nothing_raises_and_bad_input_is_denied(resources: Any, card: CardChoice) -> None:
     result = normalise_container("c", resources, ALL, card)
@@ -307,7 +552,8 @@ def test_invalid_gpu_values_are_denied(value: Any) -> None:
     try:
         q = parse_quantity(value if isinstance(value, str) else str(value))
         valid = q.format == "decimal" and (
-            (0 < q.value <= 1 and (q.value * 100) % 1 == 0) or (q.value >= 1 and q.is_integer)
+            (0 < q.value <= 1 and (q.value * 100) % 1 == 0)
+            or (1 <= q.value <= DEFAULT_MAX_CARDS and q.is_integer)
         )
         zero = q.value == 0
     except ValueError:

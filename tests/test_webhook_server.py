@@ -106,7 +106,8 @@ async def test_kubectl_pod_create(server: Server) -> None:
         "limits": {"fracgpu.io/core": "30", "fracgpu.io/memory": "32"},
         "requests": {"fracgpu.io/core": "30", "fracgpu.io/memory": "32"},
     }
-    assert pod["spec"]["schedulerName"] == "fracgpu-scheduler"
+    # admission.scheduler_name is empty by default: the pod keeps the scheduler it names.
+    assert pod["spec"]["schedulerName"] == "default-scheduler"
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["spec"][
         "tolerations"
     ]

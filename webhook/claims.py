@@ -43,7 +43,6 @@ from core.units import (
     ENV_GPU,
     ENV_MEMORY_MIB,
     MIB,
-    ceil_div,
     format_cards,
 )
 from webhook.resources import Card, CardChoice, RequestError, _Ask, _resolve, container_ref
@@ -68,32 +67,36 @@ class ClaimPlan:
         return str(self.template["metadata"]["name"])
 
 
-def plan_claim(container: str, ask: _Ask, models: Mapping[str, Card]) -> ClaimPlan:
-    """The claim template for one container's request; RequestError names what is wrong."""
+def plan_claim(
+    container: str, ask: _Ask, models: Mapping[str, Card], *, max_cards: int
+) -> ClaimPlan:
+    """The claim template for one container's request; RequestError names what is wrong.
+
+    Whole cards and shares whose memory is given go through the same rules as device-plugin
+    mode (``webhook.resources``: the bound on whole cards, memory rounded up to blocks with a
+    warning, memory no known card has refused); the rest is sized once per model.
+    """
     warnings: list[str] = []
+    every = CardChoice(tuple(sorted(models.values(), key=lambda c: (c.memory_mib, c.product))))
     core = ask.core
-    if core is not None and core >= CORE_PER_CARD:
-        cards = core // CORE_PER_CARD
-        request = {"deviceClassName": dra.DEVICE_CLASS, "count": cards}
-        return _plan(f"cards-{cards}", {"exactly": request}, {ENV_GPU: str(cards)}, [])
-    blocks = ask.memory_blocks
-    if ask.memory_mib is not None:
-        blocks = ceil_div(ask.memory_mib, BLOCK_MIB)
-        if blocks * BLOCK_MIB != ask.memory_mib:
-            warnings.append(
-                f"{container_ref(container)}: {ask.memory_mib} MiB of GPU memory rounded up to "
-                f"{blocks * BLOCK_MIB} MiB (GPU memory is granted in {BLOCK_MIB} MiB blocks)"
-            )
-    if core is not None and blocks is not None:
-        request = _share_request(core, blocks)
-        env = {ENV_GPU: format_cards(core), ENV_MEMORY_MIB: str(blocks * BLOCK_MIB)}
-        return _plan(f"c{core}-m{blocks * BLOCK_MIB}", {"exactly": request}, env, warnings)
-    alternatives = _per_model(container, ask, models)
+    if core is not None and (
+        core >= CORE_PER_CARD or ask.memory_mib is not None or ask.memory_blocks is not None
+    ):
+        grant = _resolve(container, ask, every, max_cards, warnings)
+        if grant.whole_cards:
+            request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
+            env = {ENV_GPU: str(grant.whole_cards)}
+            return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, env, warnings)
+        mib = grant.memory_blocks * BLOCK_MIB
+        request = _share_request(grant.core, grant.memory_blocks)
+        env = {ENV_GPU: format_cards(grant.core), ENV_MEMORY_MIB: str(mib)}
+        return _plan(f"c{grant.core}-m{mib}", {"exactly": request}, env, warnings)
+    alternatives = _per_model(container, ask, every.cards)
     shape = "-".join(
         part
         for part in (
             f"c{core}" if core is not None else "",
-            f"m{blocks * BLOCK_MIB}" if blocks is not None else "",
+            f"m{ask.memory_mib}" if ask.memory_mib is not None else "",
             f"p{ask.memory_percent}" if ask.memory_percent is not None else "",
         )
         if part
@@ -103,20 +106,19 @@ def plan_claim(container: str, ask: _Ask, models: Mapping[str, Card]) -> ClaimPl
     return _plan(f"{shape}-{digest}", {"firstAvailable": alternatives}, env, warnings)
 
 
-def _per_model(container: str, ask: _Ask, models: Mapping[str, Card]) -> list[dict[str, Any]]:
+def _per_model(container: str, ask: _Ask, ordered: tuple[Card, ...]) -> list[dict[str, Any]]:
     """One alternative per known model, smallest card first, sized by the device-plugin rules."""
-    if not models:
+    if not ordered:
         raise RequestError(
             f"{container_ref(container)}: cannot size this request: no GPU models are published "
             f"in the cluster's ResourceSlices yet; give both fracgpu.io/gpu and fracgpu.io/gpumem "
             f"(for example 0.5 and 8Gi), or ask for whole cards"
         )
-    ordered = sorted(models.values(), key=lambda card: (card.memory_mib, card.product))
     alternatives: list[dict[str, Any]] = []
     too_small: list[Card] = []
     for card in ordered:
         try:
-            grant = _resolve(container, ask, CardChoice(card, card), [])
+            grant = _resolve(container, ask, CardChoice((card,)), 0, [])
         except RequestError:
             too_small.append(card)
             continue

@@ -14,7 +14,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from core.contract import VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
-from webhook.resources import OPTIONAL_DIALECTS, Dialect
+from webhook.resources import DEFAULT_MAX_CARDS, OPTIONAL_DIALECTS, Dialect
+
+SCHEDULER_PROFILE = "fracgpu-scheduler"
+"""The optional packing profile deploy/ runs; ``scheduler_name`` names it to use it."""
 
 DEFAULT_TOLERATIONS: list[dict[str, str]] = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -46,8 +49,10 @@ class AdmissionConfig(_Section):
     dialects: list[Dialect] = Field(
         default_factory=list, description="extra vocabularies to accept: hami, tkestack"
     )
+    # Empty by default: a pod handed to a scheduler that is not running waits in Pending with
+    # no event at all, and the stock scheduler already places shares correctly.
     scheduler_name: str = Field(
-        "fracgpu-scheduler", description="scheduler set on GPU pods; empty leaves it alone"
+        "", description=f"scheduler set on GPU pods (such as {SCHEDULER_PROFILE}); empty leaves it"
     )
     override_scheduler: bool = Field(
         False, description="also replace a scheduler the pod names (other than default)"
@@ -59,6 +64,12 @@ class AdmissionConfig(_Section):
     inventory: InventoryConfig = Field(default_factory=InventoryConfig)
     allow_privileged: bool = Field(
         False, description="admit privileged containers in GPU pods (they see every GPU)"
+    )
+    max_cards: int = Field(
+        DEFAULT_MAX_CARDS,
+        ge=1,
+        le=1024,
+        description="whole cards one container may ask for; more could never be scheduled",
     )
 
     @field_validator("dialects")

@@ -1,13 +1,15 @@
 """Which GPU models exist and how much memory each has, for sizing requests at admission.
 
-Percentages, default memory and whole cards all need a card's memory, which only the node
-knows. The device plugin labels each node (``fracgpu.io/gpu.product``,
-``fracgpu.io/gpu.memory-mib``); NVIDIA GPU Feature Discovery's ``nvidia.com/gpu.product`` and
-``nvidia.com/gpu.memory`` are read too. Without a cluster, models come from configuration.
+Percentages, default memory and memory-only shares need a card's memory, which only the
+node knows (whole cards do not: they get all of whichever card they land on). The device
+plugin labels each node (``fracgpu.io/gpu.product``, ``fracgpu.io/gpu.memory-mib``); NVIDIA
+GPU Feature Discovery's ``nvidia.com/gpu.product`` and ``nvidia.com/gpu.memory`` are read too.
+Without a cluster, models come from configuration.
 
 A pod is sized for the model it is pinned to (``nodeSelector``, required node affinity, or
 ``nodeName``); an unpinned pod in a mixed cluster is sized for the *smallest* candidate, so the
-grant fits wherever the scheduler puts it.
+grant fits wherever the scheduler puts it (a memory-only request, for the smallest candidate
+that holds it).
 
 Every admission asks for a choice, and a fleet has hundreds of nodes but a handful of models:
 choices are computed once per placement (unpinned, or the products a pod pins) and kept until a
@@ -97,7 +99,7 @@ class Inventory:
         if isinstance(node_name, str) and node_name in self._nodes:
             cards = self._nodes[node_name]
             card = Card(next(iter(cards.products.values())), cards.memory_mib)
-            return CardChoice(card, card)
+            return CardChoice((card,))
         pinned = pinned_products(pod_spec)
         choice = self._choices.get(pinned)
         if choice is None:
@@ -114,7 +116,6 @@ class Inventory:
         missing = sorted(p for p in products if p not in known)
         if missing and len(missing) == len(products):
             return CardChoice(
-                None,
                 unknown=f"the GPU model the pod selects ({key}={', '.join(missing)}) "
                 f"is not known to fracgpu",
             )
@@ -122,16 +123,5 @@ class Inventory:
 
     @staticmethod
     def _among(candidates: Mapping[str, Card], key: str | None) -> CardChoice:
-        if not candidates:
-            return CardChoice(None)
         ordered = sorted(candidates.values(), key=lambda c: (c.memory_mib, c.product))
-        smallest, largest = ordered[0], ordered[-1]
-        warning = None
-        if smallest.memory_mib != largest.memory_mib:
-            pin = f"nodeSelector {key or PRODUCT_LABEL}"
-            warning = (
-                f"sized for {smallest.product} ({smallest.memory_mib} MiB), the smallest of "
-                f"{len(ordered)} GPU models it may land on; pin a model with {pin} to size for "
-                f"another"
-            )
-        return CardChoice(smallest, largest, warning)
+        return CardChoice(tuple(ordered), key or PRODUCT_LABEL)

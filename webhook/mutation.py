@@ -9,7 +9,6 @@ for no GPU pass untouched.
 
 from __future__ import annotations
 
-import json
 import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -29,6 +28,7 @@ from webhook.resources import (
     enabled,
     input_resources,
     normalise_container,
+    quote,
 )
 
 # Where the pod template lives in each built-in workload kind, by (API group, kind).
@@ -120,14 +120,15 @@ class Mutator:
         reused while its entry lives. Results are shared between pods and never modified.
         """
         key = _memo_key(name, resources, self.inputs, id(choice))
+        max_cards = self.config.max_cards
         if key is None:
-            return normalise_container(name, resources, self.dialects, choice)
+            return normalise_container(name, resources, self.dialects, choice, max_cards)
         entry = self._memo.get(key)
         if entry is not None and entry[0] is choice:
             return entry[1]
         if len(self._memo) >= MEMO_SIZE:
             self._memo.clear()
-        result = normalise_container(name, resources, self.dialects, choice)
+        result = normalise_container(name, resources, self.dialects, choice, max_cards)
         self._memo[key] = (choice, result)
         return result
 
@@ -235,7 +236,7 @@ class Mutator:
                 ):
                     problems.append(
                         f"{who}: environment variable {var_name} is set by fracgpu "
-                        f"and cannot be set in the pod spec (got {json.dumps(value)}); remove it"
+                        f"and cannot be set in the pod spec (got {quote(value)}); remove it"
                     )
             if not gpu:
                 continue
@@ -264,7 +265,7 @@ class Mutator:
                 host = volume.get("hostPath") if isinstance(volume, dict) else None
                 path = host.get("path") if isinstance(host, dict) else None
                 if isinstance(path, str) and _host_reserved(path):
-                    vol = json.dumps(volume.get("name"))
+                    vol = quote(volume.get("name"))
                     problems.append(
                         f"volume {vol}: hostPath {path} holds fracgpu's node "
                         f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"

@@ -10,14 +10,18 @@ Input, per container, in ``resources.limits``:
 
 Canonical output, integers with requests = limits:
     ``fracgpu.io/core``    hundredths of a card; 1–100 a share of one card, 100·k = k cards
-    ``fracgpu.io/memory``  256 MiB blocks of GPU memory (all cards of the container together)
+    ``fracgpu.io/memory``  256 MiB blocks of GPU memory, for shares of a card; whole cards
+                           carry none (the canonical form with it is still accepted: earlier
+                           versions wrote it, and it is kept as written)
 
 Defaults where the user says less (documented in docs/user-guide.md):
     * a fraction without memory gets the same fraction of the card's memory, rounded *down* to
       whole blocks so that shares summing to one card always fit on it;
     * memory without a fraction gets the smallest share of compute that is at least the same
       fraction of the card (rounded *up* to 0.01), so memory-only pods are not starved;
-    * whole cards always get all of their memory.
+    * whole cards always get all of the memory of the cards they land on; admission needs no
+      card model for them, so a pod that would scale up a GPU node pool is admitted while the
+      pool is empty, and a whole card on a bigger model is not held to a smaller one's size.
 Percentages use the same block arithmetic as fractions, for the same reason.
 """
 
@@ -30,7 +34,8 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
-from core.quantity import Quantity, QuantityError, format_decimal, parse_quantity
+from core.labels import PRODUCT_LABEL
+from core.quantity import MAX_CHARS, Quantity, QuantityError, format_decimal, parse_quantity
 from core.units import (
     BLOCK_MIB,
     CANONICAL,
@@ -86,17 +91,44 @@ class Card:
 
 @dataclass(frozen=True, slots=True)
 class CardChoice:
-    """The card a pod's request is sized against, chosen by the inventory from pod placement.
+    """The cards a pod's request may be sized against, chosen by the inventory from placement.
 
-    ``card`` (the smallest candidate) sizes defaults and percentages; ``largest`` bounds explicit
-    memory. ``card`` is None when nothing is known; ``unknown`` then says what the operator must
-    configure. ``warning`` is shown to the user only if the choice changed the result.
+    ``cards`` are the candidate models, smallest first: the smallest sizes fractions and
+    percentages (the share then fits wherever the pod lands), the largest bounds explicit
+    memory, and a memory-only request is sized for the smallest that holds it. With no
+    candidate, ``unknown`` says what the operator must configure. ``pin`` is the label a pod
+    pins a model with, for the warning shown when several models were possible.
     """
 
-    card: Card | None
-    largest: Card | None = None
-    warning: str | None = None
+    cards: tuple[Card, ...] = ()
+    pin: str = PRODUCT_LABEL
     unknown: str = "no GPU models are known to fracgpu"
+
+    @property
+    def card(self) -> Card | None:
+        return self.cards[0] if self.cards else None
+
+    @property
+    def largest(self) -> Card | None:
+        return self.cards[-1] if self.cards else None
+
+    def fitting(self, blocks: int) -> Card | None:
+        """The smallest candidate with at least ``blocks`` of memory (else the smallest)."""
+        for card in self.cards:
+            if card_blocks(card.memory_mib) >= blocks:
+                return card
+        return self.card
+
+    def warning(self, used: Card) -> str | None:
+        """Shown when the pod may land on a model with another size than the one used."""
+        if all(c.memory_mib == used.memory_mib for c in self.cards):
+            return None
+        which = "the smallest" if used == self.card else "the smallest that holds the request"
+        return (
+            f"sized for {used.product} ({used.memory_mib} MiB), {which} of {len(self.cards)} "
+            f"GPU models it may land on; pin a model with nodeSelector {self.pin} to size for "
+            f"another"
+        )
 
 
 class RequestError(ValueError):
@@ -127,6 +159,9 @@ class _Ask:
     memory_mib: int | None = None  # exact MiB the user wrote
     memory_blocks: int | None = None  # TKEStack / canonical blocks
     memory_percent: int | None = None
+    exact: bool = False  # the canonical form: kept as written, never re-sized
+    core_key: str = ""  # the resource that set ``core``, and its value as written
+    core_shown: str = ""
 
 
 def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
@@ -153,11 +188,16 @@ def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
     return tuple(d for d in Dialect if d in chosen)
 
 
+DEFAULT_MAX_CARDS = 16
+"""Whole cards one container may ask for: more than any node has (``admission.max_cards``)."""
+
+
 def normalise_container(
     name: str,
     resources: Mapping[str, Any] | None,
     dialects: Iterable[Dialect],
     card: CardChoice,
+    max_cards: int = DEFAULT_MAX_CARDS,
 ) -> ContainerResult:
     """Validate one container's GPU request and compute its canonical grant.
 
@@ -204,7 +244,7 @@ def normalise_container(
             result.request = {}
             result.zero = True
             return result
-        result.grant = _resolve(name, ask, card, result.warnings)
+        result.grant = _resolve(name, ask, card, max_cards, result.warnings)
     except RequestError as exc:
         result.errors.append(str(exc))
     return result
@@ -213,6 +253,21 @@ def normalise_container(
 def container_ref(name: str) -> str:
     """How every message names a container: ``container "train"``, as kubectl users read it."""
     return f"container {json.dumps(name)}"
+
+
+def quote(raw: object) -> str:
+    """Any JSON value as a denial quotes it: as JSON, and short.
+
+    A denial quotes what it refuses, not megabytes of it; and Python will not print an integer
+    of more than 4,300 digits, which a hostile object can hold.
+    """
+    try:
+        text = json.dumps(raw)
+    except ValueError:
+        return f"a number of {int.bit_length(raw)} bits" if isinstance(raw, int) else "a value"
+    if len(text) > MAX_CHARS:
+        return f"{text[:MAX_CHARS]}… ({len(text)} characters)"
+    return text
 
 
 def _show(raw: object) -> str:
@@ -232,7 +287,7 @@ def _show_any(raw: object) -> str:
     try:
         q = parse_quantity(raw)
     except QuantityError:
-        return json.dumps(raw)
+        return quote(raw)
     if q.format == "binary" or not isinstance(raw, str):
         return raw.strip() if isinstance(raw, str) else format_decimal(q.value)
     return format_decimal(q.value)
@@ -315,7 +370,14 @@ def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> _Ask | None:
                 f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the memory request"
             )
         return None
-    return _Ask(core, memory.memory_mib, None, memory.memory_percent)
+    return _Ask(
+        core,
+        memory.memory_mib,
+        None,
+        memory.memory_percent,
+        core_key=GPU,
+        core_shown=_show(asked[GPU]),
+    )
 
 
 def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
@@ -338,7 +400,14 @@ def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
             raise RequestError(
                 f"{container_ref(name)}: {MEMORY} must be at least 1 block of {BLOCK_MIB} MiB"
             )
-    return _Ask(core=core, memory_blocks=_per_card(core, blocks))
+    shown = _show(asked[CORE]) if CORE in asked else ""
+    return _Ask(
+        core=core,
+        memory_blocks=_per_card(core, blocks),
+        exact=True,
+        core_key=CORE,
+        core_shown=shown,
+    )
 
 
 def _per_card(core: int | None, blocks: int | None) -> int | None:
@@ -368,9 +437,9 @@ def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
                 f"granted; fracgpu gives a container a share of one card or whole cards "
                 f"(use {HAMI_GPU}: 1 with a share, or drop {HAMI_CORES} and the memory limit)"
             )
-        return _Ask(core=count * CORE_PER_CARD)
+        return _Ask(core=count * CORE_PER_CARD, core_key=HAMI_GPU, core_shown=str(count))
     if cores == 0 and memory == _Ask():
-        return _Ask(core=CORE_PER_CARD)  # HAMi's default: all of one card's memory
+        return _Ask(core=CORE_PER_CARD)  # HAMi's default: one whole card
     return _Ask(cores or None, memory.memory_mib, None, memory.memory_percent)
 
 
@@ -391,7 +460,10 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
     )
     if blocks == 0:
         raise RequestError(f"{container_ref(name)}: {TKE_MEMORY} must be at least 1 (256 MiB)")
-    return _Ask(core=core, memory_blocks=_per_card(core, blocks))
+    shown = _show(asked[TKE_CORE]) if TKE_CORE in asked else ""
+    return _Ask(
+        core=core, memory_blocks=_per_card(core, blocks), core_key=TKE_CORE, core_shown=shown
+    )
 
 
 _DIALECT_OF = {name: d for d, names in DIALECT_RESOURCES.items() for name in names}
@@ -415,57 +487,76 @@ def _need_card(name: str, choice: CardChoice, why: str) -> Card:
     return choice.card
 
 
-def _resolve(name: str, ask: _Ask, choice: CardChoice, warnings: list[str]) -> Grant:
+def _resolve(
+    name: str, ask: _Ask, choice: CardChoice, max_cards: int, warnings: list[str]
+) -> Grant:
     """Apply card sizes and defaults to what was asked; the only place defaults live."""
-    used_choice = False
-    core = ask.core
     blocks = ask.memory_blocks
     if ask.memory_mib is not None:
         blocks = ceil_div(ask.memory_mib, BLOCK_MIB)
-        if blocks * BLOCK_MIB != ask.memory_mib:
-            warnings.append(
-                f"{container_ref(name)}: {ask.memory_mib} MiB of GPU memory rounded up to "
-                f"{blocks * BLOCK_MIB} MiB (GPU memory is granted in {BLOCK_MIB} MiB blocks)"
-            )
     if blocks is not None:
         _check_fits(name, ask, blocks, choice)
+    core = ask.core
     if core is not None and core >= CORE_PER_CARD:
-        card = _need_card(name, choice, "size whole cards")
-        used_choice = True
-        if (blocks is not None and blocks < card_blocks(card.memory_mib)) or (
-            ask.memory_percent or 100
-        ) < 100:
-            warnings.append(
-                f"{container_ref(name)}: whole cards come with all of their memory; "
-                f"the memory limit is ignored"
-            )
-        blocks = core // CORE_PER_CARD * card_blocks(card.memory_mib)
-    elif blocks is None:
+        return _whole_cards(name, ask, blocks, max_cards, warnings)
+    if ask.memory_mib is not None and blocks is not None and blocks * BLOCK_MIB != ask.memory_mib:
+        warnings.append(
+            f"{container_ref(name)}: {ask.memory_mib} MiB of GPU memory rounded up to "
+            f"{blocks * BLOCK_MIB} MiB (GPU memory is granted in {BLOCK_MIB} MiB blocks)"
+        )
+    used: Card | None = None
+    if blocks is None:
         percent = ask.memory_percent
-        card = _need_card(
+        used = _need_card(
             name,
             choice,
             "work out GPU memory for the request"
             if percent is None
             else "convert fracgpu.io/gpumem-percentage to MiB",
         )
-        used_choice = True
         share = percent if percent is not None else core
         assert share is not None  # a request names at least one of core and memory
-        blocks = max(1, card_blocks(card.memory_mib) * share // 100)
+        blocks = max(1, card_blocks(used.memory_mib) * share // 100)
     if core is None:
-        card = _need_card(name, choice, "work out the card share for a memory-only request")
-        used_choice = True
-        per_card = max(card_blocks(card.memory_mib), 1)
+        _need_card(name, choice, "work out the card share for a memory-only request")
+        # Sized for the smallest model that holds it: a smaller one cannot host the pod.
+        used = choice.fitting(blocks)
+        assert used is not None
+        per_card = max(card_blocks(used.memory_mib), 1)
         core = min(CORE_PER_CARD, max(1, ceil_div(blocks * CORE_PER_CARD, per_card)))
-    if used_choice and choice.warning:
-        warnings.append(f"{container_ref(name)}: {choice.warning}")
+    warning = choice.warning(used) if used is not None else None
+    if warning:
+        warnings.append(f"{container_ref(name)}: {warning}")
     return Grant(core, blocks)
+
+
+def _whole_cards(
+    name: str, ask: _Ask, blocks: int | None, max_cards: int, warnings: list[str]
+) -> Grant:
+    """Whole cards need no card model: they get all of each card, which the node knows."""
+    assert ask.core is not None
+    core = ask.core
+    cards = core // CORE_PER_CARD
+    if cards > max_cards:
+        raise RequestError(
+            f"{container_ref(name)}: {ask.core_key} asks for more whole cards than a node has: "
+            f"a container may have at most {max_cards} cards (admission.max_cards); "
+            f"got {ask.core_shown}; ask for fewer cards"
+        )
+    if ask.exact:
+        # Our own output, or a tool's: kept as is, so admitting it again changes nothing.
+        return Grant(core, 0 if blocks is None else blocks * cards)
+    if blocks is not None or (ask.memory_percent or 100) < 100:
+        warnings.append(
+            f"{container_ref(name)}: whole cards come with all of their memory; "
+            f"the memory limit is ignored"
+        )
+    return Grant(core, 0)
 
 
 def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
     """Deny memory that no candidate card has: it would only fail later, on the node."""
-    largest = choice.largest or choice.card
+    largest = choice.largest
     if largest is None or blocks <= card_blocks(largest.memory_mib):
         return
     hint = ""
