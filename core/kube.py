@@ -231,6 +231,7 @@ VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
 )
 GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
 RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", namespaced=False)
+RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", namespaced=True)
 RESOURCE_CLAIM_TEMPLATES = Resource(
     "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True
 )

@@ -181,6 +181,23 @@ RESOURCE_CLAIM_TEMPLATE = Kind(
     namespaced=True,
     top_fields=frozenset({"spec"}),
 )
+RESOURCE_CLAIM = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaim",
+    "resourceclaims",
+    namespaced=True,
+    status_subresource=True,
+)
+RESOURCE_SLICE = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceSlice",
+    "resourceslices",
+    namespaced=False,
+    field_labels=frozenset({"metadata.name", "spec.nodeName", "spec.driver"}),
+    top_fields=frozenset({"spec"}),
+)
 
 DEFAULT_KINDS: tuple[Kind, ...] = (
     POD,
@@ -194,4 +211,6 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     VALIDATING_WEBHOOK_CONFIGURATION,
     GPUQUOTA,
     RESOURCE_CLAIM_TEMPLATE,
+    RESOURCE_CLAIM,
+    RESOURCE_SLICE,
 )

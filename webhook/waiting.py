@@ -1,0 +1,167 @@
+"""Why a GPU pod waits, in the user's units (DRA mode).
+
+When no card can hold a claim, kube-scheduler says only "cannot allocate all claims": the same
+words for a cluster that is full, one whose free capacity is spread over cards too thin to hold
+the share, a request larger than any card, and a node that publishes no slice. This module works
+out what the user needs to know instead: what the pod asks, and the largest share any one card
+has free, with where it is ("largest free share on any node: 0.40 card and 12288 MiB on gpu-1 of
+node-a; this pod asks 0.50 card and 8192 MiB").
+
+It is arithmetic over what the API server already holds: the driver's ResourceSlices (each
+card's ``cores`` and ``memory``) and the allocated ResourceClaims (what each share consumes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core import dra
+from core.quantity import QuantityError, parse_quantity
+from core.units import BLOCK_MIB, CORE_PER_CARD, MIB, cards_phrase
+
+NO_FIT_MESSAGE = "cannot allocate all claims"
+"""What kube-scheduler's FailedScheduling event and PodScheduled condition say for a claim that
+fits nowhere (observed on Kubernetes 1.36)."""
+REASON = "GPUShareDoesNotFit"
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class FreeCard:
+    """What one card has left: hundredths of the card and MiB."""
+
+    cores: int
+    memory_mib: int
+    node: str
+    device: str
+
+    def phrase(self) -> str:
+        return (
+            f"{cards_phrase(self.cores)} and {self.memory_mib} MiB on {self.device} of {self.node}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one device request of a claim needs from a card (``cards`` > 0: whole cards)."""
+
+    cores: int = 0
+    memory_mib: int = 0
+    cards: int = 0
+
+    def phrase(self) -> str:
+        if self.cards:
+            return f"{self.cards} whole {'card' if self.cards == 1 else 'cards'}"
+        return f"{cards_phrase(self.cores)} and {self.memory_mib} MiB"
+
+
+def _number(raw: object) -> int | None:
+    try:
+        return int(parse_quantity(raw).value)
+    except QuantityError:
+        return None
+
+
+def free_cards(
+    slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]
+) -> list[FreeCard]:
+    """Every card of the driver with what allocated claims have not consumed."""
+    used: dict[tuple[str, str], tuple[int, int]] = {}
+    for claim in claims:
+        allocation = (claim.get("status") or {}).get("allocation") or {}
+        for result in (allocation.get("devices") or {}).get("results") or []:
+            if result.get("driver") != dra.DRIVER:
+                continue
+            consumed = result.get("consumedCapacity") or {}
+            cores = _number(consumed.get(dra.CORES)) or 0
+            memory = _number(consumed.get(dra.MEMORY)) or 0
+            key = (str(result.get("pool")), str(result.get("device")))
+            was = used.get(key, (0, 0))
+            used[key] = (was[0] + cores, was[1] + memory)
+    free: list[FreeCard] = []
+    for piece in slices:
+        spec = piece.get("spec") or {}
+        if spec.get("driver") != dra.DRIVER:
+            continue
+        pool = str((spec.get("pool") or {}).get("name") or "")
+        node = str(spec.get("nodeName") or pool)
+        for device in spec.get("devices") or []:
+            capacity = device.get("capacity") or {}
+            cores = _number((capacity.get(dra.CORES) or {}).get("value")) or 0
+            memory = _number((capacity.get(dra.MEMORY) or {}).get("value")) or 0
+            taken = used.get((pool, str(device.get("name"))), (0, 0))
+            free.append(
+                FreeCard(
+                    max(cores - taken[0], 0),
+                    max(memory - taken[1], 0) // MIB // BLOCK_MIB * BLOCK_MIB,
+                    node,
+                    str(device.get("name")),
+                )
+            )
+    return free
+
+
+def asks_of(claim_spec: Mapping[str, Any]) -> list[Ask]:
+    """What each device request of a claim (or template) spec needs; for ``firstAvailable``,
+    the smallest alternative (the one most likely to fit)."""
+    asks: list[Ask] = []
+    for request in (claim_spec.get("devices") or {}).get("requests") or []:
+        options = (
+            [request["exactly"]] if "exactly" in request else request.get("firstAvailable") or []
+        )
+        found = [
+            _ask(option) for option in options if option.get("deviceClassName") == dra.DEVICE_CLASS
+        ]
+        if found:
+            asks.append(min(found, key=lambda a: (a.cards, a.cores, a.memory_mib)))
+    return asks
+
+
+def _ask(option: Mapping[str, Any]) -> Ask:
+    wanted = (option.get("capacity") or {}).get("requests") or {}
+    if not wanted:
+        return Ask(cards=int(option.get("count") or 1))
+    return Ask(
+        cores=_number(wanted.get(dra.CORES)) or CORE_PER_CARD,
+        memory_mib=(_number(wanted.get(dra.MEMORY)) or 0) // MIB,
+    )
+
+
+def explain(asks: list[Ask], free: list[FreeCard]) -> str:
+    """The sentence a waiting pod's event carries."""
+    wanted = "; ".join(ask.phrase() for ask in asks) or "a GPU"
+    if not free:
+        return (
+            f"no node publishes fracgpu GPUs (no ResourceSlice of {dra.DRIVER}); this pod asks "
+            f"{wanted}; check that fracgpu dra-plugin runs on the GPU nodes"
+        )
+    whole = sum(1 for card in free if card.cores == CORE_PER_CARD)
+    if any(ask.cards for ask in asks):
+        return (
+            f"whole cards free on the cluster: {whole}, at most "
+            f"{max(_whole_per_node(free).values(), default=0)} on one node; this pod asks {wanted}"
+        )
+    best = max(free, key=lambda card: (card.cores, card.memory_mib))
+    return f"largest free share on any node: {best.phrase()}; this pod asks {wanted}"
+
+
+def _whole_per_node(free: list[FreeCard]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for card in free:
+        if card.cores == CORE_PER_CARD:
+            counts[card.node] = counts.get(card.node, 0) + 1
+    return counts
+
+
+def waits_for_gpu(pod: Mapping[str, Any]) -> bool:
+    """A pod the scheduler left Pending because no card could take one of its claims."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending"):
+        return False
+    return any(
+        condition.get("type") == "PodScheduled"
+        and condition.get("status") == "False"
+        and NO_FIT_MESSAGE in str(condition.get("message") or "")
+        for condition in status.get("conditions") or []
+    )
