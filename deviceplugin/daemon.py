@@ -11,6 +11,7 @@ from types import FrameType
 from deviceplugin import inventory
 from deviceplugin.config import Config
 from deviceplugin.guard import Guard, Owners, ProcReader, grant_of
+from deviceplugin.guardevents import EventReporter
 from deviceplugin.health import HealthMonitor
 from deviceplugin.http import serve
 from deviceplugin.node import NodePublisher
@@ -30,6 +31,7 @@ class Daemon:
         self.publisher: NodePublisher | None = None
         self.http: ThreadingHTTPServer | None = None
         self.guard: Guard | None = None
+        self.events: EventReporter | None = None
         self._stop = threading.Event()
         self._reconciler: threading.Thread | None = None
 
@@ -80,6 +82,9 @@ class Daemon:
             lambda: plugin.podresources.list(resources),
             grant_of(config, plugin.cards),
         )
+        if config.node_name:
+            self.events = EventReporter(config, kill=config.guard_kill)
+            self.events.start()
         return Guard(
             plugin.cards.values(),
             owners,
@@ -89,6 +94,7 @@ class Daemon:
             grace_s=config.guard_grace_s,
             kill=config.guard_kill,
             process_overhead_mib=config.guard_process_overhead_mib,
+            reporter=self.events,
         )
 
     def _health_changed(self, card: int, healthy: bool, reason: str) -> None:
@@ -127,6 +133,8 @@ class Daemon:
             self.health.stop()
         if self.guard is not None:
             self.guard.stop()
+        if self.events is not None:
+            self.events.stop()
         if self.publisher is not None:
             self.publisher.stop()
         if self._reconciler is not None:
