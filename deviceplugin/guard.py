@@ -522,23 +522,31 @@ class Guard:
             self.reporter.excess(usage.owner, card, usage.used, allowed, self.grace_s)
 
     def _kill(self, usage: Usage, allowed: int, ref: ContainerRef, settled: set[int]) -> None:
-        """Kill the largest processes until the rest fits (the rest keep their contexts)."""
+        """Kill the largest processes until the rest fits (the rest keep their contexts).
+
+        When the next in line cannot be killed now (its pid was reused, it left the container)
+        the pass stops: killing smaller processes in its place would take more than needed,
+        and the next scan sees the container as it is then.
+        """
         remaining = usage.used
         for process in sorted(usage.processes, key=lambda p: (-p.used, p.pid)):
             if remaining <= allowed:
                 break
             if process.pid not in settled:
-                continue
+                break
             outcome = self._killer(self.proc, process.pid, process.start, ref)
-            if outcome != "killed":
+            if outcome not in ("killed", "gone"):
                 self.metrics.guard_kills_skipped.labels(outcome).inc()
                 log.info(
                     "guard did not kill",
                     extra={"pid": process.pid, "container": usage.owner.name, "why": outcome},
                 )
-                continue
+                break
             remaining -= process.used
             allowed -= self.overhead  # its context is gone with it
+            if outcome == "gone":  # it ended by itself
+                self.metrics.guard_kills_skipped.labels(outcome).inc()
+                continue
             self.metrics.guard_kills.labels(str(usage.card.index)).inc()
             log.warning(
                 "guard killed a process over its container's grant",

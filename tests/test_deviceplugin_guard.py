@@ -377,15 +377,17 @@ def test_pid_reused_between_decision_and_kill_is_not_killed(
 ) -> None:
     fake, cards = nvml
     setup = make_guard(node, cards, [holding(ALICE, 0, 4)])
-    child = node.spawn()
-    node.enter(child.pid, ALICE)
-    fake.process(0, child.pid, 2048)
+    child, small = node.spawn(), node.spawn()
+    for pid, mib in ((child.pid, 2048), (small.pid, 300)):
+        node.enter(pid, ALICE)
+        fake.process(0, pid, mib)
     setup.guard.scan_once()
     setup.clock.now += GRACE_S
     observation = setup.guard.observe()
     node.reuse(child.pid)  # the pid names another process once the kill is decided
     setup.guard.act(observation)
     assert alive(child)
+    assert alive(small)  # not killed in the place of the one that was meant
     assert sample(setup.metrics, "guard_kills_skipped_total", reason="pid reused") == 1
 
 
