@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pynvml
 import pytest
 
 from deviceplugin import inventory
@@ -556,6 +558,33 @@ def test_card_processes_through_pynvml(
         else:
             fake.process(card, pid, mib, graphics=command == "graphics")
     assert card_processes(cards[0]) == expected
+
+
+@pytest.mark.parametrize(
+    ("buffer", "rc", "count"),
+    [
+        pytest.param(None, pynvml.NVML_ERROR_INSUFFICIENT_SIZE, 3, id="size-query"),
+        pytest.param(1, pynvml.NVML_ERROR_INSUFFICIENT_SIZE, 3, id="too-small"),
+        pytest.param(3, pynvml.NVML_SUCCESS, 3, id="exact"),
+        pytest.param(8, pynvml.NVML_SUCCESS, 3, id="larger"),
+    ],
+)
+def test_fake_process_list_follows_the_v3_contract(
+    buffer: int | None, rc: int, count: int, nvml: tuple[FakeNvml, list[Card]]
+) -> None:
+    """The raw call, as NVML documents it, not only as pynvml happens to drive it."""
+    fake, _ = nvml
+    for pid in (11, 12, 13):
+        fake.process(0, pid, pid)
+    library = ctypes.CDLL(str(build_cached()))
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    size = ctypes.c_uint(buffer or 0)
+    infos = (pynvml.c_nvmlProcessInfo_v3_t * buffer)() if buffer else None
+    got = library.nvmlDeviceGetComputeRunningProcesses_v3(handle, ctypes.byref(size), infos)
+    assert (got, size.value) == (rc, count)
+    if infos is not None and rc == pynvml.NVML_SUCCESS:
+        rows = [(i.pid, i.usedGpuMemory, i.gpuInstanceId) for i in infos[:count]]
+        assert rows == [(pid, pid * 2**20, 0xFFFFFFFF) for pid in (11, 12, 13)]
 
 
 # ---- the daemon's guard, end to end --------------------------------------------------------
