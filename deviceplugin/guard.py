@@ -315,9 +315,6 @@ def card_processes(card: Card) -> dict[int, int | None]:
     return merged
 
 
-Killer = Callable[[ProcReader, int, int, ContainerRef], str]
-
-
 def kill_verified(proc: ProcReader, pid: int, start: int, ref: ContainerRef) -> str:
     """SIGKILL ``pid`` only if it is still the process seen (start time, container); the outcome.
 
@@ -337,6 +334,8 @@ def kill_verified(proc: ProcReader, pid: int, start: int, ref: ContainerRef) -> 
         return "killed"
     except ProcessLookupError:
         return "gone"
+    except PermissionError:
+        return "not permitted"  # the plugin lacks CAP_KILL for this process's user
     finally:
         os.close(pidfd)
 
@@ -354,8 +353,6 @@ class Guard:
         kill: bool = True,
         process_overhead_mib: int = 512,
         reporter: Reporter | None = None,
-        read_card: Callable[[Card], Mapping[int, int | None]] = card_processes,
-        killer: Killer = kill_verified,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cards = {c.index: c for c in cards}
@@ -367,8 +364,6 @@ class Guard:
         self.kill = kill
         self.overhead = process_overhead_mib * MIB
         self.reporter = reporter
-        self._read_card = read_card
-        self._killer = killer
         self._clock = clock
         self._episodes: dict[tuple[ContainerRef, int], _Episode] = {}
         self._failing: dict[int, str] = {}  # card -> the NVML error already logged
@@ -412,7 +407,7 @@ class Guard:
         owners: dict[ContainerRef, Owner] = {}
         for index, card in sorted(self.cards.items()):
             try:
-                processes = self._read_card(card)
+                processes = card_processes(card)
             except pynvml.NVMLError as exc:
                 self._nvml_failed(card, exc)
                 observation.failed.add(index)
@@ -534,7 +529,7 @@ class Guard:
                 break
             if process.pid not in settled:
                 break
-            outcome = self._killer(self.proc, process.pid, process.start, ref)
+            outcome = kill_verified(self.proc, process.pid, process.start, ref)
             if outcome not in ("killed", "gone"):
                 self.metrics.guard_kills_skipped.labels(outcome).inc()
                 log.info(

@@ -110,7 +110,7 @@ class Metrics:
         )
         self.guard_kills_skipped = Counter(
             f"{PREFIX}_guard_kills_skipped",
-            "Kills not made, by reason (pid reused, gone, left the container)",
+            "Kills not made, by reason (pid reused, gone, left the container, not permitted)",
             ["reason"],
             registry=self.registry,
         )

@@ -5,8 +5,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -421,6 +424,44 @@ def test_kill_verified(change: str, expected: str, node: NodeProc) -> None:
         assert killed(child)
     else:
         assert alive(child)
+
+
+NOBODY = 65534
+KILL_AS_NOBODY = """
+import os, sys
+from pathlib import Path
+from deviceplugin.guard import ContainerRef, ProcReader, kill_verified
+os.setgid({uid})
+os.setuid({uid})  # from root to another user: no capability left, CAP_KILL included
+print(kill_verified(ProcReader(Path(sys.argv[1])), {pid}, {start}, ContainerRef(*sys.argv[2:])))
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to become another user")
+def test_kill_without_cap_kill_is_not_permitted() -> None:
+    # pytest's own temporary directories are private to root; this tree must be readable
+    root = Path(tempfile.mkdtemp(prefix="fgkill", dir="/tmp"))
+    procs = NodeProc(root)
+    try:
+        child = procs.spawn()
+        procs.enter(child.pid, ALICE)
+        start = ProcReader(procs.proc).start_time(child.pid)
+        for path in (root, *root.rglob("*")):
+            if not path.is_symlink():
+                path.chmod(path.stat().st_mode | 0o555)
+        script = KILL_AS_NOBODY.format(uid=NOBODY, pid=child.pid, start=start)
+        outcome = subprocess.run(
+            [sys.executable, "-c", script, str(procs.proc), ALICE.pod_uid, ALICE.container_id],
+            capture_output=True,
+            text=True,
+            check=True,
+            cwd=Path(__file__).parent.parent,
+        ).stdout.strip()
+        assert outcome == "not permitted"
+        assert alive(child)
+    finally:
+        procs.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ---- mapping ------------------------------------------------------------------------------
