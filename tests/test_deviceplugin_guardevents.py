@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,11 @@ from deviceplugin.guard import Owner
 from deviceplugin.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
 from deviceplugin.inventory import Card
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.gpunode import cards, gpu_node
+from tests.fakes.kubelet import Container, Pod
+from tests.fakes.nodeproc import NodeProc, container
+
+CORE, MEMORY = Config().core_resource, Config().memory_resource
 
 CARD = Card(0, "GPU-a", "NVIDIA A100-SXM4-80GB", 81920, 0, None)
 OWNER = Owner(
@@ -94,3 +101,46 @@ async def test_api_server_refusal_is_logged_not_raised(tmp_path: Path) -> None:
         assert [e["message"].split(",")[0] for e in fake.objects("events", "team-a")] == [
             "killed process 2 of container main"
         ]
+
+
+async def test_daemon_posts_the_guards_events(tmp_path: Path) -> None:
+    """The plugin with --node-name: its guard's excess and kill reach the pod as Events."""
+    async with FakeApiServer() as fake:
+        fake.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1"}})
+        fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+        kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+        target = container("team-a", "train-0", "main")
+
+        def run_node() -> int:
+            procs = NodeProc(tmp_path / "node")
+            try:
+                with gpu_node(
+                    cards(1, 8192),
+                    node_name="gpu-1",
+                    kubeconfig=kubeconfig,
+                    guard_interval_s=0.05,
+                    guard_grace_s=0.1,
+                    guard_process_overhead_mib=0,
+                    guard_proc_root=procs.proc,
+                    guard_container_logs=procs.logs,
+                ) as gpu:
+                    pod = Pod("team-a", "train-0", [Container("main", {CORE: 50, MEMORY: 4})])
+                    gpu.kubelet.admit(pod)
+                    gpu.kubelet.start_container(pod, "main")
+                    child = procs.spawn()
+                    procs.enter(child.pid, target)
+                    gpu.nvml.process(0, child.pid, 2048)
+                    returncode = child.wait(timeout=10)
+                    assert gpu.daemon is not None and gpu.daemon.events is not None
+                    events = gpu.daemon.events
+                    deadline = time.monotonic() + 5
+                    while events.posted < 2 and time.monotonic() < deadline:
+                        time.sleep(0.02)
+                    return returncode
+            finally:
+                procs.close()
+
+        assert await asyncio.to_thread(run_node) == -signal.SIGKILL
+        posted = fake.objects("events", "team-a")
+        assert sorted(e["reason"] for e in posted) == [REASON_EXCESS, REASON_KILLED]
+        assert {e["involvedObject"]["uid"] for e in posted} == {target.pod_uid}
