@@ -39,6 +39,13 @@ class Config:
     health_probe_interval_s: float = 5.0
     health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
     health_error_backoff_s: float = 1.0  # pause after an NVML error before rebuilding events
+    # the node guard (guard.py); an interval of 0 turns it off
+    guard_interval_s: float = 0.5
+    guard_grace_s: float = 1.0  # continuous excess before the kill
+    guard_kill: bool = True
+    guard_process_overhead_mib: int = 512  # per process: the CUDA context NVML counts
+    guard_proc_root: Path = Path("/proc")  # the node's, with the host PID namespace
+    guard_container_logs: Path = Path("/var/log/containers")
 
     @property
     def core_resource(self) -> str:

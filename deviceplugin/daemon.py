@@ -10,6 +10,8 @@ from types import FrameType
 
 from deviceplugin import inventory
 from deviceplugin.config import Config
+from deviceplugin.guard import Guard, Owners, ProcReader, grant_of
+from deviceplugin.guardevents import EventReporter
 from deviceplugin.health import HealthMonitor
 from deviceplugin.http import serve
 from deviceplugin.node import NodePublisher
@@ -28,6 +30,8 @@ class Daemon:
         self.supervisor: Supervisor | None = None
         self.publisher: NodePublisher | None = None
         self.http: ThreadingHTTPServer | None = None
+        self.guard: Guard | None = None
+        self.events: EventReporter | None = None
         self._stop = threading.Event()
         self._reconciler: threading.Thread | None = None
 
@@ -57,6 +61,9 @@ class Daemon:
             ).inc(),
         )
         self.health.start()
+        if config.guard_interval_s > 0:
+            self.guard = self._guard(plugin)
+            self.guard.start()
         self.supervisor = Supervisor(plugin)
         self.supervisor.start()
         self._reconciler = threading.Thread(target=self._reconcile, name="reconcile", daemon=True)
@@ -66,6 +73,29 @@ class Daemon:
                 config.metrics_address, config.metrics_port, plugin.metrics.registry, self.healthz
             )
         log.info("device plugin started", extra={"cards": len(cards)})
+
+    def _guard(self, plugin: DevicePlugin) -> Guard:
+        config = self.config
+        resources = set(plugin.resources.values())
+        owners = Owners(
+            config.guard_container_logs,
+            lambda: plugin.podresources.list(resources),
+            grant_of(config, plugin.cards),
+        )
+        if config.node_name:
+            self.events = EventReporter(config, kill=config.guard_kill)
+            self.events.start()
+        return Guard(
+            plugin.cards.values(),
+            owners,
+            ProcReader(config.guard_proc_root),
+            plugin.metrics,
+            interval_s=config.guard_interval_s,
+            grace_s=config.guard_grace_s,
+            kill=config.guard_kill,
+            process_overhead_mib=config.guard_process_overhead_mib,
+            reporter=self.events,
+        )
 
     def _health_changed(self, card: int, healthy: bool, reason: str) -> None:
         assert self.plugin is not None
@@ -88,6 +118,8 @@ class Daemon:
             return False, "not registered with kubelet"
         if self.health is None or not self.health.running:
             return False, "NVML health thread is not running"
+        if self.guard is not None and not self.guard.running:
+            return False, "node guard thread is not running"
         return True, "ok"
 
     def stop(self) -> None:
@@ -99,6 +131,10 @@ class Daemon:
             self.supervisor.stop()
         if self.health is not None:
             self.health.stop()
+        if self.guard is not None:
+            self.guard.stop()
+        if self.events is not None:
+            self.events.stop()
         if self.publisher is not None:
             self.publisher.stop()
         if self._reconciler is not None:

@@ -72,6 +72,14 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 
+async def load_kube_config(config: Config) -> None:
+    """The plugin's API access: ``--kubeconfig`` when given, else the pod's service account."""
+    if config.kubeconfig is not None:
+        await kube_config.load_kube_config(config_file=str(config.kubeconfig))
+    else:
+        kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+
+
 async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
     """Apply the patch to the Node (``api``: a kubernetes_asyncio CoreV1Api)."""
     await api.patch_node(node_name, patch, _content_type=MERGE_PATCH)
@@ -107,10 +115,7 @@ class NodePublisher:
         asyncio.run(self._main())
 
     async def _main(self) -> None:
-        if self.config.kubeconfig is not None:
-            await kube_config.load_kube_config(config_file=str(self.config.kubeconfig))
-        else:
-            kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
+        await load_kube_config(self.config)
         assert self.config.node_name is not None
         backoff = 1.0
         async with client.ApiClient() as api_client:

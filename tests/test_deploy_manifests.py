@@ -137,7 +137,11 @@ def test_every_pod_is_hardened_and_bounded(overlay: str) -> None:
             sc = container["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False, where
             assert sc["readOnlyRootFilesystem"] is True, where
-            assert sc["capabilities"] == {"drop": ["ALL"]}, where
+            # the node guard kills processes of other users' containers (guard.py)
+            added = ["KILL"] if where == "fracgpu-device-plugin/device-plugin" else []
+            assert sc["capabilities"] == {"drop": ["ALL"], **({"add": added} if added else {})}, (
+                where
+            )
             assert not sc.get("privileged", False), where
             res = container["resources"]
             assert {"cpu", "memory"} <= res["requests"].keys(), where
@@ -147,7 +151,7 @@ def test_every_pod_is_hardened_and_bounded(overlay: str) -> None:
             assert pod_sc["runAsUser"] != 0, name
 
 
-def test_only_the_device_plugin_runs_as_root_and_mounts_host_paths() -> None:
+def test_only_the_device_plugin_runs_as_root_mounts_host_paths_and_shares_host_pids() -> None:
     for workload, spec in pod_specs(render("default")):
         host_paths = [v for v in spec.get("volumes", []) if "hostPath" in v]
         if workload["metadata"]["name"] == "fracgpu-device-plugin":
@@ -155,9 +159,12 @@ def test_only_the_device_plugin_runs_as_root_and_mounts_host_paths() -> None:
                 "/var/lib/kubelet/device-plugins",
                 "/var/lib/kubelet/pod-resources",
                 contract.HOST_ROOT,
+                "/var/log/containers",
             }
+            assert spec["hostPID"] is True  # the node guard reads and kills node pids
         else:
             assert host_paths == [], workload["metadata"]["name"]
+            assert "hostPID" not in spec, workload["metadata"]["name"]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

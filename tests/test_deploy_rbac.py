@@ -79,9 +79,12 @@ def test_webhook_configuration_grants_name_the_deployed_configurations() -> None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_device_plugin_may_only_read_and_patch_nodes(overlay: str) -> None:
+def test_device_plugin_may_only_read_and_patch_nodes_and_post_events(overlay: str) -> None:
     grants, builtin = grants_of(render(overlay), SA_PLUGIN)
-    assert grants == _all("cluster", "", "nodes", "get patch")
+    # events: the node guard's reports on pods over their memory grant (guardevents.py)
+    assert grants == _all("cluster", "", "nodes", "get patch") | _all(
+        "cluster", "", "events", "create"
+    )
     assert builtin == set()
 
 

@@ -42,8 +42,46 @@ def test_options(tmp_path: Path) -> None:
     assert callable(args.run)
 
 
+def test_guard_defaults() -> None:
+    config = config_from(parse())
+    assert (config.guard_interval_s, config.guard_grace_s) == (0.5, 1.0)
+    assert config.guard_kill is True
+    assert config.guard_process_overhead_mib == 512
+    assert config.guard_proc_root == Path("/proc")
+    assert config.guard_container_logs == Path("/var/log/containers")
+
+
 @pytest.mark.parametrize(
-    "argv", [("--ignore-xids", "13,x"), ("--ignore-xids", "-1"), ("--block-mib", "0")]
+    ("argv", "field", "value"),
+    [
+        pytest.param(("--guard-interval", "0"), "guard_interval_s", 0.0, id="off"),
+        pytest.param(("--guard-interval", "0.25"), "guard_interval_s", 0.25, id="interval"),
+        pytest.param(("--guard-grace", "5"), "guard_grace_s", 5.0, id="grace"),
+        pytest.param(("--no-guard-kill",), "guard_kill", False, id="report-only"),
+        pytest.param(
+            ("--guard-process-overhead-mib", "0"), "guard_process_overhead_mib", 0, id="overhead"
+        ),
+        pytest.param(("--guard-proc-root", "/host/proc"), "guard_proc_root", Path("/host/proc"),
+                     id="proc-root"),
+        pytest.param(("--guard-container-logs", "/l"), "guard_container_logs", Path("/l"),
+                     id="logs"),
+    ],
+)  # fmt: skip
+def test_guard_options(argv: tuple[str, ...], field: str, value: object) -> None:
+    assert getattr(config_from(parse(*argv)), field) == value
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ("--ignore-xids", "13,x"),
+        ("--ignore-xids", "-1"),
+        ("--block-mib", "0"),
+        ("--guard-interval", "-1"),
+        ("--guard-interval", "soon"),
+        ("--guard-grace", "nan"),
+        ("--guard-process-overhead-mib", "-5"),
+    ],
 )
 def test_bad_options_are_refused(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):

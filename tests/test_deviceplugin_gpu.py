@@ -1,10 +1,12 @@
-"""Inventory and health against the real NVML of a GPU machine; skipped without one.
+"""Inventory, health and the guard's process lists against real NVML; skipped without a GPU.
 
 Run on a GPU node: ``pytest -m gpu tests/test_deviceplugin_gpu.py -s`` (prints what NVML reported).
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 
@@ -12,7 +14,8 @@ import pynvml
 import pytest
 
 from deviceplugin import inventory
-from deviceplugin.config import DEFAULT_IGNORED_XIDS
+from deviceplugin.config import DEFAULT_IGNORED_XIDS, Config
+from deviceplugin.guard import card_processes
 from deviceplugin.health import HealthMonitor
 from deviceplugin.inventory import Card
 
@@ -67,3 +70,42 @@ def test_health_thread_runs_on_real_nvml(real_cards: list[Card]) -> None:
         print({"supported_event_types": hex(supported)})
     finally:
         health.stop()
+
+
+# A CUDA program in a child: a context on card 0 and 256 MiB allocated, then it waits.
+CUDA_CHILD = """
+import ctypes, time
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+device, context, pointer = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+assert cuda.cuDeviceGet(ctypes.byref(device), 0) == 0
+assert cuda.cuCtxCreate_v2(ctypes.byref(context), 0, device) == 0
+assert cuda.cuMemAlloc_v2(ctypes.byref(pointer), ctypes.c_size_t(256 << 20)) == 0
+print("ready", flush=True)
+time.sleep(60)
+"""
+
+
+def test_guard_reads_a_cuda_process_and_its_context_fits_the_allowance(
+    real_cards: list[Card],
+) -> None:
+    child = subprocess.Popen([sys.executable, "-c", CUDA_CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        used = None
+        deadline = time.monotonic() + 10
+        while used is None and time.monotonic() < deadline:
+            used = card_processes(real_cards[0]).get(child.pid)
+            time.sleep(0.1)
+        assert used is not None, "NVML does not list the process (vGPU? another PID namespace?)"
+        context_mib = (used >> 20) - 256
+        print({"pid": child.pid, "used_mib": used >> 20, "context_mib": context_mib})
+        assert used >= 256 << 20
+        allowance = Config().guard_process_overhead_mib
+        assert context_mib <= allowance, (
+            f"a bare CUDA context takes {context_mib} MiB here, more than the guard's default "
+            f"allowance of {allowance} MiB (--guard-process-overhead-mib): raise the default"
+        )
+    finally:
+        child.kill()
+        child.wait()

@@ -81,3 +81,13 @@ class FakeNvml:
 
     def fail_waits(self, count: int) -> None:
         self._append(f"fail_wait {count}")
+
+    def process(self, card: int, pid: int, used_mib: int, *, graphics: bool = False) -> None:
+        """``pid`` holds ``used_mib`` MiB on ``card`` (-1: NVML cannot tell)."""
+        self._append(f"{'graphics' if graphics else 'proc'} {card} {pid} {used_mib}")
+
+    def exit(self, card: int, pid: int) -> None:
+        self._append(f"exit {card} {pid}")
+
+    def fail_processes(self, count: int) -> None:
+        self._append(f"fail_procs {count}")

@@ -1,6 +1,8 @@
-/* A fake libnvidia-ml.so.1 for the device plugin's tests: inventory and health events only.
+/* A fake libnvidia-ml.so.1 for the device plugin's tests: inventory, health events and the
+ * per-process memory the node guard reads.
  *
- * It implements the few NVML entry points that deviceplugin/inventory.py and health.py call,
+ * It implements the few NVML entry points that deviceplugin/inventory.py, health.py and guard.py
+ * call,
  * with the real signatures and return codes, from state that the test controls:
  *
  *   FAKE_NVML_CONFIG  a file read at nvmlInit; one card per line:
@@ -11,6 +13,16 @@
  *                       lost <index>            queries about the card fail with GPU_IS_LOST
  *                       back <index>            the card answers again
  *                       fail_wait <n>           the next n event waits fail with UNKNOWN
+ *                       proc <index> <pid> <mib>      a compute process holding <mib> MiB on
+ *                                                     the card (again: new amount; -1: NVML
+ *                                                     cannot tell, NVML_VALUE_NOT_AVAILABLE)
+ *                       graphics <index> <pid> <mib>  the same, in the graphics list
+ *                       exit <index> <pid>            the process leaves both lists
+ *                       fail_procs <n>          the next n process-list calls fail with UNKNOWN
+ *
+ * The process lists follow the real _v3 calls: nvmlProcessInfo_v2_t entries (pid, usedGpuMemory,
+ * gpuInstanceId, computeInstanceId; the instance IDs are NOT_AVAILABLE without MIG), and a count
+ * smaller than the list answers NVML_ERROR_INSUFFICIENT_SIZE with the count needed.
  *
  * nvmlEventSetWait_v2 polls the events file every 2 ms until its timeout, so an injected event
  * is delivered within milliseconds, as a real driver would deliver it.
@@ -40,6 +52,17 @@ enum {
 #define EVENT_XID 0x8ULL
 #define MAX_CARDS 64
 #define MAX_QUEUE 1024
+#define MAX_PROCS 256
+#define PROC_COMPUTE 1
+#define PROC_GRAPHICS 2
+#define VALUE_NOT_AVAILABLE_ULL 0xFFFFFFFFFFFFFFFFULL
+#define VALUE_NOT_AVAILABLE_UINT 0xFFFFFFFFU
+
+struct fake_proc {
+    unsigned int pid;
+    long long used_mib; /* -1: not available */
+    int lists;          /* PROC_COMPUTE | PROC_GRAPHICS */
+};
 
 struct fake_device {
     int index;
@@ -49,6 +72,8 @@ struct fake_device {
     unsigned int minor;
     int numa;
     int lost;
+    struct fake_proc procs[MAX_PROCS];
+    int proc_count;
 };
 typedef struct fake_device *nvmlDevice_t;
 
@@ -71,6 +96,13 @@ typedef struct {
     unsigned long long used;
 } nvmlMemory_t;
 
+typedef struct {
+    unsigned int pid;
+    unsigned long long usedGpuMemory;
+    unsigned int gpuInstanceId;
+    unsigned int computeInstanceId;
+} nvmlProcessInfo_v2_t;
+
 struct queued {
     int card;
     unsigned long long type;
@@ -83,6 +115,7 @@ static int device_count;
 static int init_count;
 static long events_offset;
 static int fail_waits;
+static int fail_procs;
 static struct queued queue[MAX_QUEUE];
 static int queue_len;
 
@@ -106,6 +139,31 @@ static void read_config(void) {
     fclose(f);
 }
 
+/* Add or update a process in one of a card's lists. Lock held. */
+static void set_proc(int card, unsigned int pid, long long mib, int list) {
+    if (card < 0 || card >= device_count) return;
+    struct fake_device *d = &devices[card];
+    for (int i = 0; i < d->proc_count; i++) {
+        if (d->procs[i].pid == pid) {
+            d->procs[i].used_mib = mib;
+            d->procs[i].lists |= list;
+            return;
+        }
+    }
+    if (d->proc_count < MAX_PROCS) d->procs[d->proc_count++] = (struct fake_proc){pid, mib, list};
+}
+
+static void drop_proc(int card, unsigned int pid) {
+    if (card < 0 || card >= device_count) return;
+    struct fake_device *d = &devices[card];
+    for (int i = 0; i < d->proc_count; i++) {
+        if (d->procs[i].pid == pid) {
+            d->procs[i] = d->procs[--d->proc_count];
+            return;
+        }
+    }
+}
+
 /* Apply the commands appended to the events file since the last call. Lock held. */
 static void sync_events(void) {
     const char *path = getenv("FAKE_NVML_EVENTS");
@@ -122,7 +180,17 @@ static void sync_events(void) {
         events_offset += (long)n;
         int card = 0;
         unsigned long long code = 0;
-        if (sscanf(line, "xid %d %llu", &card, &code) == 2 && queue_len < MAX_QUEUE) {
+        unsigned int pid = 0;
+        long long mib = 0;
+        if (sscanf(line, "proc %d %u %lld", &card, &pid, &mib) == 3) {
+            set_proc(card, pid, mib, PROC_COMPUTE);
+        } else if (sscanf(line, "graphics %d %u %lld", &card, &pid, &mib) == 3) {
+            set_proc(card, pid, mib, PROC_GRAPHICS);
+        } else if (sscanf(line, "exit %d %u", &card, &pid) == 2) {
+            drop_proc(card, pid);
+        } else if (sscanf(line, "fail_procs %d", &card) == 1) {
+            fail_procs += card;
+        } else if (sscanf(line, "xid %d %llu", &card, &code) == 2 && queue_len < MAX_QUEUE) {
             queue[queue_len++] = (struct queued){card, EVENT_XID, code};
         } else if (sscanf(line, "dbe %d", &card) == 1 && queue_len < MAX_QUEUE) {
             queue[queue_len++] = (struct queued){card, EVENT_DBE, 0};
@@ -159,6 +227,7 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
             fclose(f);
         }
         queue_len = 0;
+        fail_procs = 0;
     }
     pthread_mutex_unlock(&lock);
     return NVML_SUCCESS;
@@ -180,7 +249,9 @@ const char *nvmlErrorString(nvmlReturn_t result) {
     case NVML_SUCCESS: return "Success";
     case NVML_ERROR_UNINITIALIZED: return "Uninitialized";
     case NVML_ERROR_INVALID_ARGUMENT: return "Invalid Argument";
+    case NVML_ERROR_NOT_SUPPORTED: return "Not Supported";
     case NVML_ERROR_NOT_FOUND: return "Not Found";
+    case NVML_ERROR_INSUFFICIENT_SIZE: return "Insufficient Size";
     case NVML_ERROR_TIMEOUT: return "Timeout";
     case NVML_ERROR_GPU_IS_LOST: return "GPU is lost";
     default: return "Unknown Error";
@@ -330,4 +401,44 @@ nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, nvmlEventData_t *data, unsi
         if (rc != NVML_ERROR_TIMEOUT || waited >= timeoutms) return rc;
         nanosleep(&step, NULL);
     }
+}
+
+/* The _v3 process lists. Lock held by the caller (DEVICE_CALL). */
+static nvmlReturn_t list_procs(nvmlDevice_t device, unsigned int *count,
+                               nvmlProcessInfo_v2_t *infos, int list) {
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (fail_procs > 0) {
+        fail_procs--;
+        return NVML_ERROR_UNKNOWN;
+    }
+    unsigned int found = 0;
+    for (int i = 0; i < device->proc_count; i++) found += (device->procs[i].lists & list) != 0;
+    if (*count < found) {
+        *count = found;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    if (found > 0 && !infos) return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned int n = 0;
+    for (int i = 0; i < device->proc_count; i++) {
+        const struct fake_proc *p = &device->procs[i];
+        if (!(p->lists & list)) continue;
+        infos[n].pid = p->pid;
+        infos[n].usedGpuMemory =
+            p->used_mib < 0 ? VALUE_NOT_AVAILABLE_ULL : (unsigned long long)p->used_mib << 20;
+        infos[n].gpuInstanceId = VALUE_NOT_AVAILABLE_UINT;
+        infos[n].computeInstanceId = VALUE_NOT_AVAILABLE_UINT;
+        n++;
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                     nvmlProcessInfo_v2_t *infos) {
+    DEVICE_CALL(rc = list_procs(device, count, infos, PROC_COMPUTE);)
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                      nvmlProcessInfo_v2_t *infos) {
+    DEVICE_CALL(rc = list_procs(device, count, infos, PROC_GRAPHICS);)
 }

@@ -1,0 +1,574 @@
+"""The node guard: the hard memory boundary outside the container.
+
+The hook inside a container counts what the program allocates through the CUDA driver API; what
+it cannot see (raw ioctls on the device nodes, a scribbled accounting region) still shows up in
+the driver's own per-process accounting. This thread reads that accounting from NVML every
+``interval_s``, attributes each process to its container, and acts when a container holds more
+of a card than it was granted: it reports first (a log line, the metrics, and a Kubernetes Event
+when a reporter for one is configured) and, after ``grace_s`` of continuous excess, kills the
+container's processes on that card, largest first, until the rest fits.
+
+From a pid to a fracgpu container, using only what the container cannot change:
+
+1. ``<proc_root>/<pid>/cgroup``: the runtime put the process in its container's cgroup, and an
+   unprivileged process cannot leave it (a cgroup namespace changes only its own view; this
+   file is read in the plugin's view). The path holds the pod UID (``pod<uid>``; ``_`` for
+   ``-`` under the systemd driver) and, one level below, the container ID
+   (``cri-containerd-<id>.scope``, ``crio-<id>.scope``, ``docker-<id>.scope`` or a bare
+   ``<id>`` under the cgroupfs driver). Anything deeper still belongs to that container.
+2. ``<container_logs>/<pod>_<namespace>_<container>-<id>.log``: kubelet links every container's
+   log there, whatever the runtime, to ``…/pods/<namespace>_<pod>_<uid>/<container>/<n>.log``.
+   The link's target names the pod, its namespace and UID and the container; the UID must equal
+   the cgroup's, so a pod deleted and created again under the same name is never confused.
+3. kubelet's PodResources ``List`` (the plugin's client): the container's fracgpu device IDs,
+   from which ``prestart.limits_for`` computes its grant exactly as its limits file was written.
+
+A process that fails any step (a system process, a container of another device plugin, a pod
+that holds no fracgpu resource) belongs to no fracgpu container: it is counted, never acted on.
+Resolutions are cached per container ID (a container's devices never change); a miss is retried
+after ``miss_retry_s``, doubling up to a minute, so foreign GPU containers cost one PodResources
+call a minute each.
+
+A kill never reaches a pid that was reused: the process's start time (``stat`` field 22) must be
+the one seen when it first showed the excess, a pidfd is opened, the start time and the cgroup
+are read again through it, and only then is SIGKILL sent through the pidfd, which cannot name any
+other process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import pynvml
+
+from deviceplugin.config import Config
+from deviceplugin.contract import Limits
+from deviceplugin.inventory import Card
+from deviceplugin.metrics import Metrics
+from deviceplugin.podresources import ContainerDevices, PodResourcesError
+from deviceplugin.prestart import PreStartError, limits_for
+from webhook.resources import MIB
+
+log = logging.getLogger(__name__)
+
+# kubelet's pod cgroup (``pod<uid>``, ``.slice`` under systemd), then the container's own cgroup.
+_CGROUP = re.compile(
+    r"/(?:[^/]*-)?pod([0-9a-f][0-9a-f_-]{31,35})(?:\.slice)?"
+    r"/(?:(?:cri-containerd|crio|docker)-)?([0-9a-f]{64})(?:\.scope)?(?:/|$)"
+)
+# ``<namespace>_<pod>_<uid>/<container>/<n>.log`` under kubelet's pod log directory.
+_LOG_TARGET = re.compile(r"([^/_]+)_([^/_]+)_([0-9a-f][0-9a-f-]{31,35})/([^/]+)/[^/]+$")
+_MAX_MISS_RETRY_S = 60.0
+_FORGET_AFTER_S = 300.0
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerRef:
+    """A container as its cgroup names it."""
+
+    pod_uid: str
+    container_id: str
+
+
+def parse_cgroup(text: str) -> ContainerRef | None:
+    """The pod UID and container ID in a ``/proc/<pid>/cgroup`` file (cgroup v1 or v2)."""
+    for line in text.splitlines():
+        _, _, path = line.partition(":")
+        _, _, path = path.partition(":")
+        match = _CGROUP.search(path)
+        if match is not None:
+            return ContainerRef(match.group(1).replace("_", "-"), match.group(2))
+    return None
+
+
+class ProcReader:
+    """Reads processes under ``root`` (the node's /proc, with the host's PID namespace)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def container(self, pid: int) -> ContainerRef | None:
+        try:
+            text = (self.root / str(pid) / "cgroup").read_text()
+        except (OSError, UnicodeDecodeError):
+            return None  # gone, or not ours to read
+        return parse_cgroup(text)
+
+    def start_time(self, pid: int) -> int | None:
+        """Field 22 of ``stat``: clock ticks after boot; with the pid, names one process."""
+        try:
+            text = (self.root / str(pid) / "stat").read_text()
+        except (OSError, UnicodeDecodeError):
+            return None
+        # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+        fields = text.rpartition(")")[2].split()
+        try:
+            return int(fields[19])
+        except (IndexError, ValueError):
+            return None
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    """A fracgpu container and its grant."""
+
+    namespace: str
+    pod: str
+    container: str
+    pod_uid: str
+    container_id: str
+    limits: Limits
+
+    @property
+    def name(self) -> str:
+        return f"{self.namespace}/{self.pod}/{self.container}"
+
+    def allowed(self, card_uuid: str) -> int:
+        """Bytes this container may hold on the card (0 on a card it was not given)."""
+        return self.limits.memory_bytes if card_uuid in self.limits.devices else 0
+
+
+ListContainers = Callable[[], list[ContainerDevices]]
+Grant = Callable[[ContainerDevices], Limits]
+
+
+def grant_of(config: Config, cards: Mapping[int, Card]) -> Grant:
+    """A container's grant from its device IDs, as PreStartContainer wrote its limits file."""
+
+    def grant(container: ContainerDevices) -> Limits:
+        return limits_for(
+            container.name,
+            container.ids(config.core_resource),
+            container.ids(config.memory_resource),
+            cards,
+            block_mib=config.block_mib,
+            core_resource=config.core_resource,
+            memory_resource=config.memory_resource,
+        )
+
+    return grant
+
+
+@dataclass(slots=True)
+class _Miss:
+    retry_at: float
+    wait_s: float
+
+
+class Owners:
+    """From a cgroup's container to the fracgpu container that holds it, cached."""
+
+    def __init__(
+        self,
+        container_logs: Path,
+        list_containers: ListContainers,
+        grant: Grant,
+        *,
+        miss_retry_s: float = 1.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.container_logs = container_logs
+        self._list = list_containers
+        self._grant = grant
+        self.miss_retry_s = miss_retry_s
+        self._clock = clock
+        self._known: dict[ContainerRef, tuple[Owner, float]] = {}
+        self._misses: dict[ContainerRef, _Miss] = {}
+
+    def resolve(self, ref: ContainerRef) -> Owner | None:
+        now = self._clock()
+        known = self._known.get(ref)
+        if known is not None:
+            self._known[ref] = (known[0], now)
+            return known[0]
+        miss = self._misses.get(ref)
+        if miss is not None and now < miss.retry_at:
+            return None
+        owner = self._lookup(ref)
+        if owner is None:
+            wait = self.miss_retry_s if miss is None else min(miss.wait_s * 2, _MAX_MISS_RETRY_S)
+            self._misses[ref] = _Miss(now + wait, wait)
+            return None
+        self._misses.pop(ref, None)
+        self._known[ref] = (owner, now)
+        return owner
+
+    def forget_idle(self) -> None:
+        """Drop what was not asked about for a while (containers end; the cache must not grow)."""
+        horizon = self._clock() - _FORGET_AFTER_S
+        for ref in [r for r, (_, seen) in self._known.items() if seen < horizon]:
+            del self._known[ref]
+        for ref in [r for r, m in self._misses.items() if m.retry_at < horizon]:
+            del self._misses[ref]
+
+    def _named(self, ref: ContainerRef) -> tuple[str, str, str] | None:
+        """(namespace, pod, container) from kubelet's log link of this container."""
+        try:
+            links = list(self.container_logs.glob(f"*-{ref.container_id}.log"))
+        except OSError:
+            return None
+        for link in links:
+            try:
+                target = os.readlink(link)
+            except OSError:
+                continue
+            match = _LOG_TARGET.search(target)
+            if match is not None and match.group(3) == ref.pod_uid:
+                return match.group(1), match.group(2), match.group(4)
+        return None
+
+    def _lookup(self, ref: ContainerRef) -> Owner | None:
+        named = self._named(ref)
+        if named is None:
+            return None
+        namespace, pod, container = named
+        try:
+            listed = self._list()
+        except PodResourcesError as exc:
+            log.warning("guard cannot list pod resources", extra={"error": str(exc)})
+            return None
+        for entry in listed:
+            if (entry.namespace, entry.pod, entry.container) != named:
+                continue
+            try:
+                limits = self._grant(entry)
+            except PreStartError as exc:
+                log.warning(
+                    "guard cannot compute a grant",
+                    extra={"container": entry.name, "error": str(exc)},
+                )
+                return None
+            return Owner(namespace, pod, container, ref.pod_uid, ref.container_id, limits)
+        return None
+
+
+class Reporter(Protocol):
+    """Where the guard's findings go besides its log and metrics (a Kubernetes Event sink)."""
+
+    def excess(self, owner: Owner, card: Card, used: int, allowed: int, grace_s: float) -> None: ...
+
+    def killed(self, owner: Owner, card: Card, pid: int, used: int, allowed: int) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Process:
+    pid: int
+    used: int  # bytes
+    start: int  # stat field 22
+
+
+@dataclass(slots=True)
+class _Episode:
+    """A container over its grant on one card, since ``since`` (monotonic)."""
+
+    since: float
+    starts: dict[int, int] = field(default_factory=dict)  # pid -> start time first seen
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    owner: Owner
+    card: Card
+    processes: tuple[Process, ...]
+
+    @property
+    def used(self) -> int:
+        return sum(p.used for p in self.processes)
+
+
+@dataclass(slots=True)
+class Observation:
+    """One scan's reading: each fracgpu container's processes per card."""
+
+    usage: list[Usage] = field(default_factory=list)
+    foreign: dict[int, int] = field(default_factory=dict)  # card -> processes of no container
+    unmeasured: dict[int, int] = field(default_factory=dict)  # card -> no per-process figure
+    failed: set[int] = field(default_factory=set)  # cards whose lists NVML did not give
+
+
+def card_processes(card: Card) -> dict[int, int | None]:
+    """pid -> bytes (None: NVML cannot tell) on one card, compute and graphics lists together.
+
+    A process in both lists (a graphics context that also computes) appears with the same
+    figure in each; it is counted once.
+    """
+    handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
+    merged: dict[int, int | None] = {}
+    for info in (
+        *pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
+        *pynvml.nvmlDeviceGetGraphicsRunningProcesses(handle),
+    ):
+        pid = int(info.pid)
+        used = None if info.usedGpuMemory is None else int(info.usedGpuMemory)
+        if pid in merged and (used is None or (merged[pid] or 0) >= used):
+            continue
+        merged[pid] = used
+    return merged
+
+
+def kill_verified(proc: ProcReader, pid: int, start: int, ref: ContainerRef) -> str:
+    """SIGKILL ``pid`` only if it is still the process seen (start time, container); the outcome.
+
+    The pidfd is opened first: once the checks pass through it, the signal can reach no other
+    process, even if this one exits and its pid is reused in between.
+    """
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return "gone"
+    try:
+        if proc.start_time(pid) != start:
+            return "pid reused"
+        if proc.container(pid) != ref:
+            return "left the container"
+        signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        return "killed"
+    except ProcessLookupError:
+        return "gone"
+    except PermissionError:
+        return "not permitted"  # the plugin lacks CAP_KILL for this process's user
+    finally:
+        os.close(pidfd)
+
+
+class Guard:
+    def __init__(
+        self,
+        cards: Iterable[Card],
+        owners: Owners,
+        proc: ProcReader,
+        metrics: Metrics,
+        *,
+        interval_s: float = 0.5,
+        grace_s: float = 1.0,
+        kill: bool = True,
+        process_overhead_mib: int = 512,
+        reporter: Reporter | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cards = {c.index: c for c in cards}
+        self.owners = owners
+        self.proc = proc
+        self.metrics = metrics
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self.kill = kill
+        self.overhead = process_overhead_mib * MIB
+        self.reporter = reporter
+        self._clock = clock
+        self._episodes: dict[tuple[ContainerRef, int], _Episode] = {}
+        self._failing: dict[int, str] = {}  # card -> the NVML error already logged
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- the thread --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="guard", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                with self.metrics.guard_scan_seconds.time():
+                    self.scan_once()
+            except Exception:  # a bug here must not end the boundary for good
+                log.exception("guard scan failed")
+
+    # ---- one pass (public for tests and the benchmark) ---------------------------------
+
+    def scan_once(self) -> Observation:
+        observation = self.observe()
+        self.act(observation)
+        self.owners.forget_idle()
+        return observation
+
+    def observe(self) -> Observation:
+        observation = Observation()
+        grouped: dict[tuple[ContainerRef, int], list[Process]] = {}
+        owners: dict[ContainerRef, Owner] = {}
+        for index, card in sorted(self.cards.items()):
+            try:
+                processes = card_processes(card)
+            except pynvml.NVMLError as exc:
+                self._nvml_failed(card, exc)
+                observation.failed.add(index)
+                continue
+            if self._failing.pop(index, None) is not None:
+                log.info("guard reads the card's processes again", extra={"card": index})
+            foreign = unmeasured = 0
+            for pid, used in processes.items():
+                if used is None:
+                    unmeasured += 1
+                    continue
+                ref = self.proc.container(pid)
+                owner = None if ref is None else self.owners.resolve(ref)
+                start = self.proc.start_time(pid)
+                if ref is None or owner is None or start is None:
+                    foreign += 1
+                    continue
+                owners[ref] = owner
+                grouped.setdefault((ref, index), []).append(Process(pid, used, start))
+            observation.foreign[index] = foreign
+            observation.unmeasured[index] = unmeasured
+            self.metrics.guard_foreign_processes.labels(str(index)).set(foreign)
+            self.metrics.guard_unmeasured_processes.labels(str(index)).set(unmeasured)
+        observation.usage = [
+            Usage(owners[ref], self.cards[index], tuple(processes))
+            for (ref, index), processes in grouped.items()
+        ]
+        return observation
+
+    def _nvml_failed(self, card: Card, exc: Exception) -> None:
+        self.metrics.guard_nvml_errors.labels(str(card.index)).inc()
+        if self._failing.get(card.index) != str(exc):
+            self._failing[card.index] = str(exc)
+            log.warning(
+                "guard cannot read the card's processes from NVML; no action on this card "
+                "until it can",
+                extra={"card": card.index, "error": str(exc)},
+            )
+
+    def allowed(self, usage: Usage) -> int:
+        """The grant plus each process's CUDA context, which NVML counts and the hook does not."""
+        return usage.owner.allowed(usage.card.uuid) + self.overhead * len(usage.processes)
+
+    def act(self, observation: Observation) -> None:
+        now = self._clock()
+        over: set[tuple[ContainerRef, int]] = set()
+        for usage in observation.usage:
+            ref = ContainerRef(usage.owner.pod_uid, usage.owner.container_id)
+            key = (ref, usage.card.index)
+            allowed = self.allowed(usage)
+            if usage.used <= allowed:
+                continue
+            over.add(key)
+            episode = self._episodes.get(key)
+            if episode is None:
+                episode = self._episodes[key] = _Episode(now)
+                self._report_excess(usage, allowed)
+            fresh = self._note_starts(episode, usage)
+            if self.kill and now - episode.since >= self.grace_s:
+                self._kill(usage, allowed, ref, fresh)
+        # Episodes of cards that could not be read this time are kept: no news is not a cure.
+        for key in list(self._episodes):
+            if key not in over and key[1] not in observation.failed:
+                del self._episodes[key]
+                log.info(
+                    "container is back within its grant",
+                    extra={"container_id": key[0].container_id, "card": key[1]},
+                )
+        counts: dict[int, int] = dict.fromkeys(self.cards, 0)
+        for _, card in self._episodes:
+            counts[card] += 1
+        for card, count in counts.items():
+            self.metrics.guard_containers_over.labels(str(card)).set(count)
+
+    def _note_starts(self, episode: _Episode, usage: Usage) -> set[int]:
+        """Record each process's start time; the pids seen before with the same one."""
+        settled = set()
+        for process in usage.processes:
+            first = episode.starts.setdefault(process.pid, process.start)
+            if first == process.start:
+                settled.add(process.pid)
+            else:
+                self.metrics.guard_kills_skipped.labels("pid reused").inc()
+                log.warning(
+                    "guard saw a pid reused during an excess; not killing it this pass",
+                    extra={"pid": process.pid, "container": usage.owner.name},
+                )
+                episode.starts[process.pid] = process.start
+        return settled
+
+    def _report_excess(self, usage: Usage, allowed: int) -> None:
+        card = usage.card
+        self.metrics.guard_excess.labels(str(card.index)).inc()
+        log.warning(
+            "container holds more card memory than its grant",
+            extra={
+                "container": usage.owner.name,
+                "pod_uid": usage.owner.pod_uid,
+                "card": card.index,
+                "used_bytes": usage.used,
+                "allowed_bytes": allowed,
+                "pids": [p.pid for p in usage.processes],
+                "kill_after_s": self.grace_s if self.kill else None,
+            },
+        )
+        if self.reporter is not None:
+            self.reporter.excess(usage.owner, card, usage.used, allowed, self.grace_s)
+
+    def _kill(self, usage: Usage, allowed: int, ref: ContainerRef, settled: set[int]) -> None:
+        """Kill the largest processes until the rest fits (the rest keep their contexts).
+
+        When the next in line cannot be killed now (its pid was reused, it left the container)
+        the pass stops: killing smaller processes in its place would take more than needed,
+        and the next scan sees the container as it is then.
+        """
+        remaining = usage.used
+        for process in sorted(usage.processes, key=lambda p: (-p.used, p.pid)):
+            if remaining <= allowed:
+                break
+            if process.pid not in settled:
+                break
+            outcome = kill_verified(self.proc, process.pid, process.start, ref)
+            if outcome not in ("killed", "gone"):
+                self.metrics.guard_kills_skipped.labels(outcome).inc()
+                log.info(
+                    "guard did not kill",
+                    extra={"pid": process.pid, "container": usage.owner.name, "why": outcome},
+                )
+                break
+            remaining -= process.used
+            allowed -= self.overhead  # its context is gone with it
+            if outcome == "gone":  # it ended by itself
+                self.metrics.guard_kills_skipped.labels(outcome).inc()
+                continue
+            self.metrics.guard_kills.labels(str(usage.card.index)).inc()
+            log.warning(
+                "guard killed a process over its container's grant",
+                extra={
+                    "container": usage.owner.name,
+                    "pod_uid": usage.owner.pod_uid,
+                    "card": usage.card.index,
+                    "pid": process.pid,
+                    "used_bytes": process.used,
+                    "container_used_bytes": usage.used,
+                    "allowed_bytes": allowed,
+                },
+            )
+            if self.reporter is not None:
+                self.reporter.killed(usage.owner, usage.card, process.pid, process.used, allowed)
+
+
+__all__ = [
+    "ContainerRef",
+    "Guard",
+    "Observation",
+    "Owner",
+    "Owners",
+    "ProcReader",
+    "Reporter",
+    "card_processes",
+    "grant_of",
+    "kill_verified",
+    "parse_cgroup",
+]
