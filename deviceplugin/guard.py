@@ -50,13 +50,13 @@ from typing import Protocol
 
 import pynvml
 
+from core.contract import Limits
+from core.units import MIB
 from deviceplugin.config import Config
-from deviceplugin.contract import Limits
 from deviceplugin.inventory import Card
 from deviceplugin.metrics import Metrics
 from deviceplugin.podresources import ContainerDevices, PodResourcesError
 from deviceplugin.prestart import PreStartError, limits_for
-from webhook.resources import MIB
 
 log = logging.getLogger(__name__)
 

@@ -13,17 +13,14 @@ import contextlib
 import logging
 import queue
 import threading
-import time
-from datetime import UTC, datetime
 from typing import Any
 
-from kubernetes_asyncio import client
-
+from core import events
+from core.kube import Api, KubeConfigError, KubeError, kube_client
+from core.units import MIB
 from deviceplugin.config import Config
 from deviceplugin.guard import Owner
 from deviceplugin.inventory import Card
-from deviceplugin.node import load_kube_config
-from webhook.resources import MIB
 
 log = logging.getLogger(__name__)
 
@@ -62,37 +59,18 @@ def killed_message(owner: Owner, card: Card, pid: int, used: int, allowed: int) 
     )
 
 
-def event_body(
-    owner: Owner, reason: str, message: str, node: str, now: datetime | None = None
-) -> dict[str, Any]:
-    """A core/v1 Event on the pod, pointing at the container (``fieldPath``)."""
-    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%dT%H:%M:%SZ")
-    return {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {
-            # kubelet's recorder names events <object>.<hex nanoseconds>
-            "name": f"{owner.pod}.{time.time_ns():x}",
-            "namespace": owner.namespace,
-        },
-        "involvedObject": {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "name": owner.pod,
-            "namespace": owner.namespace,
-            "uid": owner.pod_uid,
-            "fieldPath": f"spec.containers{{{owner.container}}}",
-        },
-        "reason": reason,
-        "message": message,
-        "type": "Warning",
-        "source": {"component": COMPONENT, "host": node},
-        "reportingComponent": REPORTING_COMPONENT,
-        "reportingInstance": node,
-        "firstTimestamp": stamp,
-        "lastTimestamp": stamp,
-        "count": 1,
-    }
+def event_body(owner: Owner, reason: str, message: str, node: str) -> dict[str, Any]:
+    """A Warning Event on the pod, pointing at the container (``fieldPath``)."""
+    return events.pod_event(
+        namespace=owner.namespace,
+        pod=owner.pod,
+        uid=owner.pod_uid,
+        reason=reason,
+        message=message,
+        component=COMPONENT,
+        host=node,
+        field_path=f"spec.containers{{{owner.container}}}",
+    )
 
 
 class EventReporter:
@@ -143,21 +121,20 @@ class EventReporter:
 
     async def _main(self) -> None:
         try:
-            await load_kube_config(self.config)
-        except Exception as exc:  # no API access: the guard's log and metrics still report
+            async with kube_client(self.config.kubeconfig) as api:
+                while (body := await asyncio.to_thread(self._queue.get)) is not None:
+                    await self._post(api, body)
+        except KubeConfigError as exc:  # no API access: the guard's log and metrics still report
             log.error("guard events disabled: no API access", extra={"error": str(exc)})
-            return
-        async with client.ApiClient() as api_client:
-            api: Any = client.CoreV1Api(api_client)  # it takes the body as a plain dict
-            while (body := await asyncio.to_thread(self._queue.get)) is not None:
-                try:
-                    await api.create_namespaced_event(body["metadata"]["namespace"], body)
-                    self.posted += 1
-                except Exception as exc:  # RBAC, network, a namespace gone: never retried
-                    log.warning(
-                        "guard event not posted",
-                        extra={"reason": body["reason"], "error": str(exc)},
-                    )
+
+    async def _post(self, api: Api, body: dict[str, Any]) -> None:
+        try:
+            await events.post(api, body)
+            self.posted += 1
+        except (KubeError, OSError, TimeoutError) as exc:  # RBAC, network, namespace gone
+            log.warning(
+                "guard event not posted", extra={"reason": body["reason"], "error": str(exc)}
+            )
 
 
 __all__ = ["EventReporter", "event_body"]

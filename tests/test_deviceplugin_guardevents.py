@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
+from core.contract import Limits
 from deviceplugin.config import Config
-from deviceplugin.contract import Limits
 from deviceplugin.guard import Owner
 from deviceplugin.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
 from deviceplugin.inventory import Card
