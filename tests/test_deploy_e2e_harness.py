@@ -88,6 +88,7 @@ def test_settings_defaults(tmp_path: Path) -> None:
         kubeconfig=kubeconfig,
         host=None,
         bind=None,
+        port=None,
         node=None,
         kubelet_dir=Path("/var/lib/kubelet"),
         node_dir=Path("/var/lib/fracgpu-e2e"),
@@ -101,6 +102,7 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         "FRACGPU_E2E_KUBECONFIG": str(kubeconfig),
         "FRACGPU_E2E_WEBHOOK_HOST": "host.k3d.internal",
         "FRACGPU_E2E_WEBHOOK_BIND": "0.0.0.0",
+        "FRACGPU_E2E_WEBHOOK_PORT": "9443",
         "FRACGPU_E2E_NODE": "kind-control-plane",
         "FRACGPU_E2E_KUBELET_DIR": "/tmp/kind-kubelet",
         "FRACGPU_E2E_NODE_DIR": "/tmp/fracgpu-node",
@@ -109,10 +111,20 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         kubeconfig=kubeconfig,
         host="host.k3d.internal",
         bind="0.0.0.0",
+        port=9443,
         node="kind-control-plane",
         kubelet_dir=Path("/tmp/kind-kubelet"),
         node_dir=Path("/tmp/fracgpu-node"),
     )
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "https", "-1"])
+def test_a_webhook_port_that_is_not_a_port_is_an_error(tmp_path: Path, port: str) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    env = {"FRACGPU_E2E_KUBECONFIG": str(kubeconfig), "FRACGPU_E2E_WEBHOOK_PORT": port}
+    with pytest.raises(HarnessError, match="FRACGPU_E2E_WEBHOOK_PORT="):
+        Settings.from_env(env)
 
 
 @pytest.mark.parametrize(
@@ -288,6 +300,18 @@ def test_local_webhook_config_is_one_serve_accepts(tmp_path: Path) -> None:
     assert (config.server.host, config.server.port) == ("127.0.0.1", local.port)
 
 
+def test_a_fixed_port_is_listened_on_and_registered(tmp_path: Path, deployed: list[Obj]) -> None:
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig", 9443)
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    urls = [
+        h["clientConfig"]["url"]
+        for o in for_local_webhook(deployed, "x", local)
+        for h in o["webhooks"]
+    ]
+    assert config.server.port == 9443
+    assert [urllib.parse.urlsplit(u).port for u in urls] == [9443, 9443]
+
+
 def test_local_webhook_is_given_the_admission_the_scenarios_expect(tmp_path: Path) -> None:
     """The scenarios compute their expectations from ADMISSION; serve must run exactly that."""
     local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
@@ -355,6 +379,7 @@ def _settings(kubeconfig: Path, **overrides: Any) -> Settings:
         "kubeconfig": kubeconfig,
         "host": "127.0.0.1",
         "bind": None,
+        "port": None,
         "node": None,
         "kubelet_dir": Path("/var/lib/kubelet"),
         "node_dir": Path("/var/lib/fracgpu-e2e"),

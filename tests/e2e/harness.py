@@ -64,6 +64,7 @@ DEPLOY = ROOT / "deploy"
 ENV_KUBECONFIG = "FRACGPU_E2E_KUBECONFIG"
 ENV_HOST = "FRACGPU_E2E_WEBHOOK_HOST"
 ENV_BIND = "FRACGPU_E2E_WEBHOOK_BIND"
+ENV_PORT = "FRACGPU_E2E_WEBHOOK_PORT"
 ENV_NODE = "FRACGPU_E2E_NODE"
 ENV_KUBELET_DIR = "FRACGPU_E2E_KUBELET_DIR"
 ENV_NODE_DIR = "FRACGPU_E2E_NODE_DIR"
@@ -111,6 +112,7 @@ class Settings:
     kubeconfig: Path
     host: str | None  # None: this machine's address on the route to the control plane
     bind: str | None  # None: the host if it is a loopback address, else every address
+    port: int | None  # None: a free port (a fixed one suits firewall rules and tunnels)
     node: str | None  # the node whose kubelet the suite may give a fracgpu device plugin
     kubelet_dir: Path  # that kubelet's root directory, as this machine sees it
     node_dir: Path  # a directory that node sees at the same path (host files, fake devices)
@@ -125,10 +127,14 @@ class Settings:
         kubeconfig = Path(raw).expanduser()
         if not kubeconfig.is_file():
             raise HarnessError(f"{ENV_KUBECONFIG}={raw!r} is not a file; point it at a kubeconfig")
+        port = env.get(ENV_PORT) or None
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise HarnessError(f"{ENV_PORT}={port!r} is not a TCP port (1-65535)")
         return cls(
             kubeconfig=kubeconfig,
             host=env.get(ENV_HOST) or None,
             bind=env.get(ENV_BIND) or None,
+            port=None if port is None else int(port),
             node=env.get(ENV_NODE) or None,
             kubelet_dir=Path(env.get(ENV_KUBELET_DIR) or "/var/lib/kubelet"),
             node_dir=Path(env.get(ENV_NODE_DIR) or "/var/lib/fracgpu-e2e"),
@@ -396,9 +402,11 @@ def _url_host(host: str) -> str:
 class LocalWebhook:
     """``fracgpu serve`` on this machine, stoppable and restartable on the same address."""
 
-    def __init__(self, workdir: Path, host: str, bind: str, kubeconfig: Path | str) -> None:
+    def __init__(
+        self, workdir: Path, host: str, bind: str, kubeconfig: Path | str, port: int | None = None
+    ) -> None:
         self.host, self.bind = host, bind
-        self.port = free_port(bind)
+        self.port = port or free_port(bind)
         cert, key, ca = issue_certificates(workdir / "tls", host)
         self.ca_pem = ca.read_bytes()
         self.config_path = workdir / "config.yaml"
