@@ -488,6 +488,27 @@ async def test_a_run_registers_both_webhooks_and_they_answer_through_their_regis
     assert "GPU quota exceeded" in answers[server.VALIDATE_PATH]["status"]["message"]
 
 
+async def test_the_local_webhook_restarts_behind_its_registration(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    """The webhook-down scenario stops and restarts it: the registration must stay valid."""
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.run is not None
+        webhook = background.run.webhook
+        (mutating,) = fake.objects(MUTATING_WEBHOOK_CONFIGURATIONS.plural)
+        client = mutating["webhooks"][0]["clientConfig"]
+        ca_bundle = base64.b64decode(client["caBundle"])
+        await asyncio.to_thread(webhook.stop)
+        with pytest.raises(OSError):
+            await asyncio.to_thread(_post_verified, client["url"], ca_bundle, _review("/mutate"))
+        await asyncio.to_thread(webhook.start)
+        reply = await asyncio.to_thread(
+            _post_verified, client["url"], ca_bundle, _review(server.MUTATE_PATH)
+        )
+    assert reply["response"]["allowed"] is True
+
+
 async def test_a_run_installs_the_crd_of_deploy_crds(fake: FakeApiServer, tmp_path: Path) -> None:
     settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
     async with Background(settings, tmp_path / "run"):

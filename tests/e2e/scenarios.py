@@ -79,7 +79,10 @@ def local_mutator() -> Mutator:
 
 
 def expected(obj: Obj) -> tuple[Outcome, Obj]:
-    """What the webhook decides for an object, and the object after its patch."""
+    """What the webhook decides for an object, and the object after its patch.
+
+    The API server hands the webhook quantities in its canonical form (``300m`` for ``0.3``);
+    the webhook reads and reports both forms alike, so the manifest as written is used here."""
     group = obj["apiVersion"].rpartition("/")[0] if "/" in obj["apiVersion"] else ""
     outcome = local_mutator().mutate(obj, group, obj["kind"])
     patched: Obj = jsonpatch.apply_patch(copy.deepcopy(obj), outcome.patch)

@@ -208,4 +208,4 @@ def test_plugin_restart_keeps_running_pods_and_allocates_again(
     assert status["phase"] == "Running"
     assert [c["restartCount"] for c in status["containerStatuses"]] == [0]
     assert agent.exited() is None, agent.log()
-    assert len(agent.limits(since)) == 1
+    assert 50 in [written.compute_percent for written in agent.limits(since)]
