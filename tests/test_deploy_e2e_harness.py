@@ -462,13 +462,14 @@ def _stored_configurations(fake: FakeApiServer) -> list[Obj]:
     ]
 
 
-async def test_a_run_registers_both_webhooks_and_they_answer_through_their_registration(
+async def test_a_run_installs_the_crd_and_both_webhooks_answer_through_their_registration(
     fake: FakeApiServer, tmp_path: Path
 ) -> None:
     _quota_fixture(fake)
     settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
     async with Background(settings, tmp_path / "run") as background:
         assert background.error is None, background.error
+        installed = [c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)]
         stored = _stored_configurations(fake)
         answers = {}
         for obj in stored:
@@ -481,6 +482,7 @@ async def test_a_run_registers_both_webhooks_and_they_answer_through_their_regis
                 _post_verified, hook["clientConfig"]["url"], ca_bundle, review
             )
             answers[path] = reply["response"]
+    assert installed == [c["metadata"]["name"] for c in harness.crds()]
     assert sorted(answers) == sorted(PATHS.values())
     assert answers[server.MUTATE_PATH]["allowed"] is True
     assert answers[server.MUTATE_PATH]["patchType"] == "JSONPatch"
@@ -509,13 +511,6 @@ async def test_the_local_webhook_restarts_behind_its_registration(
     assert reply["response"]["allowed"] is True
 
 
-async def test_a_run_installs_the_crd_of_deploy_crds(fake: FakeApiServer, tmp_path: Path) -> None:
-    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
-    async with Background(settings, tmp_path / "run"):
-        installed = [c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)]
-    assert installed == [c["metadata"]["name"] for c in harness.crds()]
-
-
 def _leftovers(fake: FakeApiServer) -> list[str]:
     kinds = (
         MUTATING_WEBHOOK_CONFIGURATIONS.plural,
@@ -540,15 +535,9 @@ async def test_a_run_removes_everything_it_made(
         assert background.run is not None
         await asyncio.to_thread(background.run.namespace, "one")
         assert _leftovers(fake)
-    assert _leftovers(fake) == []
-
-
-async def test_a_run_stops_the_local_webhook(fake: FakeApiServer, tmp_path: Path) -> None:
-    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
-    async with Background(settings, tmp_path / "run") as background:
-        assert background.run is not None
         webhook = background.run.webhook
-        assert webhook.process is not None
+    assert _leftovers(fake) == []
+    assert isinstance(background.error, RuntimeError) == fail_inside, "a failure is not swallowed"
     assert webhook.process is None
     with pytest.raises(OSError), socket.create_connection(("127.0.0.1", webhook.port), timeout=2):
         pass
