@@ -15,9 +15,12 @@ import base64
 import contextlib
 import copy
 import json
+import os
+import signal
 import socket
 import ssl
 import threading
+import time
 import urllib.parse
 import urllib.request
 from collections.abc import AsyncIterator
@@ -43,6 +46,7 @@ from tests.e2e.harness import (
     for_local_webhook,
     install_crds,
     issue_certificates,
+    sigterm_interrupts,
     webhook_host,
 )
 from tests.fakes.apiserver import FakeApiServer
@@ -141,6 +145,20 @@ def test_a_webhook_port_that_is_not_a_port_is_an_error(tmp_path: Path, port: str
 )
 def test_bind_address(host: str, bind: str | None, want: str) -> None:
     assert bind_address(host, bind) == want
+
+
+def test_sigterm_interrupts_the_run_like_ctrl_c() -> None:
+    """So pytest tears the run down (and cleans the cluster) when a CI timeout terminates it."""
+    with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode; never reached
+
+
+def test_sigterm_is_itself_again_after_the_run() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_interrupts():
+        pass
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 # --- the address the API server dials ---------------------------------------------------------

@@ -34,6 +34,7 @@ from tests.e2e.harness import (
     delete_namespace,
     e2e_run,
     kubectl_binary,
+    sigterm_interrupts,
     wait_until_admission_effective,
 )
 from tests.e2e.scenarios import gpu_pod
@@ -73,7 +74,7 @@ def e2e(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     run_id = secrets.token_hex(3)
     workdir = tmp_path_factory.mktemp(f"e2e-{run_id}")
     try:
-        with e2e_run(settings, workdir, run_id) as run:
+        with sigterm_interrupts(), e2e_run(settings, workdir, run_id) as run:
             probe = run.namespace("probe")
             run.portal.run(wait_until_admission_effective(run.api, probe, gpu_pod("probe", "0.5")))
             yield run

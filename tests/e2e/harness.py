@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -33,6 +34,7 @@ import urllib.request
 from collections.abc import Coroutine, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import yaml
@@ -592,6 +594,21 @@ class Run:
         self.portal.run(create_namespace(self.api, name, {RUN_LABEL: self.run_id}))
         self.namespaces.append(name)
         return name
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (a CI timeout, `timeout`) raises KeyboardInterrupt, as Ctrl-C does: pytest then
+    tears the session's fixtures down, and with them the run, instead of dying at once."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextlib.contextmanager
