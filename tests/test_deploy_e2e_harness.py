@@ -551,7 +551,9 @@ async def test_a_run_removes_everything_it_made(
     settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
     async with Background(settings, tmp_path / "run", fail_inside=fail_inside) as background:
         assert background.run is not None
-        await asyncio.to_thread(background.run.namespace, "one")
+        namespace = await asyncio.to_thread(background.run.namespace, "one")
+        labels = fake.get("namespaces", namespace)["metadata"]["labels"]  # type: ignore[index]
+        assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
         assert _leftovers(fake)
         webhook = background.run.webhook
     assert _leftovers(fake) == []
@@ -570,6 +572,33 @@ async def test_a_run_that_fails_to_set_up_removes_the_crd(
     async with Background(settings, tmp_path / "run") as background:
         assert isinstance(background.error, OSError)
     assert _leftovers(fake) == []
+
+
+async def test_a_cluster_with_fracgpu_installed_is_refused_and_left_as_it_was(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    (installed,) = [
+        o for o in harness.webhook_configurations() if o["kind"] == "MutatingWebhookConfiguration"
+    ]
+    fake.put(installed)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert isinstance(background.error, HarnessError)
+    assert "MutatingWebhookConfiguration fracgpu-mutate" in str(background.error)
+    assert [
+        o["metadata"]["name"] for o in fake.objects(MUTATING_WEBHOOK_CONFIGURATIONS.plural)
+    ] == ["fracgpu-mutate"]
+
+
+async def test_another_runs_registration_is_not_in_the_way(
+    fake: FakeApiServer, tmp_path: Path, deployed: list[Obj]
+) -> None:
+    other = LocalWebhook(tmp_path / "other", "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    for obj in for_local_webhook(deployed, "0ther1", other):
+        fake.put(obj)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.error is None, background.error
 
 
 async def test_a_crd_that_was_installed_before_is_kept(fake: FakeApiServer, tmp_path: Path) -> None:

@@ -504,7 +504,28 @@ def for_local_webhook(objs: list[Obj], run_id: str, webhook: LocalWebhook) -> li
     return out
 
 
+async def foreign_registrations(api: Any, objs: list[Obj]) -> list[str]:
+    """Configurations outside any e2e run that register the same webhooks (an installed
+    fracgpu): they would admit the run's pods too, and the scenarios would see both."""
+    found = []
+    for kind, resource in _CONFIGURATIONS.items():
+        names = {h["name"] for o in objs if o["kind"] == kind for h in o["webhooks"]}
+        for other in (await call_json(api, "GET", resource.path())).get("items", []):
+            if RUN_LABEL in (other["metadata"].get("labels") or {}):
+                continue  # another run's: it selects only that run's namespaces
+            if names & {h.get("name") for h in other.get("webhooks") or []}:
+                found.append(f"{kind} {other['metadata']['name']}")
+    return found
+
+
 async def register(api: Any, objs: list[Obj]) -> None:
+    foreign = await foreign_registrations(api, objs)
+    if foreign:
+        raise HarnessError(
+            f"the cluster already registers fracgpu's webhooks ({', '.join(foreign)}): they "
+            f"would admit the e2e run's pods too; run the suite on a cluster without fracgpu "
+            f"installed (docs/install.md, Uninstall)"
+        )
     for obj in objs:
         await call_json(api, "POST", _CONFIGURATIONS[obj["kind"]].path(), body=obj)
 
@@ -523,7 +544,16 @@ async def create_namespace(api: Any, name: str, labels: Mapping[str, str]) -> No
     body = {
         "apiVersion": "v1",
         "kind": "Namespace",
-        "metadata": {"name": name, "labels": {**labels, E2E_LABEL: "true"}},
+        # Privileged Pod Security, whatever the cluster's default: the scenarios' pods are
+        # about GPUs, not about security contexts.
+        "metadata": {
+            "name": name,
+            "labels": {
+                **labels,
+                E2E_LABEL: "true",
+                "pod-security.kubernetes.io/enforce": "privileged",
+            },
+        },
     }
     await call_json(api, "POST", NAMESPACES.path(), body=body)
 
