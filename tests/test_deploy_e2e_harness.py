@@ -16,14 +16,17 @@ import contextlib
 import copy
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
+import stat
+import tempfile
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +35,8 @@ import pytest
 import yaml
 
 from core.kube import GPUQUOTAS, MUTATING_WEBHOOK_CONFIGURATIONS, VALIDATING_WEBHOOK_CONFIGURATIONS
+from core.labels import PRODUCT_LABEL
+from core.units import CORE, MEMORY
 from fracgpu.serve import ServeConfig
 from tests.deploy_render import kubectl
 from tests.e2e import harness
@@ -49,8 +54,10 @@ from tests.e2e.harness import (
     sigterm_interrupts,
     webhook_host,
 )
+from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kinds import Kind
+from tests.fakes.kubelet import Container, FakeKubelet, Pod
 from webhook import server
 from webhook.config import AdmissionConfig
 
@@ -95,8 +102,18 @@ def test_settings_defaults(tmp_path: Path) -> None:
         port=None,
         node=None,
         kubelet_dir=Path("/var/lib/kubelet"),
+        device_plugin_dir=Path("/var/lib/kubelet/device-plugins"),
         node_dir=Path("/var/lib/fracgpu-e2e"),
     )
+
+
+def test_the_device_plugin_directory_follows_the_kubelet_directory(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    env = {"FRACGPU_E2E_KUBECONFIG": str(kubeconfig), "FRACGPU_E2E_KUBELET_DIR": "/tmp/k"}
+    found = Settings.from_env(env)
+    assert found is not None
+    assert found.device_plugin_dir == Path("/tmp/k/device-plugins")
 
 
 def test_settings_from_every_variable(tmp_path: Path) -> None:
@@ -109,6 +126,7 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         "FRACGPU_E2E_WEBHOOK_PORT": "9443",
         "FRACGPU_E2E_NODE": "kind-control-plane",
         "FRACGPU_E2E_KUBELET_DIR": "/tmp/kind-kubelet",
+        "FRACGPU_E2E_DEVICE_PLUGIN_DIR": "/tmp/kind-plugins",
         "FRACGPU_E2E_NODE_DIR": "/tmp/fracgpu-node",
     }
     assert Settings.from_env(env) == Settings(
@@ -118,6 +136,7 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         port=9443,
         node="kind-control-plane",
         kubelet_dir=Path("/tmp/kind-kubelet"),
+        device_plugin_dir=Path("/tmp/kind-plugins"),
         node_dir=Path("/tmp/fracgpu-node"),
     )
 
@@ -400,6 +419,7 @@ def _settings(kubeconfig: Path, **overrides: Any) -> Settings:
         "port": None,
         "node": None,
         "kubelet_dir": Path("/var/lib/kubelet"),
+        "device_plugin_dir": Path("/var/lib/kubelet/device-plugins"),
         "node_dir": Path("/var/lib/fracgpu-e2e"),
     }
     return Settings(**{**fields, **overrides})
@@ -620,3 +640,85 @@ async def test_a_crd_the_api_server_refuses_fails_the_run_with_its_message(
     async with fake.api_client() as api:
         with pytest.raises(HarnessError, match="refused CustomResourceDefinition Not_A_Valid_Name"):
             await install_crds(api, [refused])
+
+
+# --- the node agent of the device-plugin scenarios, against the fake kubelet ------------------
+
+
+@pytest.fixture
+def node_root() -> Iterator[Path]:
+    """A short directory: unix socket paths must stay under 108 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="fge", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _is_char_device(path: str) -> bool:
+    return stat.S_ISCHR(os.stat(path).st_mode)  # follows the link, as the runtime resolves it
+
+
+def _poll(check: Callable[[], bool], within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within_s:g}s"
+        time.sleep(0.1)
+
+
+def _published(fake: FakeApiServer) -> bool:
+    node = fake.get("nodes", "node-a") or {}
+    return PRODUCT_LABEL in (node.get("metadata") or {}).get("labels", {})
+
+
+async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
+    fake: FakeApiServer, tmp_path: Path, node_root: Path
+) -> None:
+    """The real `fracgpu device-plugin` as the node scenarios run it: registered with kubelet,
+    every device and mount it hands to the container runtime exists on the node (the fake
+    cards' devices resolve to character devices), the limits file is where the scenarios read
+    it, and what it published on the Node is removed again."""
+    kubelet_dir = node_root / "kubelet"
+    kubelet = FakeKubelet(
+        kubelet_dir / "device-plugins", kubelet_dir / "pod-resources" / "kubelet.sock"
+    )
+    fake.put(_node("node-a", "127.0.0.1", control_plane=False))
+    settings = _settings(
+        fake.kubeconfig(tmp_path / "kubeconfig"),
+        node="node-a",
+        kubelet_dir=kubelet_dir,
+        device_plugin_dir=kubelet_dir / "device-plugins",
+        node_dir=node_root / "node",
+    )
+    agent = NodeAgent(settings, "off1ne", fake_cards())
+    pod = Pod("e2e", "p", [Container("main", {CORE: 50, MEMORY: 48})])
+    async with fake.api_client() as api:
+        before = await node_metadata(api, "node-a")
+        kubelet.start()
+        try:
+            agent.prepare()
+            since = time.time() - 1
+            agent.start()
+            await asyncio.to_thread(_poll, agent.registered)
+            capacity = kubelet.capacity(CORE)
+            await asyncio.to_thread(kubelet.admit, pod)
+            await asyncio.to_thread(kubelet.start_container, pod, "main")
+            response = kubelet.responses[pod.key]["main"][CORE]
+            devices = [d.host_path for d in response.devices]
+            mounts = [m.host_path for m in response.mounts]
+            chars = await asyncio.to_thread(lambda: [_is_char_device(p) for p in devices])
+            present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in mounts])
+            written = await asyncio.to_thread(agent.limits, since)
+            await asyncio.to_thread(_poll, lambda: _published(fake))
+        finally:
+            agent.stop()
+            kubelet.stop()
+        await unpublish(api, "node-a", before)
+        after = await node_metadata(api, "node-a")
+    assert capacity == 100 * len(agent.cards)
+    assert chars == [True] * len(devices)
+    assert present == [True] * len(mounts)
+    assert [w.compute_percent for w in written] == [50]
+    assert agent.process is None
+    assert (after.get("labels") or {}) == (before.get("labels") or {})
+    assert (after.get("annotations") or {}) == (before.get("annotations") or {})

@@ -69,6 +69,7 @@ ENV_BIND = "FRACGPU_E2E_WEBHOOK_BIND"
 ENV_PORT = "FRACGPU_E2E_WEBHOOK_PORT"
 ENV_NODE = "FRACGPU_E2E_NODE"
 ENV_KUBELET_DIR = "FRACGPU_E2E_KUBELET_DIR"
+ENV_DEVICE_PLUGIN_DIR = "FRACGPU_E2E_DEVICE_PLUGIN_DIR"
 ENV_NODE_DIR = "FRACGPU_E2E_NODE_DIR"
 
 # A label that only this run's objects carry: the webhook configurations select namespaces by it,
@@ -116,7 +117,8 @@ class Settings:
     bind: str | None  # None: the host if it is a loopback address, else every address
     port: int | None  # None: a free port (a fixed one suits firewall rules and tunnels)
     node: str | None  # the node whose kubelet the suite may give a fracgpu device plugin
-    kubelet_dir: Path  # that kubelet's root directory, as this machine sees it
+    kubelet_dir: Path  # that kubelet's --root-dir as this machine sees it (pod-resources/)
+    device_plugin_dir: Path  # its device plugin directory as this machine sees it
     node_dir: Path  # a directory that node sees at the same path (host files, fake devices)
 
     @classmethod
@@ -132,13 +134,19 @@ class Settings:
         port = env.get(ENV_PORT) or None
         if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
             raise HarnessError(f"{ENV_PORT}={port!r} is not a TCP port (1-65535)")
+        kubelet_dir = Path(env.get(ENV_KUBELET_DIR) or "/var/lib/kubelet")
         return cls(
             kubeconfig=kubeconfig,
             host=env.get(ENV_HOST) or None,
             bind=env.get(ENV_BIND) or None,
             port=None if port is None else int(port),
             node=env.get(ENV_NODE) or None,
-            kubelet_dir=Path(env.get(ENV_KUBELET_DIR) or "/var/lib/kubelet"),
+            kubelet_dir=kubelet_dir,
+            # kubelet's device plugin directory is fixed (not under --root-dir); seen from here
+            # it is usually beside the PodResources directory (a node's, or kind's mounts).
+            device_plugin_dir=Path(
+                env.get(ENV_DEVICE_PLUGIN_DIR) or kubelet_dir / "device-plugins"
+            ),
             node_dir=Path(env.get(ENV_NODE_DIR) or "/var/lib/fracgpu-e2e"),
         )
 

@@ -2,10 +2,11 @@
 
 The node named by FRACGPU_E2E_NODE must let this machine serve its kubelet:
 
-* FRACGPU_E2E_KUBELET_DIR (default /var/lib/kubelet) is that kubelet's root directory as this
-  machine sees it: ``device-plugins/kubelet.sock`` (where plugins register) and
-  ``pod-resources/kubelet.sock`` must be there. On a node that *is* this machine that is simply
-  /var/lib/kubelet; for a kind or k3d node, bind-mount both directories out of the node
+* FRACGPU_E2E_KUBELET_DIR (default /var/lib/kubelet) is that kubelet's ``--root-dir`` as this
+  machine sees it (``pod-resources/kubelet.sock`` must be there), and
+  FRACGPU_E2E_DEVICE_PLUGIN_DIR (default: its ``device-plugins``) kubelet's device plugin
+  directory (``kubelet.sock``, where plugins register). On a node that *is* this machine those
+  are simply the defaults; for a kind or k3d node, bind-mount both directories out of the node
   container (docs/testing.md shows the cluster configuration).
 * FRACGPU_E2E_NODE_DIR (default /var/lib/fracgpu-e2e) is a directory that the node's container
   runtime sees at the same path: the plugin's host files (hook library, limits files) and the
@@ -24,11 +25,15 @@ import signal
 import subprocess
 import urllib.error
 import urllib.request
+from typing import Any
 
 from core import contract
+from core.kube import NODES, call_json
 from tests.e2e.harness import (
     CARD_MIB,
     CARD_PRODUCT,
+    ENV_DEVICE_PLUGIN_DIR,
+    ENV_KUBELET_DIR,
     ROOT,
     HarnessError,
     Settings,
@@ -57,7 +62,7 @@ class NodeAgent:
         assert settings.node is not None
         self.node = settings.node
         self.kubeconfig = settings.kubeconfig
-        self.plugin_dir = settings.kubelet_dir / "device-plugins"
+        self.plugin_dir = settings.device_plugin_dir
         self.podresources = settings.kubelet_dir / "pod-resources" / "kubelet.sock"
         self.root = settings.node_dir / f"run-{run_id}"
         self.host_root = self.root / "host"
@@ -70,15 +75,22 @@ class NodeAgent:
 
     def prepare(self) -> None:
         """Check the node's directories are reachable and lay out the agent's files."""
-        for socket_path, what in (
-            (self.plugin_dir / "kubelet.sock", "kubelet's device plugin registration socket"),
-            (self.podresources, "kubelet's PodResources socket"),
+        for socket_path, what, variable in (
+            (
+                self.plugin_dir / "kubelet.sock",
+                "kubelet's device plugin registration socket",
+                f"{ENV_DEVICE_PLUGIN_DIR} to its device plugin directory",
+            ),
+            (
+                self.podresources,
+                "kubelet's PodResources socket",
+                f"{ENV_KUBELET_DIR} to its --root-dir",
+            ),
         ):
             if not socket_path.is_socket():
                 raise HarnessError(
-                    f"{socket_path} ({what}) is not a socket on this machine: set "
-                    f"FRACGPU_E2E_KUBELET_DIR to the root directory of node {self.node}'s kubelet "
-                    f"as this machine sees it (docs/testing.md)"
+                    f"{socket_path} ({what}) is not a socket on this machine: set {variable}, "
+                    f"as this machine sees it, for node {self.node}'s kubelet (docs/e2e.md)"
                 )
         if not HOOK.is_file():
             raise HarnessError(f"{HOOK} is missing; build it with `make setup` (or `make native`)")
@@ -156,3 +168,26 @@ class NodeAgent:
 
     def remove_files(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def node_metadata(api: Any, node: str) -> dict[str, Any]:
+    metadata: dict[str, Any] = (await call_json(api, "GET", NODES.path(name=node)))["metadata"]
+    return metadata
+
+
+async def unpublish(api: Any, node: str, before: dict[str, Any]) -> None:
+    """Remove the labels and annotations the agent put on the Node, and only those."""
+    after = await node_metadata(api, node)
+    patch: dict[str, Any] = {}
+    for field in ("labels", "annotations"):
+        added = set(after.get(field) or {}) - set(before.get(field) or {})
+        if added:
+            patch[field] = dict.fromkeys(added)
+    if patch:
+        await call_json(
+            api,
+            "PATCH",
+            NODES.path(name=node),
+            body={"metadata": patch},
+            content_type="application/merge-patch+json",
+        )

@@ -18,7 +18,7 @@ import pytest
 
 from core.units import BLOCK_MIB, CORE, MEMORY
 from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
-from tests.e2e.nodeagent import NodeAgent, fake_cards
+from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
 from tests.e2e.scenarios import container, manifest
 
 Obj = dict[str, Any]
@@ -39,7 +39,7 @@ def agent(
     if node is None:
         pytest.skip(f"device-plugin scenarios: set {ENV_NODE} to a node the suite may serve")
     e2e: Run = request.getfixturevalue("e2e")  # only now: without a node there is nothing to set up
-    before = json.loads(kubectl.ok("get", "node", node, "-o", "json"))["metadata"]
+    before = e2e.portal.run(node_metadata(e2e.api, node))
     node_agent = NodeAgent(settings, e2e.run_id, CARDS)
     try:
         node_agent.prepare()
@@ -51,20 +51,8 @@ def agent(
         pytest.fail(str(err))
     finally:
         node_agent.stop()
-        unpublish(kubectl, node, before)
+        e2e.portal.run(unpublish(e2e.api, node, before))
         node_agent.remove_files()
-
-
-def unpublish(kubectl: Kubectl, node: str, before: Obj) -> None:
-    """Remove the labels and annotations the agent put on the Node (and only those)."""
-    after = json.loads(kubectl.ok("get", "node", node, "-o", "json"))["metadata"]
-    patch: Obj = {"metadata": {}}
-    for field in ("labels", "annotations"):
-        added = set(after.get(field) or {}) - set(before.get(field) or {})
-        if added:
-            patch["metadata"][field] = dict.fromkeys(added)
-    if patch["metadata"]:
-        kubectl.ok("patch", "node", node, "--type=merge", "-p", json.dumps(patch))
 
 
 def allocatable(kubectl: Kubectl, node: str) -> dict[str, str]:
