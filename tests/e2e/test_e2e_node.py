@@ -25,9 +25,10 @@ Obj = dict[str, Any]
 MIB = 1024 * 1024
 CARDS = fake_cards()
 FULL = {CORE: str(100 * len(CARDS)), MEMORY: str(len(CARDS) * CARDS[0].memory_mib // BLOCK_MIB)}
-# Capacity freed by deleted pods must be usable again within 2 s; kubelet publishes a changed
-# allocatable with its node status, every 10 s by default; the rest is the scheduler's retry.
-FREED_WITHIN_S = 15.0
+# Capacity freed by deleted pods must be advertised again within 2 s of their end; kubelet
+# publishes a Node's allocatable with its status, every 10 s by default; then the scheduler
+# retries the waiting pod on that Node update (its backoff is still short): 2 + 10 + 5 s.
+FREED_WITHIN_S = 17.0
 RUNNING_WITHIN_S = 120.0  # the first pod on a node may pull the pause image
 
 
