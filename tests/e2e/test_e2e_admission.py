@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from core.units import CANONICAL, DOMAIN
+from core.units import CANONICAL, DOMAIN, REQUEST_ANNOTATION
 from tests.e2e.harness import Kubectl, LocalWebhook, Run
 from tests.e2e.scenarios import deployment, expected, gpu_pod, manifest, plain_pod, pod
 
@@ -84,13 +84,16 @@ def test_gpu_pod_is_stored_in_the_canonical_form(
     assert_admitted_like_the_code(stored, want)
 
 
-def test_user_request_is_kept_in_the_annotation(kubectl: Kubectl, namespace: str) -> None:
-    obj = gpu_pod("frac", "0.3", "4096")
-    _, want = expected(obj)
-    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(obj))
-    limits = kubectl.get("pod", "frac", namespace)["spec"]["containers"][0]["resources"]["limits"]
+def test_the_users_request_is_kept_beside_the_canonical_resources(
+    kubectl: Kubectl, namespace: str
+) -> None:
+    """What the user wrote stays readable on the pod (kubectl get pod -o yaml)."""
+    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(gpu_pod("frac", "0.3", "4096")))
+    stored = kubectl.get("pod", "frac", namespace)
+    limits = stored["spec"]["containers"][0]["resources"]["limits"]
+    asked = json.loads(stored["metadata"]["annotations"][REQUEST_ANNOTATION])
     assert sorted(k for k in limits if k.startswith(f"{DOMAIN}/")) == sorted(CANONICAL)
-    assert _ours(want["metadata"]), "the webhook records the user's request in an annotation"
+    assert asked == {"main": {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "4096"}}
 
 
 def test_server_side_dry_run_is_mutated_and_stores_nothing(
