@@ -690,7 +690,7 @@ async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
         device_plugin_dir=kubelet_dir / "device-plugins",
         node_dir=node_root / "node",
     )
-    agent = NodeAgent(settings, "off1ne", fake_cards())
+    agent = NodeAgent(settings, "off1ne", fake_cards(), tmp_path)
     pod = Pod("e2e", "p", [Container("main", {CORE: 50, MEMORY: 48})])
     async with fake.api_client() as api:
         before = await node_metadata(api, "node-a")

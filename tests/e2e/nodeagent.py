@@ -25,6 +25,7 @@ import signal
 import subprocess
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 from core import contract
@@ -58,7 +59,9 @@ def fake_cards(count: int = CARDS) -> list[FakeCard]:
 class NodeAgent:
     """The device plugin process, with its files under ``settings.node_dir/<run>``."""
 
-    def __init__(self, settings: Settings, run_id: str, cards: list[FakeCard]) -> None:
+    def __init__(
+        self, settings: Settings, run_id: str, cards: list[FakeCard], log_dir: Path
+    ) -> None:
         assert settings.node is not None
         self.node = settings.node
         self.kubeconfig = settings.kubeconfig
@@ -68,7 +71,8 @@ class NodeAgent:
         self.host_root = self.root / "host"
         self.dev_root = self.root / "dev"
         self.cards = cards
-        self.log_path = self.root / "device-plugin.log"
+        # Beside the run's other logs, so it outlives the node files removed at the end.
+        self.log_path = log_dir / "device-plugin.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.nvml: FakeNvml | None = None
         self.health_port = free_port("127.0.0.1")

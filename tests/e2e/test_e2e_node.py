@@ -41,7 +41,7 @@ def agent(
         pytest.skip(f"device-plugin scenarios: set {ENV_NODE} to a node the suite may serve")
     e2e: Run = request.getfixturevalue("e2e")  # only now: without a node there is nothing to set up
     before = e2e.portal.run(node_metadata(e2e.api, node))
-    node_agent = NodeAgent(settings, e2e.run_id, CARDS)
+    node_agent = NodeAgent(settings, e2e.run_id, CARDS, e2e.webhook.log_path.parent)
     try:
         node_agent.prepare()
         node_agent.start()
