@@ -14,7 +14,7 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 # The C header is generated from the Python contract module at build time (native/Makefile).
-COPY deviceplugin/ deviceplugin/
+COPY core/ core/
 COPY native/ native/
 RUN make -C native PYTHON=python3 CC=gcc \
  && test -f native/build/libfracgpu.so
@@ -24,6 +24,8 @@ FROM ${PYTHON_IMAGE} AS wheel
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml constraints.txt README.md ./
+COPY core/ core/
+COPY fracgpu/ fracgpu/
 COPY webhook/ webhook/
 COPY quota/ quota/
 COPY deviceplugin/ deviceplugin/

@@ -141,3 +141,33 @@ def test_dockerignore_keeps_local_state_out_of_the_context() -> None:
                     top = src.rstrip("/").split("/")[0]
                     assert top not in ignored, f"COPY {src}: excluded by .dockerignore"
                     assert (ROOT / src).exists() or src.startswith("native"), src
+
+
+def _copied(stage: Stage) -> set[str]:
+    """Top-level sources a stage copies from the build context."""
+    sources: set[str] = set()
+    for op, rest in stage.instructions:
+        if op == "COPY" and not rest.startswith("--from"):
+            sources.update(src.rstrip("/").split("/")[0] for src in shlex.split(rest)[:-1])
+    return sources
+
+
+def test_the_wheel_stage_copies_every_package_the_distribution_installs() -> None:
+    """`pip install .` installs what is in the context: a package left out is missing from the
+    image, and the console script fails on import."""
+    _, stages = parse()
+    (wheel,) = [s for s in stages if s.name == "wheel"]
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    patterns = pyproject["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {p.removesuffix("*") for p in patterns if (ROOT / p.removesuffix("*")).is_dir()}
+    assert packages - _copied(wheel) == set()
+
+
+def test_the_hook_stage_copies_what_the_native_build_reads_outside_native() -> None:
+    """native/Makefile generates a header from Python files of the repository ($(ROOT)/...)."""
+    _, stages = parse()
+    (hook,) = [s for s in stages if s.name == "hook"]
+    makefile = (ROOT / "native" / "Makefile").read_text()
+    outside = {path.split("/")[0] for path in re.findall(r"\$\(ROOT\)/([\w./-]+)", makefile)}
+    assert outside, "the Makefile names the files it reads outside native/ as $(ROOT)/..."
+    assert outside - _copied(hook) == set()

@@ -1,15 +1,32 @@
-"""Offline checks of the e2e harness (tests/e2e): what it registers in a cluster is the deployed
-webhook configuration, valid, pointed at the local webhook and confined to the run's namespaces;
-its certificates verify for the address the API server dials."""
+"""Offline checks of the e2e harness (tests/e2e/harness.py), as far as a cluster is not needed.
+
+The harness is run whole against the fake API server with the real ``fracgpu serve``: what it
+registers is the deployed webhook configuration, valid for Kubernetes 1.36, aimed by URL at the
+running webhook with a caBundle that verifies the certificate it serves, and confined to the run's
+namespaces; it installs the CRD only when missing and removes everything it made, also when the
+run fails. What only a real API server does (calling the webhooks, CEL matchConditions, the
+CRD's schema) is the e2e suite's part.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import base64
 import contextlib
+import copy
 import json
+import os
+import shutil
+import signal
+import socket
 import ssl
+import stat
+import tempfile
+import threading
+import time
+import urllib.parse
 import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,58 +34,349 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from core.kube import GPUQUOTAS, MUTATING_WEBHOOK_CONFIGURATIONS, VALIDATING_WEBHOOK_CONFIGURATIONS
+from core.labels import PRODUCT_LABEL
+from core.units import CORE, MEMORY
 from fracgpu.serve import ServeConfig
-from tests.deploy_render import ROOT, kubectl
+from tests.deploy_render import kubectl
+from tests.e2e import harness
 from tests.e2e.harness import (
+    ADMISSION,
     RUN_LABEL,
+    HarnessError,
     LocalWebhook,
+    Settings,
+    bind_address,
+    e2e_run,
     for_local_webhook,
+    install_crds,
     issue_certificates,
-    rendered_webhook_configurations,
+    sigterm_interrupts,
+    webhook_host,
 )
+from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kinds import Kind
+from tests.fakes.kubelet import Container, FakeKubelet, Pod
 from webhook import server
+from webhook.config import AdmissionConfig
 
-EXAMPLE = ROOT / "examples" / "admissionreview-pod.json"
+KUBERNETES = "1.36.0"  # the schema the registrations are validated against
+EXAMPLE = harness.ROOT / "examples" / "admissionreview-pod.json"
+CRD_KIND = Kind(
+    "apiextensions.k8s.io",
+    "v1",
+    "CustomResourceDefinition",
+    "customresourcedefinitions",
+    namespaced=False,
+    status_subresource=True,
+    tracks_generation=True,
+)
+PATHS = {
+    "MutatingWebhookConfiguration": server.MUTATE_PATH,
+    "ValidatingWebhookConfiguration": server.VALIDATE_PATH,
+}
+Obj = dict[str, Any]
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+def test_without_the_kubeconfig_variable_there_is_no_run() -> None:
+    assert Settings.from_env({}) is None
+
+
+def test_a_kubeconfig_that_is_not_a_file_is_an_error_naming_the_variable(tmp_path: Path) -> None:
+    with pytest.raises(HarnessError, match="FRACGPU_E2E_KUBECONFIG="):
+        Settings.from_env({"FRACGPU_E2E_KUBECONFIG": str(tmp_path / "absent")})
+
+
+def test_settings_defaults(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    found = Settings.from_env({"FRACGPU_E2E_KUBECONFIG": str(kubeconfig)})
+    assert found == Settings(
+        kubeconfig=kubeconfig,
+        host=None,
+        bind=None,
+        port=None,
+        node=None,
+        kubelet_dir=Path("/var/lib/kubelet"),
+        device_plugin_dir=Path("/var/lib/kubelet/device-plugins"),
+        node_dir=Path("/var/lib/fracgpu-e2e"),
+    )
+
+
+def test_the_device_plugin_directory_follows_the_kubelet_directory(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    env = {"FRACGPU_E2E_KUBECONFIG": str(kubeconfig), "FRACGPU_E2E_KUBELET_DIR": "/tmp/k"}
+    found = Settings.from_env(env)
+    assert found is not None
+    assert found.device_plugin_dir == Path("/tmp/k/device-plugins")
+
+
+def test_settings_from_every_variable(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    env = {
+        "FRACGPU_E2E_KUBECONFIG": str(kubeconfig),
+        "FRACGPU_E2E_WEBHOOK_HOST": "host.k3d.internal",
+        "FRACGPU_E2E_WEBHOOK_BIND": "0.0.0.0",
+        "FRACGPU_E2E_WEBHOOK_PORT": "9443",
+        "FRACGPU_E2E_NODE": "kind-control-plane",
+        "FRACGPU_E2E_KUBELET_DIR": "/tmp/kind-kubelet",
+        "FRACGPU_E2E_DEVICE_PLUGIN_DIR": "/tmp/kind-plugins",
+        "FRACGPU_E2E_NODE_DIR": "/tmp/fracgpu-node",
+    }
+    assert Settings.from_env(env) == Settings(
+        kubeconfig=kubeconfig,
+        host="host.k3d.internal",
+        bind="0.0.0.0",
+        port=9443,
+        node="kind-control-plane",
+        kubelet_dir=Path("/tmp/kind-kubelet"),
+        device_plugin_dir=Path("/tmp/kind-plugins"),
+        node_dir=Path("/tmp/fracgpu-node"),
+    )
+
+
+@pytest.mark.parametrize("port", ["0", "65536", "https", "-1"])
+def test_a_webhook_port_that_is_not_a_port_is_an_error(tmp_path: Path, port: str) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    env = {"FRACGPU_E2E_KUBECONFIG": str(kubeconfig), "FRACGPU_E2E_WEBHOOK_PORT": port}
+    with pytest.raises(HarnessError, match="FRACGPU_E2E_WEBHOOK_PORT="):
+        Settings.from_env(env)
+
+
+@pytest.mark.parametrize(
+    ("host", "bind", "want"),
+    [
+        pytest.param("127.0.0.1", None, "127.0.0.1", id="loopback-stays-private"),
+        pytest.param("::1", None, "::1", id="ipv6-loopback"),
+        pytest.param("localhost", None, "127.0.0.1", id="localhost"),
+        pytest.param("172.18.0.1", None, "0.0.0.0", id="kind-bridge"),
+        pytest.param("host.k3d.internal", None, "0.0.0.0", id="dns-name"),
+        pytest.param("fd00::1", None, "::", id="ipv6"),
+        pytest.param("172.18.0.1", "172.18.0.1", "172.18.0.1", id="explicit-bind-wins"),
+    ],
+)
+def test_bind_address(host: str, bind: str | None, want: str) -> None:
+    assert bind_address(host, bind) == want
+
+
+def test_sigterm_interrupts_the_run_like_ctrl_c() -> None:
+    """So pytest tears the run down (and cleans the cluster) when a CI timeout terminates it."""
+    with pytest.raises(KeyboardInterrupt), sigterm_interrupts():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler runs at the next bytecode; never reached
+
+
+def test_sigterm_is_itself_again_after_the_run() -> None:
+    before = signal.getsignal(signal.SIGTERM)
+    with sigterm_interrupts():
+        pass
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+# --- the address the API server dials ---------------------------------------------------------
+
+
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeApiServer]:
+    async with FakeApiServer() as server_:
+        server_.register(CRD_KIND)
+        establisher = asyncio.create_task(_establish_crds(server_))
+        try:
+            yield server_
+        finally:
+            establisher.cancel()
+            await asyncio.gather(establisher, return_exceptions=True)
+
+
+async def _establish_crds(fake: FakeApiServer) -> None:
+    """What the real API server's CRD controller does: mark each new CRD Established."""
+    while True:
+        for crd in fake.objects(CRD_KIND.plural):
+            if not (crd.get("status") or {}).get("conditions"):
+                crd["status"] = {"conditions": [{"type": "Established", "status": "True"}]}
+                fake.put(crd)
+        await asyncio.sleep(0.02)
+
+
+def _node(name: str, address: str, *, control_plane: bool) -> Obj:
+    labels = {"node-role.kubernetes.io/control-plane": ""} if control_plane else {}
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": labels},
+        "status": {"addresses": [{"type": "InternalIP", "address": address}]},
+    }
+
+
+async def test_webhook_host_is_this_machines_address_towards_the_control_plane(
+    fake: FakeApiServer,
+) -> None:
+    fake.put(_node("worker", "192.0.2.10", control_plane=False))
+    fake.put(_node("control", "127.0.0.1", control_plane=True))
+    async with fake.api_client() as api:
+        assert await webhook_host(api) == "127.0.0.1"
+
+
+async def test_webhook_host_without_nodes_is_towards_the_api_server(fake: FakeApiServer) -> None:
+    async with fake.api_client() as api:
+        assert await webhook_host(api) == "127.0.0.1"
+
+
+# --- the registration -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deployed() -> list[Obj]:
+    kubectl()
+    return harness.webhook_configurations()
+
+
+def _without(hook: Obj, *keys: str) -> Obj:
+    return {k: v for k, v in hook.items() if k not in keys}
+
+
+def _registration(tmp_path: Path, deployed: list[Obj], host: str) -> tuple[LocalWebhook, list[Obj]]:
+    local = LocalWebhook(tmp_path, host, "127.0.0.1", "/nonexistent/kubeconfig")
+    return local, for_local_webhook(deployed, "abc123", local)
+
+
+HOSTS = [pytest.param("127.0.0.1", id="ip"), pytest.param("host.k3d.internal", id="dns-name")]
+
+
+def test_both_webhook_configurations_are_registered(tmp_path: Path, deployed: list[Obj]) -> None:
+    _, objs = _registration(tmp_path, deployed, "127.0.0.1")
+    assert sorted(o["kind"] for o in objs) == sorted(PATHS)
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_registration_is_valid_for_kubernetes_1_36(
+    tmp_path: Path, deployed: list[Obj], host: str
+) -> None:
+    _, objs = _registration(tmp_path, deployed, host)
+    for obj in objs:
+        kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_registration_urls_are_what_the_api_server_accepts(
+    tmp_path: Path, deployed: list[Obj], host: str
+) -> None:
+    """The rules the API server checks beyond the schema: https, no user, query or fragment."""
+    local, objs = _registration(tmp_path, deployed, host)
+    for obj in objs:
+        (hook,) = obj["webhooks"]
+        url = urllib.parse.urlsplit(hook["clientConfig"]["url"])
+        assert (url.scheme, url.hostname, url.port) == ("https", host, local.port)
+        assert (url.username, url.query, url.fragment) == (None, "", "")
+        assert url.path == PATHS[obj["kind"]]
+        assert "service" not in hook["clientConfig"]
+
+
+@pytest.mark.parametrize("host", HOSTS)
+def test_registration_trusts_exactly_the_local_ca(
+    tmp_path: Path, deployed: list[Obj], host: str
+) -> None:
+    local, objs = _registration(tmp_path, deployed, host)
+    for obj in objs:
+        (hook,) = obj["webhooks"]
+        assert base64.b64decode(hook["clientConfig"]["caBundle"]) == local.ca_pem
+
+
+def test_registration_is_confined_to_the_runs_namespaces(
+    tmp_path: Path, deployed: list[Obj]
+) -> None:
+    _, objs = _registration(tmp_path, deployed, "127.0.0.1")
+    for obj in objs:
+        (hook,) = obj["webhooks"]
+        assert hook["namespaceSelector"] == {"matchLabels": {RUN_LABEL: "abc123"}}
+
+
+def test_registration_keeps_everything_else_as_deployed(
+    tmp_path: Path, deployed: list[Obj]
+) -> None:
+    """Rules, matchConditions, failure policy, timeouts, side effects, review versions and
+    reinvocation are what the suite tests, so none of them may differ from deploy/."""
+    _, objs = _registration(tmp_path, deployed, "127.0.0.1")
+    for obj, original in zip(objs, deployed, strict=True):
+        kept = [_without(h, "clientConfig", "namespaceSelector") for h in obj["webhooks"]]
+        assert kept == [
+            _without(h, "clientConfig", "namespaceSelector") for h in original["webhooks"]
+        ]
+
+
+def test_registration_is_named_and_labelled_for_the_run(
+    tmp_path: Path, deployed: list[Obj]
+) -> None:
+    _, objs = _registration(tmp_path, deployed, "127.0.0.1")
+    names = [o["metadata"]["name"] for o in objs]
+    assert names == [f"{o['metadata']['name']}-e2e-abc123" for o in deployed]
+    assert [o["metadata"]["labels"][RUN_LABEL] for o in objs] == ["abc123", "abc123"]
+
+
+def test_the_deployed_configurations_are_left_unchanged(
+    tmp_path: Path, deployed: list[Obj]
+) -> None:
+    before = copy.deepcopy(deployed)
+    _registration(tmp_path, deployed, "127.0.0.1")
+    assert deployed == before
+
+
+# --- the local webhook's configuration and certificate ----------------------------------------
 
 
 def test_local_webhook_config_is_one_serve_accepts(tmp_path: Path) -> None:
     local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
     config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
-    assert config.certs.mode == "files" and not config.certs.injects
     assert (config.server.host, config.server.port) == ("127.0.0.1", local.port)
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "host.k3d.internal"])
-def test_registration_is_the_deployed_configuration_aimed_at_the_local_webhook(
-    tmp_path: Path, host: str
+def test_a_fixed_port_is_listened_on_and_registered(tmp_path: Path, deployed: list[Obj]) -> None:
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig", 9443)
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    urls = [
+        h["clientConfig"]["url"]
+        for o in for_local_webhook(deployed, "x", local)
+        for h in o["webhooks"]
+    ]
+    assert config.server.port == 9443
+    assert [urllib.parse.urlsplit(u).port for u in urls] == [9443, 9443]
+
+
+def test_local_webhook_is_given_the_admission_the_scenarios_expect(tmp_path: Path) -> None:
+    """The scenarios compute their expectations from ADMISSION; serve must run exactly that."""
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    assert config.admission == AdmissionConfig.model_validate(ADMISSION)
+
+
+def test_local_webhook_runs_one_quota_controller_without_a_lease(tmp_path: Path) -> None:
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    assert config.quota.leader_election.enabled is False
+
+
+def test_local_webhook_answers_in_time_for_the_deployed_timeout(
+    tmp_path: Path, deployed: list[Obj]
 ) -> None:
-    kubectl()
-    deployed = rendered_webhook_configurations()
-    local = LocalWebhook(tmp_path, host, "127.0.0.1", "/nonexistent/kubeconfig")
-    objs = for_local_webhook(deployed, "abc123", local)
-    assert [o["kind"] for o in objs] == [o["kind"] for o in deployed]
-    paths = {"MutatingWebhookConfiguration": server.MUTATE_PATH}
-    paths["ValidatingWebhookConfiguration"] = server.VALIDATE_PATH
-    for obj, original in zip(objs, deployed, strict=True):
-        kubernetes_validate.validate(obj, "1.30.0", strict=True)
-        assert obj["metadata"]["name"].endswith("-e2e-abc123")
-        (hook,) = obj["webhooks"]
-        (orig,) = original["webhooks"]
-        assert hook["clientConfig"]["url"] == f"https://{host}:{local.port}{paths[obj['kind']]}"
-        assert base64.b64decode(hook["clientConfig"]["caBundle"]) == local.ca_pem
-        assert hook["namespaceSelector"] == {"matchLabels": {RUN_LABEL: "abc123"}}
-        unchanged = ("name", "rules", "matchConditions", "failurePolicy", "timeoutSeconds")
-        for key in unchanged:
-            assert hook[key] == orig[key], key
-        assert "service" in orig["clientConfig"], "the deployed one still uses the Service"
+    """A quota decision must end before the API server gives up on the call."""
+    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    timeouts = [h.get("timeoutSeconds", 10) for o in deployed for h in o["webhooks"]]
+    assert config.quota.timeout_s < min(timeouts)
 
 
-def _handshake(cert: Path, key: Path, ca: Path, server_hostname: str) -> None:
+def _handshake(cert: Path, key: Path, ca: bytes, server_hostname: str) -> None:
     """A TLS handshake in memory; raises ssl.SSLCertVerificationError if the client rejects."""
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
     server_ctx.load_cert_chain(cert, key)
-    client_ctx = ssl.create_default_context(cadata=ca.read_text())
+    client_ctx = ssl.create_default_context(cadata=ca.decode())
     c_in, c_out, s_in, s_out = (ssl.MemoryBIO() for _ in range(4))
     client = client_ctx.wrap_bio(c_in, c_out, server_hostname=server_hostname)
     srv = server_ctx.wrap_bio(s_in, s_out, server_side=True)
@@ -81,42 +389,336 @@ def _handshake(cert: Path, key: Path, ca: Path, server_hostname: str) -> None:
     client.do_handshake()
 
 
-@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost"])
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "localhost", "host.k3d.internal"])
 def test_certificates_verify_for_the_dialled_host(tmp_path: Path, host: str) -> None:
     cert, key, ca = issue_certificates(tmp_path, host)
-    assert key.stat().st_mode & 0o077 == 0
-    _handshake(cert, key, ca, host)
+    _handshake(cert, key, ca.read_bytes(), host)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "host.k3d.internal"])
+def test_certificates_do_not_verify_for_another_host(tmp_path: Path, host: str) -> None:
+    cert, key, ca = issue_certificates(tmp_path, host)
     with pytest.raises(ssl.SSLCertVerificationError):
-        _handshake(cert, key, ca, "example.org")
+        _handshake(cert, key, ca.read_bytes(), "example.org")
 
 
-async def test_local_webhook_runs_the_real_cli_and_stops(tmp_path: Path) -> None:
-    """The harness's `fracgpu serve` process, against the fake API server: ready, answering
-    /mutate over TLS with the harness's CA, and stopped cleanly (and restartable)."""
-    async with FakeApiServer() as fake:
-        kubeconfig = str(fake.kubeconfig(tmp_path / "kubeconfig"))
-        local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", kubeconfig)
+def test_the_private_key_is_readable_by_its_owner_only(tmp_path: Path) -> None:
+    _, key, _ = issue_certificates(tmp_path, "127.0.0.1")
+    assert key.stat().st_mode & 0o077 == 0
+
+
+# --- a whole run against the fake API server --------------------------------------------------
+
+
+def _settings(kubeconfig: Path, **overrides: Any) -> Settings:
+    kubectl()  # the run renders deploy/ with it
+    fields: dict[str, Any] = {
+        "kubeconfig": kubeconfig,
+        "host": "127.0.0.1",
+        "bind": None,
+        "port": None,
+        "node": None,
+        "kubelet_dir": Path("/var/lib/kubelet"),
+        "device_plugin_dir": Path("/var/lib/kubelet/device-plugins"),
+        "node_dir": Path("/var/lib/fracgpu-e2e"),
+    }
+    return Settings(**{**fields, **overrides})
+
+
+class Background:
+    """Runs the harness's blocking ``e2e_run`` in a thread: entered, held open while the test
+    looks (from its loop, which serves the fake), and left when told, with what it raised."""
+
+    def __init__(self, settings: Settings, workdir: Path, *, fail_inside: bool = False) -> None:
+        self.settings, self.workdir, self.fail_inside = settings, workdir, fail_inside
+        self.ready = threading.Event()
+        self.leave = threading.Event()
+        self.run: harness.Run | None = None
+        self.error: BaseException | None = None
+
+    def main(self) -> None:
         try:
-            await asyncio.to_thread(local.start)
-            review = json.loads(EXAMPLE.read_text())
-            reply = await asyncio.to_thread(_post, local, server.MUTATE_PATH, review)
-            assert reply["response"]["uid"] == review["request"]["uid"]
-            assert reply["response"]["allowed"] is True
-            await asyncio.to_thread(local.stop)
-            assert local.process is None
-            await asyncio.to_thread(local.start)
+            with e2e_run(self.settings, self.workdir, "off1ne") as run:
+                self.run = run
+                self.ready.set()
+                self.leave.wait(120)
+                if self.fail_inside:
+                    raise RuntimeError("a scenario failed")
+        except BaseException as exc:  # handed to the test, which asserts on it
+            self.error = exc
         finally:
-            await asyncio.to_thread(local.stop)
+            self.ready.set()
+
+    async def __aenter__(self) -> Background:
+        self.thread = threading.Thread(target=self.main)
+        self.thread.start()
+        await asyncio.to_thread(self.ready.wait, 120)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.leave.set()
+        await asyncio.to_thread(self.thread.join, 120)
 
 
-def _post(local: LocalWebhook, path: str, body: dict[str, object]) -> dict[str, Any]:
-    context = ssl.create_default_context(cadata=local.ca_pem.decode())
+def _quota_fixture(fake: FakeApiServer) -> None:
+    """team-a (the example review's namespace) with a GPUQuota of 0.1 card, so the validating
+    webhook's answer shows it reads this cluster."""
+    fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+    fake.put(
+        {
+            "apiVersion": f"{GPUQUOTAS.group}/{GPUQUOTAS.version}",
+            "kind": "GPUQuota",
+            "metadata": {"name": "small", "namespace": "team-a"},
+            "spec": {"gpu": "0.1"},
+        }
+    )
+
+
+def _review(path: str) -> Obj:
+    review: Obj = json.loads(EXAMPLE.read_text())
+    if path == server.VALIDATE_PATH:  # the validating webhook sees the pod after mutation
+        container = review["request"]["object"]["spec"]["containers"][0]
+        container["resources"] = {"limits": {"fracgpu.io/core": "50", "fracgpu.io/memory": "48"}}
+    return review
+
+
+def _post_verified(url: str, ca_bundle: bytes, body: Obj) -> Obj:
+    """POST as the API server would: TLS verified against the caBundle, for the URL's host."""
+    context = ssl.create_default_context(cadata=ca_bundle.decode())
     request = urllib.request.Request(
-        local.url(path),
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
     )
     with urllib.request.urlopen(request, context=context, timeout=10) as response:
-        data: dict[str, Any] = json.loads(response.read())
+        data: Obj = json.loads(response.read())
         return data
+
+
+def _stored_configurations(fake: FakeApiServer) -> list[Obj]:
+    return [
+        *fake.objects(MUTATING_WEBHOOK_CONFIGURATIONS.plural),
+        *fake.objects(VALIDATING_WEBHOOK_CONFIGURATIONS.plural),
+    ]
+
+
+async def test_a_run_installs_the_crd_and_both_webhooks_answer_through_their_registration(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    _quota_fixture(fake)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.error is None, background.error
+        installed = [c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)]
+        stored = _stored_configurations(fake)
+        answers = {}
+        for obj in stored:
+            kubernetes_validate.validate(obj, KUBERNETES, strict=True)
+            (hook,) = obj["webhooks"]
+            path = urllib.parse.urlsplit(hook["clientConfig"]["url"]).path
+            review = _review(path)
+            ca_bundle = base64.b64decode(hook["clientConfig"]["caBundle"])
+            reply = await asyncio.to_thread(
+                _post_verified, hook["clientConfig"]["url"], ca_bundle, review
+            )
+            answers[path] = reply["response"]
+    assert installed == [c["metadata"]["name"] for c in harness.crds()]
+    assert sorted(answers) == sorted(PATHS.values())
+    assert answers[server.MUTATE_PATH]["allowed"] is True
+    assert answers[server.MUTATE_PATH]["patchType"] == "JSONPatch"
+    assert answers[server.VALIDATE_PATH]["allowed"] is False
+    assert "GPU quota exceeded" in answers[server.VALIDATE_PATH]["status"]["message"]
+
+
+async def test_the_local_webhook_restarts_behind_its_registration(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    """The webhook-down scenario stops and restarts it: the registration must stay valid."""
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.run is not None
+        webhook = background.run.webhook
+        (mutating,) = fake.objects(MUTATING_WEBHOOK_CONFIGURATIONS.plural)
+        client = mutating["webhooks"][0]["clientConfig"]
+        ca_bundle = base64.b64decode(client["caBundle"])
+        await asyncio.to_thread(webhook.stop)
+        with pytest.raises(OSError):
+            await asyncio.to_thread(_post_verified, client["url"], ca_bundle, _review("/mutate"))
+        await asyncio.to_thread(webhook.start)
+        reply = await asyncio.to_thread(
+            _post_verified, client["url"], ca_bundle, _review(server.MUTATE_PATH)
+        )
+    assert reply["response"]["allowed"] is True
+
+
+def _leftovers(fake: FakeApiServer) -> list[str]:
+    kinds = (
+        MUTATING_WEBHOOK_CONFIGURATIONS.plural,
+        VALIDATING_WEBHOOK_CONFIGURATIONS.plural,
+        CRD_KIND.plural,
+    )
+    found = [f"{k}/{o['metadata']['name']}" for k in kinds for o in fake.objects(k)]
+    found += [
+        f"namespaces/{o['metadata']['name']}"
+        for o in fake.objects("namespaces")
+        if RUN_LABEL in (o["metadata"].get("labels") or {})
+    ]
+    return found
+
+
+@pytest.mark.parametrize("fail_inside", [False, True], ids=["passed", "failed"])
+async def test_a_run_removes_everything_it_made(
+    fake: FakeApiServer, tmp_path: Path, fail_inside: bool
+) -> None:
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run", fail_inside=fail_inside) as background:
+        assert background.run is not None
+        namespace = await asyncio.to_thread(background.run.namespace, "one")
+        labels = fake.get("namespaces", namespace)["metadata"]["labels"]  # type: ignore[index]
+        assert labels["pod-security.kubernetes.io/enforce"] == "privileged"
+        assert _leftovers(fake)
+        webhook = background.run.webhook
+    assert _leftovers(fake) == []
+    assert isinstance(background.error, RuntimeError) == fail_inside, "a failure is not swallowed"
+    assert webhook.process is None
+    with pytest.raises(OSError), socket.create_connection(("127.0.0.1", webhook.port), timeout=2):
+        pass
+
+
+async def test_a_run_that_fails_to_set_up_removes_the_crd(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    # An address that is not this machine's: the local webhook cannot listen, after the CRD
+    # was installed.
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"), bind="192.0.2.1")
+    async with Background(settings, tmp_path / "run") as background:
+        assert isinstance(background.error, OSError)
+    assert _leftovers(fake) == []
+
+
+async def test_a_cluster_with_fracgpu_installed_is_refused_and_left_as_it_was(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    (installed,) = [
+        o for o in harness.webhook_configurations() if o["kind"] == "MutatingWebhookConfiguration"
+    ]
+    fake.put(installed)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert isinstance(background.error, HarnessError)
+    assert "MutatingWebhookConfiguration fracgpu-mutate" in str(background.error)
+    assert [
+        o["metadata"]["name"] for o in fake.objects(MUTATING_WEBHOOK_CONFIGURATIONS.plural)
+    ] == ["fracgpu-mutate"]
+
+
+async def test_another_runs_registration_is_not_in_the_way(
+    fake: FakeApiServer, tmp_path: Path, deployed: list[Obj]
+) -> None:
+    other = LocalWebhook(tmp_path / "other", "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+    for obj in for_local_webhook(deployed, "0ther1", other):
+        fake.put(obj)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.error is None, background.error
+
+
+async def test_a_crd_that_was_installed_before_is_kept(fake: FakeApiServer, tmp_path: Path) -> None:
+    (crd,) = harness.crds()
+    fake.put({**crd, "status": {"conditions": [{"type": "Established", "status": "True"}]}})
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.error is None, background.error
+    assert [c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)] == [
+        crd["metadata"]["name"]
+    ]
+
+
+async def test_a_crd_the_api_server_refuses_fails_the_run_with_its_message(
+    fake: FakeApiServer,
+) -> None:
+    (crd,) = harness.crds()
+    refused = {**crd, "metadata": {**crd["metadata"], "name": "Not_A_Valid_Name"}}
+    async with fake.api_client() as api:
+        with pytest.raises(HarnessError, match="refused CustomResourceDefinition Not_A_Valid_Name"):
+            await install_crds(api, [refused])
+
+
+# --- the node agent of the device-plugin scenarios, against the fake kubelet ------------------
+
+
+@pytest.fixture
+def node_root() -> Iterator[Path]:
+    """A short directory: unix socket paths must stay under 108 bytes."""
+    root = Path(tempfile.mkdtemp(prefix="fge", dir="/tmp"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _is_char_device(path: str) -> bool:
+    return stat.S_ISCHR(os.stat(path).st_mode)  # follows the link, as the runtime resolves it
+
+
+def _poll(check: Callable[[], bool], within_s: float = 30) -> None:
+    deadline = time.monotonic() + within_s
+    while not check():
+        assert time.monotonic() < deadline, f"not within {within_s:g}s"
+        time.sleep(0.1)
+
+
+def _published(fake: FakeApiServer) -> bool:
+    node = fake.get("nodes", "node-a") or {}
+    return PRODUCT_LABEL in (node.get("metadata") or {}).get("labels", {})
+
+
+async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
+    fake: FakeApiServer, tmp_path: Path, node_root: Path
+) -> None:
+    """The real `fracgpu device-plugin` as the node scenarios run it: registered with kubelet,
+    every device and mount it hands to the container runtime exists on the node (the fake
+    cards' devices resolve to character devices), the limits file is where the scenarios read
+    it, and what it published on the Node is removed again."""
+    kubelet_dir = node_root / "kubelet"
+    kubelet = FakeKubelet(
+        kubelet_dir / "device-plugins", kubelet_dir / "pod-resources" / "kubelet.sock"
+    )
+    fake.put(_node("node-a", "127.0.0.1", control_plane=False))
+    settings = _settings(
+        fake.kubeconfig(tmp_path / "kubeconfig"),
+        node="node-a",
+        kubelet_dir=kubelet_dir,
+        device_plugin_dir=kubelet_dir / "device-plugins",
+        node_dir=node_root / "node",
+    )
+    agent = NodeAgent(settings, "off1ne", fake_cards(), tmp_path)
+    pod = Pod("e2e", "p", [Container("main", {CORE: 50, MEMORY: 48})])
+    async with fake.api_client() as api:
+        before = await node_metadata(api, "node-a")
+        kubelet.start()
+        try:
+            agent.prepare()
+            since = time.time() - 1
+            agent.start()
+            await asyncio.to_thread(_poll, agent.registered)
+            capacity = kubelet.capacity(CORE)
+            await asyncio.to_thread(kubelet.admit, pod)
+            await asyncio.to_thread(kubelet.start_container, pod, "main")
+            response = kubelet.responses[pod.key]["main"][CORE]
+            devices = [d.host_path for d in response.devices]
+            mounts = [m.host_path for m in response.mounts]
+            chars = await asyncio.to_thread(lambda: [_is_char_device(p) for p in devices])
+            present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in mounts])
+            written = await asyncio.to_thread(agent.limits, since)
+            await asyncio.to_thread(_poll, lambda: _published(fake))
+        finally:
+            agent.stop()
+            kubelet.stop()
+        await unpublish(api, "node-a", before)
+        after = await node_metadata(api, "node-a")
+    assert capacity == 100 * len(agent.cards)
+    assert chars == [True] * len(devices)
+    assert present == [True] * len(mounts)
+    assert [w.compute_percent for w in written] == [50]
+    assert agent.process is None
+    assert (after.get("labels") or {}) == (before.get("labels") or {})
+    assert (after.get("annotations") or {}) == (before.get("annotations") or {})

@@ -1,20 +1,24 @@
-"""Objects the e2e scenarios create, and what the webhook's own code says must become of them."""
+"""Objects the e2e scenarios create, and what the project's own code says must become of them."""
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
 import yaml
 
-from tests.e2e.harness import MODELS
-from webhook.config import AdmissionConfig, InventoryConfig
+from quota.offline import QuotaDecision, review_pods_async
+from tests.e2e.harness import ADMISSION
+from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator, Outcome
 
 Obj = dict[str, Any]
 IMAGE = "registry.k8s.io/pause:3.10"
+# Pods of the admission and quota scenarios are never scheduled: nothing has this label.
+NOWHERE = {"fracgpu.io/e2e-never": "true"}
 
 
 def container(name: str, limits: Obj | None = None) -> Obj:
@@ -24,28 +28,25 @@ def container(name: str, limits: Obj | None = None) -> Obj:
     return c
 
 
+def pod(name: str, limits: Obj, *, node_selector: Obj | None = None) -> Obj:
+    spec: Obj = {"containers": [container("main", limits)], "nodeSelector": NOWHERE}
+    if node_selector is not None:
+        spec["nodeSelector"] = node_selector
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name}, "spec": spec}
+
+
 def gpu_pod(name: str, gpu: str, gpumem: str | None = None) -> Obj:
     limits = {"fracgpu.io/gpu": gpu}
     if gpumem is not None:
         limits["fracgpu.io/gpumem"] = gpumem
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {"containers": [container("main", limits)]},
-    }
+    return pod(name, limits)
 
 
 def plain_pod(name: str) -> Obj:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {"containers": [container("main", {"cpu": "100m", "memory": "64Mi"})]},
-    }
+    return pod(name, {"cpu": "100m", "memory": "64Mi"})
 
 
-def deployment(name: str, gpu: str) -> Obj:
+def deployment(name: str, limits: Obj) -> Obj:
     labels = {"app": name}
     return {
         "apiVersion": "apps/v1",
@@ -56,10 +57,15 @@ def deployment(name: str, gpu: str) -> Obj:
             "selector": {"matchLabels": labels},
             "template": {
                 "metadata": {"labels": labels},
-                "spec": {"containers": [container("main", {"fracgpu.io/gpu": gpu})]},
+                "spec": {"containers": [container("main", limits)], "nodeSelector": NOWHERE},
             },
         },
     }
+
+
+def gpu_quota(name: str, **spec: Any) -> Obj:
+    return {"apiVersion": "fracgpu.io/v1", "kind": "GPUQuota", "metadata": {"name": name},
+            "spec": spec}  # fmt: skip
 
 
 def manifest(obj: Obj) -> str:
@@ -67,14 +73,33 @@ def manifest(obj: Obj) -> str:
 
 
 def local_mutator() -> Mutator:
-    """The mutation the local webhook runs (same defaults, same GPU models)."""
-    config = AdmissionConfig(inventory=InventoryConfig(models=MODELS, watch_nodes=False))
-    return Mutator(config, Inventory(MODELS))
+    """The mutation the local webhook runs: built from the configuration it is given."""
+    config = AdmissionConfig.model_validate(ADMISSION)
+    return Mutator(config, Inventory(config.inventory.models))
 
 
 def expected(obj: Obj) -> tuple[Outcome, Obj]:
-    """What the webhook decides for an object, and the object after its patch."""
+    """What the webhook decides for an object, and the object after its patch.
+
+    The API server hands the webhook quantities in its canonical form (``300m`` for ``0.3``);
+    the webhook reads and reports both forms alike, so the manifest as written is used here."""
     group = obj["apiVersion"].rpartition("/")[0] if "/" in obj["apiVersion"] else ""
     outcome = local_mutator().mutate(obj, group, obj["kind"])
     patched: Obj = jsonpatch.apply_patch(copy.deepcopy(obj), outcome.patch)
     return outcome, patched
+
+
+async def expected_quota(
+    workdir: Path, namespace: str, quota: Obj, pods: list[Obj]
+) -> list[QuotaDecision]:
+    """The quota decisions for ``pods`` created one after another in ``namespace`` under
+    ``quota``, by the same engine as the webhook (``fracgpu review --quota``)."""
+    path = workdir / f"quota-{namespace}.yaml"
+    path.write_text(yaml.safe_dump({**quota, "metadata": {**quota["metadata"],
+                                                          "namespace": namespace}}))  # fmt: skip
+    mutated = []
+    for obj in pods:
+        _, patched = expected(obj)
+        patched["metadata"] = {**patched["metadata"], "namespace": namespace}
+        mutated.append(patched)
+    return await review_pods_async(path, mutated)

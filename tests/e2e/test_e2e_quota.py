@@ -1,68 +1,36 @@
-"""GPU quota on a real cluster (skipped unless FRACGPU_E2E_KUBECONFIG names a kubeconfig).
+"""GPU quota on a real cluster, through both webhooks: the mutating one makes each pod canonical,
+the validating one charges it to the namespace's GPUQuota (reserved in the GPUQuota's status with
+compare-and-swap, so concurrent creates are decided one after another).
 
-Needs fracgpu installed (CRD, webhooks, controller) and no GPU: the pods ask for shares and are
-never scheduled (a nodeSelector nothing matches), which is enough for admission and quota.
-Each test uses a namespace of its own and deletes it afterwards.
+The pods ask for shares and are never scheduled (a nodeSelector nothing matches): admission and
+quota need no GPU. Expected messages come from the quota code (``fracgpu review --quota``).
 """
 
+from __future__ import annotations
+
 import asyncio
-import os
-import uuid
-from collections.abc import AsyncIterator
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from core.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, call_json, kube_client
+from core.kube import GPUQUOTAS, PODS, KubeError, call_json
+from tests.e2e.harness import Kubectl, Run
+from tests.e2e.scenarios import expected_quota, gpu_pod, gpu_quota, manifest
 
-KUBECONFIG = os.environ.get("FRACGPU_E2E_KUBECONFIG")
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(not KUBECONFIG, reason="needs a real cluster (FRACGPU_E2E_KUBECONFIG)"),
-]
-
-
-@pytest.fixture
-async def cluster() -> AsyncIterator[tuple[Any, str]]:
-    namespace = f"fracgpu-e2e-quota-{uuid.uuid4().hex[:6]}"
-    async with kube_client(KUBECONFIG) as api:
-        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
-        await call_json(api, "POST", NAMESPACES.path(), body=body)
-        try:
-            yield api, namespace
-        finally:
-            await call_json(api, "DELETE", NAMESPACES.path(name=namespace))
+Obj = dict[str, Any]
+QUOTA_WEBHOOK_KIND = "ValidatingWebhookConfiguration"
 
 
-def _pod(name: str, gpu: str, gpumem: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "nodeSelector": {"fracgpu.io/e2e-never": "true"},
-            "containers": [
-                {
-                    "name": "main",
-                    "image": "registry.k8s.io/pause:3.9",
-                    "resources": {"limits": {"fracgpu.io/gpu": gpu, "fracgpu.io/gpumem": gpumem}},
-                }
-            ],
-        },
-    }
+def quota_webhook(run: Run) -> str:
+    (obj,) = [o for o in run.configurations if o["kind"] == QUOTA_WEBHOOK_KIND]
+    name: str = obj["webhooks"][0]["name"]
+    return name
 
 
-async def _quota(api: Any, namespace: str, **spec: Any) -> None:
-    body = {
-        "apiVersion": "fracgpu.io/v1",
-        "kind": "GPUQuota",
-        "metadata": {"name": namespace},
-        "spec": spec,
-    }
-    await call_json(api, "POST", GPUQUOTAS.path(namespace), body=body)
-
-
-async def _create(api: Any, namespace: str, pod: dict[str, Any], **query: str) -> KubeError | None:
+async def _create(api: Any, namespace: str, pod: Obj, **query: str) -> KubeError | None:
     try:
         await call_json(api, "POST", PODS.path(namespace), body=pod, query=list(query.items()))
     except KubeError as err:
@@ -70,40 +38,67 @@ async def _create(api: Any, namespace: str, pod: dict[str, Any], **query: str) -
     return None
 
 
-async def test_denial_message_as_kubectl_prints_it(cluster: tuple[Any, str]) -> None:
-    api, namespace = cluster
-    await _quota(api, namespace, gpu="1", gpumem="16Gi")
-    assert await _create(api, namespace, _pod("a", "0.5", "8Gi")) is None
-    err = await _create(api, namespace, _pod("b", "0.6", "4Gi"))
-    assert err is not None
-    assert err.status == 403
-    assert err.reason == "Forbidden"
-    assert "denied the request: " in err.message
-    assert err.message.endswith(
-        f'GPU quota exceeded in namespace "{namespace}": this pod asks 0.60 card and 4096 MiB; '
-        f'quota "{namespace}" allows 1.00 card (0.50 used) and 16384 MiB (8192 used)'
+async def test_denial_is_the_quota_message_as_kubectl_prints_it(
+    e2e: Run, kubectl: Kubectl, kube_api: Any, namespace: str, tmp_path: Path
+) -> None:
+    quota = gpu_quota("team", gpu="1", gpumem="16Gi")
+    first, second = gpu_pod("a", "0.5", "8Gi"), gpu_pod("b", "0.6", "4Gi")
+    want = await expected_quota(tmp_path, namespace, quota, [first, second])
+    assert [d.allowed for d in want] == [True, False]
+    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=quota)
+    await asyncio.to_thread(kubectl.ok, "create", "-n", namespace, "-f", "-",
+                            stdin=manifest(first))  # fmt: skip
+    proc = await asyncio.to_thread(
+        kubectl, "create", "-n", namespace, "-f", "-", stdin=manifest(second)
     )
+    assert proc.returncode != 0
+    denied = f'admission webhook "{quota_webhook(e2e)}" denied the request: {want[1].message}'
+    assert denied in proc.stderr
 
 
-async def test_100_concurrent_creates_never_exceed(cluster: tuple[Any, str]) -> None:
-    api, namespace = cluster
-    await _quota(api, namespace, gpu="2.5")
+@dataclass(frozen=True)
+class Burst:
+    limit: str  # the GPUQuota's cards
+    share: str  # each pod's fracgpu.io/gpu
+    count: int  # pods created at once
+    fits: int  # how many the quota holds
+
+
+BURSTS = [
+    pytest.param(Burst("1", "0.1", 20, 10), id="20x0.1-under-1"),
+    pytest.param(Burst("2.5", "0.25", 30, 10), id="30x0.25-under-2.5"),
+]
+
+
+@pytest.mark.parametrize("burst", BURSTS)
+async def test_concurrent_creates_are_never_over_admitted(
+    kube_api: Any, namespace: str, burst: Burst
+) -> None:
+    quota = gpu_quota("q", gpu=burst.limit)
+    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=quota)
     results = await asyncio.gather(
-        *(_create(api, namespace, _pod(f"p{i}", "0.1", "1024")) for i in range(100))
+        *(_create(kube_api, namespace, gpu_pod(f"p{i}", burst.share)) for i in range(burst.count))
     )
-    assert sum(r is None for r in results) == 25
-    assert all(r.status == 403 for r in results if r is not None)
-    listed = await call_json(api, "GET", PODS.path(namespace))
-    assert len(listed["items"]) == 25
+    admitted = sum(r is None for r in results)
+    listed = await call_json(kube_api, "GET", PODS.path(namespace))
+    assert len(listed["items"]) == admitted
+    assert admitted == burst.fits
+    # Every refusal is the quota's, none a timeout or a conflict given up on.
+    refusals = {r.message.partition("denied the request: ")[2][:24] for r in results if r}
+    assert refusals == {"GPU quota exceeded in na"}
 
 
-async def test_dry_run_reserves_nothing(cluster: tuple[Any, str]) -> None:
-    api, namespace = cluster
-    await _quota(api, namespace, gpu="1")
-    before = await call_json(api, "GET", GPUQUOTAS.path(namespace, namespace))
-    assert await _create(api, namespace, _pod("dry", "1", "1024"), dryRun="All") is None
-    after = await call_json(api, "GET", GPUQUOTAS.path(namespace, namespace))
-    assert (after.get("status") or {}).get("reservations", {}) == (before.get("status") or {}).get(
-        "reservations", {}
-    )
-    assert await _create(api, namespace, _pod("real", "1", "1024")) is None
+async def _status_text(api: Any, namespace: str, name: str) -> str:
+    obj = await call_json(api, "GET", GPUQUOTAS.path(namespace, name))
+    return json.dumps(obj.get("status") or {})
+
+
+async def test_dry_run_is_decided_and_reserves_nothing(kube_api: Any, namespace: str) -> None:
+    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=gpu_quota("q", gpu="1"))
+    fits, too_big = gpu_pod("dry-run-fits", "1"), gpu_pod("dry-run-too-big", "2")
+    assert await _create(kube_api, namespace, fits, dryRun="All") is None
+    assert await _create(kube_api, namespace, too_big, dryRun="All") is not None
+    # Admission records what it admits by pod name in the GPUQuota's status: not for dry runs.
+    assert "dry-run-fits" not in await _status_text(kube_api, namespace, "q")
+    # And nothing was held for them: the whole quota is still there for a real pod.
+    assert await _create(kube_api, namespace, gpu_pod("real", "1")) is None

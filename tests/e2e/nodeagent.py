@@ -1,0 +1,197 @@
+"""``fracgpu device-plugin`` for a real kubelet, run by the suite on this machine with fake cards.
+
+The node named by FRACGPU_E2E_NODE must let this machine serve its kubelet:
+
+* FRACGPU_E2E_KUBELET_DIR (default /var/lib/kubelet) is that kubelet's ``--root-dir`` as this
+  machine sees it (``pod-resources/kubelet.sock`` must be there), and
+  FRACGPU_E2E_DEVICE_PLUGIN_DIR (default: its ``device-plugins``) kubelet's device plugin
+  directory (``kubelet.sock``, where plugins register). On a node that *is* this machine those
+  are simply the defaults; for a kind or k3d node, bind-mount both directories out of the node
+  container (docs/testing.md shows the cluster configuration).
+* FRACGPU_E2E_NODE_DIR (default /var/lib/fracgpu-e2e) is a directory that the node's container
+  runtime sees at the same path: the plugin's host files (hook library, limits files) and the
+  fake card devices live there, and kubelet hands those paths to the runtime in Allocate.
+
+The cards come from the project's fake NVML (tests/fakes/nvml, compiled here); their device
+nodes are symbolic links to /dev/null, which the runtime resolves on the node. Containers run
+the pause image, which never loads the hook.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from core import contract
+from core.kube import NODES, call_json
+from tests.e2e.harness import (
+    CARD_MIB,
+    CARD_PRODUCT,
+    ENV_DEVICE_PLUGIN_DIR,
+    ENV_KUBELET_DIR,
+    ROOT,
+    HarnessError,
+    Settings,
+    fracgpu_command,
+    free_port,
+)
+from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
+
+CARDS = 4
+# Devices that Allocate hands to a container besides the card itself (deviceplugin.plugin).
+CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+HOOK = ROOT / "native" / "build" / "libfracgpu.so"
+
+
+def fake_cards(count: int = CARDS) -> list[FakeCard]:
+    return [
+        FakeCard(f"GPU-e2e{i:05d}-0000-4000-8000-{i:012x}", CARD_MIB, i, name=CARD_PRODUCT)
+        for i in range(count)
+    ]
+
+
+class NodeAgent:
+    """The device plugin process, with its files under ``settings.node_dir/<run>``."""
+
+    def __init__(
+        self, settings: Settings, run_id: str, cards: list[FakeCard], log_dir: Path
+    ) -> None:
+        assert settings.node is not None
+        self.node = settings.node
+        self.kubeconfig = settings.kubeconfig
+        self.plugin_dir = settings.device_plugin_dir
+        self.podresources = settings.kubelet_dir / "pod-resources" / "kubelet.sock"
+        self.root = settings.node_dir / f"run-{run_id}"
+        self.host_root = self.root / "host"
+        self.dev_root = self.root / "dev"
+        self.cards = cards
+        # Beside the run's other logs, so it outlives the node files removed at the end.
+        self.log_path = log_dir / "device-plugin.log"
+        self.process: subprocess.Popen[bytes] | None = None
+        self.nvml: FakeNvml | None = None
+        self.health_port = free_port("127.0.0.1")
+
+    def prepare(self) -> None:
+        """Check the node's directories are reachable and lay out the agent's files."""
+        for socket_path, what, variable in (
+            (
+                self.plugin_dir / "kubelet.sock",
+                "kubelet's device plugin registration socket",
+                f"{ENV_DEVICE_PLUGIN_DIR} to its device plugin directory",
+            ),
+            (
+                self.podresources,
+                "kubelet's PodResources socket",
+                f"{ENV_KUBELET_DIR} to its --root-dir",
+            ),
+        ):
+            if not socket_path.is_socket():
+                raise HarnessError(
+                    f"{socket_path} ({what}) is not a socket on this machine: set {variable}, "
+                    f"as this machine sees it, for node {self.node}'s kubelet (docs/e2e.md)"
+                )
+        if not HOOK.is_file():
+            raise HarnessError(f"{HOOK} is missing; build it with `make setup` (or `make native`)")
+        (self.host_root / "lib").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(HOOK, self.host_root / "lib" / HOOK.name)
+        self.dev_root.mkdir(parents=True, exist_ok=True)
+        for name in [*(f"nvidia{c.minor}" for c in self.cards), *CONTROL_DEVICES]:
+            link = self.dev_root / name
+            link.unlink(missing_ok=True)
+            link.symlink_to("/dev/null")
+        self.nvml = FakeNvml(self.root, self.cards)
+
+    def command(self) -> list[str]:
+        return [
+            *fracgpu_command(),
+            "device-plugin",
+            "--plugin-dir", str(self.plugin_dir),
+            "--pod-resources-socket", str(self.podresources),
+            "--host-root", str(self.host_root),
+            "--dev-root", str(self.dev_root),
+            "--nvml-library", str(build_cached()),
+            "--metrics-address", "127.0.0.1",
+            "--metrics-port", str(self.health_port),
+            "--node-name", self.node,
+            "--kubeconfig", str(self.kubeconfig),
+        ]  # fmt: skip
+
+    def start(self) -> None:
+        if self.process is not None:
+            return
+        assert self.nvml is not None, "prepare() first"
+        with self.log_path.open("ab") as log_file:
+            self.process = subprocess.Popen(
+                self.command(),
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                cwd=ROOT,
+                env={**os.environ, **self.nvml.env(), "PYTHONUNBUFFERED": "1"},
+            )
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=5)
+        self.process = None
+
+    def registered(self) -> bool:
+        """The plugin's /healthz: serving and registered with kubelet, health thread running."""
+        url = f"http://127.0.0.1:{self.health_port}/healthz"
+        try:
+            with urllib.request.urlopen(url, timeout=2) as reply:
+                return bool(reply.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def limits(self, since: float) -> list[contract.Limits]:
+        """The limits files the plugin wrote (PreStartContainer) since ``since`` (time.time())."""
+        pattern = f"containers/*/limits/{contract.LIMITS_FILE}"
+        return [
+            contract.Limits.parse(p.read_text())
+            for p in self.host_root.glob(pattern)
+            if p.stat().st_mtime >= since
+        ]
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:] if self.log_path.exists() else ""
+
+    def remove_files(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+async def node_metadata(api: Any, node: str) -> dict[str, Any]:
+    metadata: dict[str, Any] = (await call_json(api, "GET", NODES.path(name=node)))["metadata"]
+    return metadata
+
+
+async def unpublish(api: Any, node: str, before: dict[str, Any]) -> None:
+    """Remove the labels and annotations the agent put on the Node, and only those."""
+    after = await node_metadata(api, node)
+    patch: dict[str, Any] = {}
+    for field in ("labels", "annotations"):
+        added = set(after.get(field) or {}) - set(before.get(field) or {})
+        if added:
+            patch[field] = dict.fromkeys(added)
+    if patch:
+        await call_json(
+            api,
+            "PATCH",
+            NODES.path(name=node),
+            body={"metadata": patch},
+            content_type="application/merge-patch+json",
+        )

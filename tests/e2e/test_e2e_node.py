@@ -1,0 +1,200 @@
+"""Device-plugin mode on a real kubelet: allocation, freeing and restart (tests/e2e/nodeagent.py).
+
+Runs only when FRACGPU_E2E_NODE names a node whose kubelet this machine may serve (docs/e2e.md);
+otherwise every test here is skipped with that reason. The suite starts ``fracgpu device-plugin``
+with four fake 24 GiB cards for that kubelet, creates pods through the run's webhooks, pinned to
+the node, and stops the plugin and removes what it published at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from core.units import BLOCK_MIB, CORE, MEMORY
+from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
+from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
+from tests.e2e.scenarios import container, manifest
+
+Obj = dict[str, Any]
+MIB = 1024 * 1024
+CARDS = fake_cards()
+FULL = {CORE: str(100 * len(CARDS)), MEMORY: str(len(CARDS) * CARDS[0].memory_mib // BLOCK_MIB)}
+# Capacity freed by deleted pods must be advertised again within 2 s of their end; kubelet
+# publishes a Node's allocatable with its status, every 10 s by default; then the scheduler
+# retries the waiting pod on that Node update (its backoff is still short): 2 + 10 + 5 s.
+FREED_WITHIN_S = 17.0
+RUNNING_WITHIN_S = 120.0  # the first pod on a node may pull the pause image
+
+
+@pytest.fixture(scope="module")
+def agent(
+    settings: Settings, kubectl: Kubectl, request: pytest.FixtureRequest
+) -> Iterator[NodeAgent]:
+    node = settings.node
+    if node is None:
+        pytest.skip(f"device-plugin scenarios: set {ENV_NODE} to a node the suite may serve")
+    e2e: Run = request.getfixturevalue("e2e")  # only now: without a node there is nothing to set up
+    before = e2e.portal.run(node_metadata(e2e.api, node))
+    node_agent = NodeAgent(settings, e2e.run_id, CARDS, e2e.webhook.log_path.parent)
+    try:
+        node_agent.prepare()
+        node_agent.start()
+        wait_for(node_agent.registered, 60, node_agent.log)
+        wait_for(lambda: allocatable(kubectl, node) == FULL, 60, node_agent.log)
+        yield node_agent
+    except HarnessError as err:
+        pytest.fail(str(err))
+    finally:
+        node_agent.stop()
+        e2e.portal.run(unpublish(e2e.api, node, before))
+        node_agent.remove_files()
+
+
+def allocatable(kubectl: Kubectl, node: str) -> dict[str, str]:
+    status = json.loads(kubectl.ok("get", "node", node, "-o", "json"))["status"]
+    return {k: v for k, v in (status.get("allocatable") or {}).items() if k in (CORE, MEMORY)}
+
+
+def wait_for(check: Callable[[], bool], within_s: float, explain: Callable[[], str]) -> float:
+    """Seconds until ``check`` holds; fails with ``explain()`` when it does not in time."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > within_s:
+            pytest.fail(f"not within {within_s:g}s:\n{explain()}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def node_namespace(e2e: Run, kubectl: Kubectl) -> Iterator[str]:
+    """A namespace whose pods are all gone (not just deleted) after the test, so the next test
+    starts on an empty node."""
+    name = e2e.namespace(f"node-{secrets.token_hex(2)}")
+    try:
+        yield name
+    finally:
+        kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force")
+        wait_for(lambda: not pods(kubectl, name), 60, lambda: f"pods of {name} remain")
+        e2e.portal.run(delete_namespace(e2e.api, name))
+
+
+def node_pod(name: str, node: str, limits: Obj) -> Obj:
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [container("main", limits)],
+            "affinity": affinity,
+            "tolerations": [{"operator": "Exists"}],  # a one-node cluster's control plane
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
+
+
+def pods(kubectl: Kubectl, namespace: str) -> list[Obj]:
+    items: list[Obj] = json.loads(kubectl.ok("get", "pods", "-n", namespace, "-o", "json"))["items"]
+    return items
+
+
+def _condition(pod: Obj, kind: str) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
+
+
+def describe(kubectl: Kubectl, namespace: str, agent: NodeAgent) -> str:
+    events = kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp").stdout
+    return f"events:\n{events[-3000:]}\ndevice plugin log:\n{agent.log()}"
+
+
+def create(kubectl: Kubectl, namespace: str, obj: Obj) -> Obj:
+    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(obj))
+    return kubectl.get("pod", obj["metadata"]["name"], namespace)
+
+
+def wait_running(kubectl: Kubectl, namespace: str, name: str, agent: NodeAgent) -> float:
+    def running() -> bool:
+        phase = kubectl.get("pod", name, namespace)["status"].get("phase")
+        assert phase != "Failed", describe(kubectl, namespace, agent)
+        return bool(phase == "Running")
+
+    return wait_for(running, RUNNING_WITHIN_S, lambda: describe(kubectl, namespace, agent))
+
+
+def granted(pod: Obj) -> tuple[int, int]:
+    """The (core, memory blocks) the API server stored for the pod's container."""
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    return int(limits[CORE]), int(limits[MEMORY])
+
+
+ALLOCATIONS = [
+    pytest.param({"fracgpu.io/gpu": "0.5"}, id="half-card"),
+    pytest.param({"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "4Gi"}, id="fraction-and-memory"),
+    pytest.param({"fracgpu.io/gpu": "2"}, id="two-cards"),
+]
+
+
+@pytest.mark.parametrize("limits", ALLOCATIONS)
+def test_pod_runs_with_the_limits_it_was_granted(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str, limits: Obj
+) -> None:
+    since = time.time() - 1
+    stored = create(kubectl, node_namespace, node_pod("gpu", agent.node, limits))
+    wait_running(kubectl, node_namespace, "gpu", agent)
+    core, blocks = granted(stored)
+    cards = max(core // 100, 1)
+    (written,) = agent.limits(since)
+    assert len(written.devices) == cards
+    assert set(written.devices) <= {c.uuid for c in CARDS}
+    assert written.compute_percent == min(core, 100)
+    assert written.memory_bytes == blocks // cards * BLOCK_MIB * MIB
+
+
+def test_capacity_of_deleted_pods_is_usable_again(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    # Two 0.5-card pods with little memory per card: every card's compute is used up while
+    # most of its memory is free, the case where a plugin must not keep advertising less.
+    names = [f"small-{i}" for i in range(2 * len(CARDS))]
+    for name in names:
+        limits = {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}
+        create(kubectl, node_namespace, node_pod(name, agent.node, limits))
+    for name in names:
+        wait_running(kubectl, node_namespace, name, agent)
+    kubectl.ok("delete", "pods", "--all", "-n", node_namespace, "--grace-period=0", "--force")
+    wait_for(lambda: not pods(kubectl, node_namespace), 60, lambda: "the pods were not deleted")
+    create(kubectl, node_namespace, node_pod("after", agent.node, {"fracgpu.io/gpu": "0.5"}))
+    elapsed = wait_for(
+        lambda: _condition(kubectl.get("pod", "after", node_namespace), "PodScheduled"),
+        FREED_WITHIN_S,
+        lambda: describe(kubectl, node_namespace, agent),
+    )
+    print(f"a 0.5 pod was scheduled {elapsed:.1f}s after the node's pods were gone")
+    wait_running(kubectl, node_namespace, "after", agent)
+
+
+def test_plugin_restart_keeps_running_pods_and_allocates_again(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    create(kubectl, node_namespace, node_pod("before", agent.node, {"fracgpu.io/gpu": "0.5"}))
+    wait_running(kubectl, node_namespace, "before", agent)
+    agent.stop()
+    agent.start()
+    wait_for(agent.registered, 60, agent.log)
+    since = time.time() - 1
+    create(kubectl, node_namespace, node_pod("after", agent.node, {"fracgpu.io/gpu": "0.5"}))
+    wait_running(kubectl, node_namespace, "after", agent)
+    status = kubectl.get("pod", "before", node_namespace)["status"]
+    assert status["phase"] == "Running"
+    assert [c["restartCount"] for c in status["containerStatuses"]] == [0]
+    assert agent.exited() is None, agent.log()
+    assert 50 in [written.compute_percent for written in agent.limits(since)]
