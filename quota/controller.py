@@ -199,11 +199,12 @@ class UsageController:
             quota = self._readable(obj)
             if quota is None:
                 return
-            result = await self._recount(quota)
-            if result is None:
+            candidate, live = await self._recount(quota)
+            if candidate is None:
+                # What is persisted is what a write would have said: the same pods counted.
+                self._accounted[quota.uid] = live
                 self.metrics.observe(Ledger.of(quota))
                 return
-            candidate, live = result
             try:
                 stored = await self.store.write_status(candidate.raw)
             except Conflict:
@@ -236,9 +237,9 @@ class UsageController:
             )
             return quota
 
-    async def _recount(self, quota: GPUQuota) -> tuple[GPUQuota, set[str]] | None:
-        """The quota with its recounted status and the pods it counted, or None when nothing
-        changed."""
+    async def _recount(self, quota: GPUQuota) -> tuple[GPUQuota | None, set[str]]:
+        """The quota with its recounted status (None when nothing changed) and the pods it
+        counted."""
         namespace = quota.namespace
         at = self.clock()
         live: dict[str, Demand] = {}
@@ -291,7 +292,7 @@ class UsageController:
         status = status.model_copy(update={"observed_generation": quota.generation})
         candidate = quota.with_status(status)
         if candidate.raw.get("status") == quota.raw.get("status"):
-            return None
+            return None, set(live)
         candidate = quota.with_status(status.model_copy(update={"last_reconcile_time": at}))
         for uid, why in released.items():
             self.metrics.released.labels(why).inc()

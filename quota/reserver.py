@@ -184,9 +184,18 @@ class Reserver:
         except QuotaError as exc:
             return Decision(False, str(exc), "invalid-quota")
         if self.controller:
-            for quota in quotas:
-                if not quota.counted():
-                    return Decision(False, messages.not_counted(quota), "not-counted")
+            for index, quota in enumerate(quotas):
+                if quota.counted():
+                    continue
+                try:  # never deny on a cached state: the controller may have counted it since
+                    fresh = GPUQuota(await self.store.get(namespace, quota.name))
+                except NotFound:
+                    continue  # deleted meanwhile: it limits nothing any more
+                except QuotaError as exc:
+                    return Decision(False, str(exc), "invalid-quota")
+                if not fresh.counted():
+                    return Decision(False, messages.not_counted(fresh), "not-counted")
+                quotas[index] = fresh
         return quotas
 
     # --- reservations --------------------------------------------------------------------

@@ -115,6 +115,7 @@ class RequestRecord:
     method: str
     path: str
     query: dict[str, str]
+    body_bytes: int = 0  # the request body's length (what a write costs to send and store)
 
 
 @dataclass
@@ -357,7 +358,9 @@ class FakeApiServer:
     # --- HTTP ----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        record = RequestRecord(request.method, request.path, dict(request.query))
+        record = RequestRecord(
+            request.method, request.path, dict(request.query), request.content_length or 0
+        )
         self.requests.append(record)
         if self.on_request is not None:
             outcome = self.on_request(record)
