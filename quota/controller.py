@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -53,6 +54,7 @@ class UsageController:
         metrics: QuotaMetrics | None = None,
         resync_s: float = 30.0,
         debounce_s: float = 0.1,
+        min_interval_s: float = 1.0,
         max_attempts: int = 20,
         request_timeout_s: float = 2.0,
         grace_s: float = 10.0,
@@ -64,6 +66,7 @@ class UsageController:
         self.metrics = metrics or QuotaMetrics()
         self.resync_s = resync_s
         self.debounce_s = debounce_s
+        self.min_interval_s = min_interval_s
         self.max_attempts = max_attempts
         self.request_timeout_s = request_timeout_s
         self.grace = timedelta(seconds=grace_s)
@@ -89,6 +92,9 @@ class UsageController:
         self._expired: dict[str, set[str]] = {}
         # Per namespace: when its next pending admission or unmatched aggregate falls due.
         self._due: dict[str, datetime] = {}
+        # Per namespace: when it was last reconciled (monotonic), and those that must not wait.
+        self._last: dict[str, float] = {}
+        self._urgent: set[str] = set()
 
     # --- events ---------------------------------------------------------------------------
 
@@ -118,6 +124,8 @@ class UsageController:
             counted = False
         # A new or changed quota is counted at once (admission waits for it); admissions
         # the controller has not matched yet are looked at as soon as they are written.
+        if not counted:
+            self._urgent.add(namespace)
         if not counted or status.get("pending") or status.get("unmatched"):
             self._mark(namespace)
 
@@ -161,7 +169,17 @@ class UsageController:
             await asyncio.sleep(self.debounce_s)
             self._wake.clear()
             dirty, self._dirty = self._dirty, set()
+            urgent, self._urgent = self._urgent, set()
             for namespace in sorted(dirty):
+                # At most one pass per namespace per min_interval_s: under a burst every
+                # admission changes the quota, and each controller write would make the
+                # webhooks' next write conflict. A quota admission waits for goes at once.
+                since = time.monotonic() - self._last.get(namespace, -math.inf)
+                if namespace not in urgent and since < self.min_interval_s:
+                    later = self.clock() + timedelta(seconds=self.min_interval_s - since)
+                    self._due[namespace] = min(self._due.get(namespace, later), later)
+                    continue
+                self._last[namespace] = time.monotonic()
                 await self._guarded(namespace)
 
     async def _guarded(self, namespace: str | None) -> None:
