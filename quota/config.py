@@ -89,7 +89,7 @@ class QuotaConfig(BaseModel):
         "admission allowed to be persisted within this time or never (docs/quota.md).",
     )
     pending_limit: int = Field(
-        default=32,
+        default=8,
         ge=1,
         le=64,
         description="Admissions recorded one by one in a GPUQuota's status; older ones are "

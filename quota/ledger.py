@@ -38,7 +38,7 @@ from quota.model import (
 # Pinned to more models than this, a pending entry records "any model": charged against
 # every per-model limit, which over-counts (safe) and keeps the entry small.
 MAX_PENDING_MODELS = 8
-DEFAULT_PENDING_LIMIT = 32
+DEFAULT_PENDING_LIMIT = 8
 
 
 @dataclass(frozen=True, slots=True)

@@ -97,8 +97,8 @@ async def test_without_controller_the_status_stays_small_and_says_so(
         assert sum(a.allowed for a in answers) == 600
         status = _status(fake)
         assert status["used"]["core"] == 6000
-        assert len(status["pending"]) == 32
-        assert status["unmatched"]["pods"] == 568
+        assert len(status["pending"]) == 8
+        assert status["unmatched"]["pods"] == 592
         assert len(json.dumps(status)) < MAX_WRITE_BYTES
         assert _largest_status_write(fake) < MAX_WRITE_BYTES
         # No controller matches them: once the oldest is older than stale_after_s, the next
