@@ -3,6 +3,7 @@
     python -m bench.quota [--serial 100] [--pods 1000] [--concurrency 16] [--rounds 3]
                           [--replicas 2] [--write-ms 5]
     python -m bench.quota --burst 10000 [--replicas 2] [--concurrency 64]
+    python -m bench.quota --release [--rounds 3]
     python -m bench.quota --kubeconfig FILE [--serial 100] [--pods 300] [--concurrency 16]
 
 Without ``--kubeconfig`` everything runs on this machine. The fake API server (tests/fakes, real
@@ -25,7 +26,8 @@ concurrent burst; the over-admission check compares what was admitted with what 
 
 ``--burst N`` sends N pods in one namespace through ``--replicas`` replicas with the
 controller running, and reports admitted vs fit, the largest GPUQuota status write and the
-final status size.
+final status size. ``--release`` times how long a pod that was admitted but never created,
+and one deleted 10 ms after it was created, stay charged (default configuration).
 
 With ``--kubeconfig`` the same two cases run against a real cluster where fracgpu is installed
 (both webhooks registered and the GPUQuota CRD applied): "resourcequota" creates pods asking
@@ -402,6 +404,40 @@ async def burst(args: argparse.Namespace, local: Local) -> int:
     return 0 if result.admitted <= fit and stats["largest"] <= 8 * 1024 else 1
 
 
+async def release(args: argparse.Namespace, local: Local) -> int:
+    """How long what a pod held stays charged when the pod never exists or goes at once."""
+    print(
+        "bench.quota --release: default quota configuration, controller running; time from the "
+        "admission until the GPUQuota no longer charges the pod"
+    )
+    worst = 0.0
+    for case in ("never created", "deleted after 10 ms"):
+        namespace = f"bench-release-{case.split()[0]}"
+        create = await local.fracgpu(namespace, 100)  # one pod of 0.10 card fits, not two
+        for attempt in range(args.rounds):
+            started = time.perf_counter()
+            if case == "never created":  # admitted, then the create fails after admission
+                pod = gpu_pod(f"ghost{attempt}", CORE, BLOCKS, namespace=namespace)
+                body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}
+                body["request"] = review(pod)
+                async with local.session.post(local.urls[0], json=body) as reply:
+                    assert (await reply.json())["response"]["allowed"]
+            else:
+                assert await create(attempt * 2 + 1)
+                await asyncio.sleep(0.01)
+                await call_json(local.api, "DELETE", PODS.path(namespace, f"p{attempt * 2 + 1}"))
+            while True:
+                obj = await call_json(local.api, "GET", GPUQUOTAS.path(namespace, "gpu"))
+                if not ((obj.get("status") or {}).get("used") or {}).get("core"):
+                    break
+                await asyncio.sleep(0.05)
+            elapsed = time.perf_counter() - started
+            worst = max(worst, elapsed)
+            print(f"  {case}: released after {elapsed:.2f} s")
+    print(f"  slowest: {worst:.2f} s (target <= 15 s)")
+    return 0 if worst <= 15 else 1
+
+
 # --- against a cluster ----------------------------------------------------------------------
 
 
@@ -502,6 +538,9 @@ def cli() -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--write-ms", type=float, default=5.0, help="cost of one write (etcd)")
     parser.add_argument("--burst", type=int, default=0, help="one namespace, this many pods")
+    parser.add_argument(
+        "--release", action="store_true", help="time the release of pods never created or deleted"
+    )
     parser.add_argument("--kubeconfig", help="run against this cluster (fracgpu installed)")
     parser.add_argument("--context", help="kubeconfig context")
     parser.add_argument("--gpu", default="0.1", help="cards per pod against a cluster")
@@ -514,6 +553,8 @@ def cli() -> int:
         return asyncio.run(cluster(args))
     if args.burst:
         return asyncio.run(_local(args, lambda local: burst(args, local)))
+    if args.release:
+        return asyncio.run(_local(args, lambda local: release(args, local)))
     print(
         f"bench.quota: {args.serial} pods one at a time, {args.pods} with {args.concurrency} in "
         f"flight, {args.replicas} webhook replicas, {args.rounds} rounds, fake API server over "
