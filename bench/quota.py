@@ -444,8 +444,9 @@ async def release(args: argparse.Namespace, local: Local) -> int:
 class Cluster:
     """The two cases against a real API server (see the module docstring)."""
 
-    def __init__(self, api: Any, gpu: str, run: str) -> None:
+    def __init__(self, api: Any, gpu: str, run: str, settle_s: float = 10.0) -> None:
         self.api, self.gpu, self.run = api, gpu, run
+        self.settle_s = settle_s  # how long a new quota may take to get its first status
         self.namespaces: list[str] = []
 
     async def namespace(self, name: str) -> str:
@@ -487,7 +488,7 @@ class Cluster:
         }
         await call_json(self.api, "POST", RESOURCEQUOTAS.path(namespace), body=quota)
         # kube-controller-manager fills status.hard; until then the built-in quota denies.
-        for _ in range(100):
+        for _ in range(int(self.settle_s * 10)):
             obj = await call_json(self.api, "GET", RESOURCEQUOTAS.path(namespace, "bench"))
             if (obj.get("status") or {}).get("hard"):
                 break
@@ -499,7 +500,7 @@ class Cluster:
         cards = limit // CORE * float(self.gpu)
         quota = gpu_quota("gpu", namespace, gpu=f"{cards:.2f}")
         await call_json(self.api, "POST", GPUQUOTAS.path(namespace), body=quota)
-        for _ in range(100):
+        for _ in range(int(self.settle_s * 10)):
             obj = await call_json(self.api, "GET", GPUQUOTAS.path(namespace, "gpu"))
             conditions = (obj.get("status") or {}).get("conditions") or []
             if any(c["type"] == "Counted" and c["status"] == "True" for c in conditions):
@@ -514,7 +515,7 @@ class Cluster:
 
 async def cluster(args: argparse.Namespace) -> int:
     async with kube_client(args.kubeconfig, args.context) as api:
-        cases = Cluster(api, args.gpu, uuid.uuid4().hex[:6])
+        cases = Cluster(api, args.gpu, uuid.uuid4().hex[:6], args.settle_s)
         print(
             f"bench.quota against {args.kubeconfig}: {args.serial} pods one at a time, "
             f"{args.pods} with {args.concurrency} in flight, {args.rounds} rounds"
@@ -525,7 +526,7 @@ async def cluster(args: argparse.Namespace) -> int:
             await cases.cleanup()
 
 
-def cli() -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m bench.quota",
         description=__doc__,
@@ -544,8 +545,13 @@ def cli() -> int:
     parser.add_argument("--kubeconfig", help="run against this cluster (fracgpu installed)")
     parser.add_argument("--context", help="kubeconfig context")
     parser.add_argument("--gpu", default="0.1", help="cards per pod against a cluster")
+    parser.add_argument("--settle-s", type=float, default=10.0, help=argparse.SUPPRESS)
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def cli() -> int:
+    args = parser().parse_args()
     if args.serve_fake:
         asyncio.run(serve_fake(args.write_ms / 1000))
         return 0
