@@ -1,4 +1,4 @@
-"""Every message a user sees from GPU quota, in cards and MiB (DESIGN §4).
+"""Every message a user sees from GPU quota, in cards and MiB (docs/design.md §4).
 
 The basic denial is exactly the documented format:
 ``GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 8192 MiB; quota
@@ -83,7 +83,7 @@ def not_counted(quota: GPUQuota) -> str:
     )
     return (
         f"GPUQuota {quota.ref} has not been counted yet ({why}): the fracgpu quota controller "
-        f"first counts the GPU the namespace's existing pods hold, usually within a second"
+        f"first counts the GPU the namespace's existing pods hold, as soon as it sees the quota"
     )
 
 

@@ -1,6 +1,6 @@
 """Reserving a pod's demand in every GPUQuota of its namespace before the pod is allowed.
 
-This follows kube-apiserver's own ResourceQuota admission (reference §2.3):
+This follows kube-apiserver's own ResourceQuota admission:
 
 * pods of one namespace are decided in **batches** by one worker per namespace (per replica):
   the worker reads the quotas once, checks every waiting pod in arrival order against a
