@@ -95,6 +95,12 @@ class QuotaConfig(BaseModel):
         description="Admissions recorded one by one in a GPUQuota's status; older ones are "
         "aggregated, so the object stays a few KB at any number of pods.",
     )
+    count_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a GPU pod waits for the controller to count a GPUQuota that is "
+        "new or changed before it is denied as 'not yet known'; below timeout_s.",
+    )
     stale_after_s: float = Field(
         default=60.0,
         gt=0,
@@ -117,5 +123,11 @@ class QuotaConfig(BaseModel):
             raise ValueError(
                 f"quota.request_timeout_s ({self.request_timeout_s:g}) must not exceed "
                 f"quota.timeout_s ({self.timeout_s:g})"
+            )
+        if self.count_wait_s >= self.timeout_s:
+            raise ValueError(
+                f"quota.count_wait_s ({self.count_wait_s:g}) must be shorter than "
+                f"quota.timeout_s ({self.timeout_s:g}), or waiting for a new GPUQuota to be "
+                f"counted ends in a timeout instead of a clear denial"
             )
         return self

@@ -81,11 +81,14 @@ class Reserver:
         pending_limit: int = DEFAULT_PENDING_LIMIT,
         controller: bool = True,
         stale_after_s: float = 60.0,
+        count_wait_s: float = 2.0,
     ) -> None:
         """``controller``: whether a usage controller counts pods (Kubernetes mode). Without
         one (embedded mode) a quota is used as it is and admissions are never matched.
         ``stale_after_s``: an admission still unmatched this long means the controller is not
-        doing its work; admission then says so (condition, metric, log, denial text)."""
+        doing its work; admission then says so (condition, metric, log, denial text).
+        ``count_wait_s``: how long a pod waits for a new quota to be counted before it is
+        denied."""
         self.store = store
         self.metrics = metrics or QuotaMetrics()
         self.timeout_s = timeout_s
@@ -95,6 +98,7 @@ class Reserver:
         self.pending_limit = pending_limit
         self.controller = controller
         self.stale_after_s = stale_after_s
+        self.count_wait_s = count_wait_s
         self._queues: dict[str, list[_Waiter]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._stale: set[tuple[str, str]] = set()  # quotas already reported as unmatched
@@ -187,8 +191,8 @@ class Reserver:
             for index, quota in enumerate(quotas):
                 if quota.counted():
                     continue
-                try:  # never deny on a cached state: the controller may have counted it since
-                    fresh = GPUQuota(await self.store.get(namespace, quota.name))
+                try:
+                    fresh = await self._counted(namespace, quota.name)
                 except NotFound:
                     continue  # deleted meanwhile: it limits nothing any more
                 except QuotaError as exc:
@@ -197,6 +201,17 @@ class Reserver:
                     return Decision(False, messages.not_counted(fresh), "not-counted")
                 quotas[index] = fresh
         return quotas
+
+    async def _counted(self, namespace: str, name: str) -> GPUQuota:
+        """The quota read live, waiting up to ``count_wait_s`` for the controller to count it:
+        a quota created just before its pods (one `kubectl apply` of both) then admits them
+        instead of denying the first ones. Never decided on a cached state."""
+        deadline = asyncio.get_running_loop().time() + self.count_wait_s
+        while True:
+            quota = GPUQuota(await self.store.get(namespace, name))
+            if quota.counted() or asyncio.get_running_loop().time() >= deadline:
+                return quota
+            await asyncio.sleep(0.05)
 
     # --- reservations --------------------------------------------------------------------
 

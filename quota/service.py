@@ -52,6 +52,7 @@ class QuotaService:
             pending_limit=config.pending_limit,
             controller=not embedded,
             stale_after_s=config.stale_after_s,
+            count_wait_s=config.count_wait_s,
         )
         self.reviewer = QuotaReviewer(self.reserver, metrics)
         self._problem: str | None = None

@@ -189,7 +189,7 @@ async def test_new_quota_denies_until_the_existing_pods_are_counted(fake: FakeAp
     for index in range(5):
         fake.put(gpu_pod(f"old{index}", 100, 4))  # 5.00 cards in use before any quota
     async with AsyncExitStack() as stack:
-        service = await _service(stack, fake)
+        service = await _service(stack, fake, count_wait_s=0.2)
         fake.put(gpu_quota(gpu=2))
         burst = await asyncio.gather(
             *(service.reviewer(_request(gpu_pod(f"n{i}", 50, 4))) for i in range(4))
@@ -205,6 +205,24 @@ async def test_new_quota_denies_until_the_existing_pods_are_counted(fake: FakeAp
         after = await service.reviewer(_request(gpu_pod("after", 50, 4)))
         assert after.status is not None
         assert "allows 2.00 cards (5.00 used)" in after.status.message
+
+
+async def test_pods_applied_with_their_new_quota_wait_for_the_count(fake: FakeApiServer) -> None:
+    """One `kubectl apply` of a GPUQuota and its pods: the first pods wait (up to count_wait_s)
+    for the controller to count the quota, and are then decided against it, not denied."""
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, count_wait_s=3.0)
+        fake.put(gpu_quota(gpu=1))
+        pending = [
+            asyncio.ensure_future(service.reviewer(_request(gpu_pod(f"n{i}", 40, 4))))
+            for i in range(3)
+        ]
+        await asyncio.sleep(0.3)
+        await _controller(stack, service)  # starts late: the pods are waiting meanwhile
+        answers = await asyncio.gather(*pending)
+        assert [a.allowed for a in answers] == [True, True, False]
+        assert answers[2].status is not None
+        assert "allows 1.00 card (0.80 used)" in answers[2].status.message
 
 
 async def test_unreadable_status_is_rebuilt_from_the_pods(fake: FakeApiServer) -> None:

@@ -168,7 +168,9 @@ async def test_dry_run_reserves_nothing(fake: FakeApiServer) -> None:
 async def test_api_server_down_or_slow(fake: FakeApiServer, mode: str) -> None:
     fake.put(counted_quota(gpu=4))
     async with AsyncExitStack() as stack:
-        service = await _service(stack, fake, timeout_s=0.5, request_timeout_s=0.3)
+        service = await _service(
+            stack, fake, timeout_s=0.5, request_timeout_s=0.3, count_wait_s=0.1
+        )
         if mode == "slow":
             fake.latency = 2.0
         else:

@@ -33,6 +33,8 @@ def test_config_rules() -> None:
         QuotaConfig.model_validate({"leader_election": {"renew_interval_s": 20}})
     with pytest.raises(ValidationError, match="must not exceed"):
         QuotaConfig(timeout_s=1, request_timeout_s=2)
+    with pytest.raises(ValidationError, match=r"quota\.count_wait_s \(4\) must be shorter"):
+        QuotaConfig(timeout_s=4, count_wait_s=4)
 
 
 async def test_embedded(tmp_path: Path) -> None:
