@@ -85,6 +85,7 @@ class UsageController:
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._deleted: OrderedDict[str, None] = OrderedDict()
+        self._demands: dict[str, Demand | None] = {}  # per pod UID, as of its last event
         # Per quota UID: the pods counted in the last status this controller wrote (None until
         # its first write: then it cannot tell which pods are new, and subtracts nothing).
         self._accounted: dict[str, set[str]] = {}
@@ -101,9 +102,16 @@ class UsageController:
     def _on_pod(self, kind: str, pod: Mapping[str, Any]) -> None:
         meta = pod.get("metadata") or {}
         namespace = meta.get("namespace")
-        if namespace and pod_demand(pod) is not None:
+        uid = str(meta.get("uid") or "")
+        demand = pod_demand(pod)
+        # Each recount reads every pod of the namespace: computed once per change, here.
+        if kind == "DELETED":
+            self._demands.pop(uid, None)
+        else:
+            self._demands[uid] = demand
+        if namespace and demand is not None:
             if kind == "DELETED":
-                self._deleted[str(meta.get("uid") or "")] = None
+                self._deleted[uid] = None
                 while len(self._deleted) > _DELETED_MEMORY:
                     self._deleted.popitem(last=False)
             self._mark(str(namespace))
@@ -264,7 +272,7 @@ class UsageController:
         ended: set[str] = set()
         for pod in self.pods.objects(namespace):
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            demand = pod_demand(pod)
+            demand = self._demands[uid] if uid in self._demands else pod_demand(pod)
             if demand is None:
                 continue
             if is_terminal(pod, at):
