@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from typing import Any
 
+import aiohttp
+
 from core.kube import GPUQUOTAS, PODS, Informer, KubeError, KubeNotFound, call_json
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Pending, Scoped
@@ -268,18 +270,25 @@ class UsageController:
         counted."""
         namespace = quota.namespace
         at = self.clock()
+        ledger = Ledger.of(quota, pending_limit=self.pending_limit)
+        newest = ledger.unmatched_newest
+        if not ledger.unmatched.empty and (newest is None or at - newest > self.grace):
+            # `unmatched` is about to be dropped whole: its pods must then be counted as pods,
+            # so count from a live list, not from a cache that may lag.
+            pods, cached = await self._list_pods(namespace), False
+        else:
+            pods, cached = self.pods.objects(namespace), True
         live: dict[str, Demand] = {}
         ended: set[str] = set()
-        for pod in self.pods.objects(namespace):
+        for pod in pods:
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            demand = self._demands[uid] if uid in self._demands else pod_demand(pod)
+            demand = self._demands[uid] if cached and uid in self._demands else pod_demand(pod)
             if demand is None:
                 continue
             if is_terminal(pod, at):
                 ended.add(uid)
             else:
                 live[uid] = demand
-        ledger = Ledger.of(quota, pending_limit=self.pending_limit)
         expired = self._expired.setdefault(quota.uid, set())
         released: dict[str, str] = {}
         keep: list[Pending] = []
@@ -365,6 +374,27 @@ class UsageController:
         if current is None or due < current:
             self._due[namespace] = due
 
+    async def _list_pods(self, namespace: str) -> list[dict[str, Any]]:
+        """Every pod of the namespace, read live (a consistent list, page by page)."""
+        pods: list[dict[str, Any]] = []
+        token = ""
+        while True:
+            query = [("limit", "500")] + ([("continue", token)] if token else [])
+            try:
+                page = await call_json(
+                    self.api,
+                    "GET",
+                    PODS.path(namespace),
+                    query=query,
+                    timeout_s=self.request_timeout_s,
+                )
+            except (KubeError, TimeoutError, OSError, aiohttp.ClientError) as err:
+                raise Unavailable(f"pods of {namespace}: {err}") from None
+            pods.extend(p for p in page.get("items") or [] if isinstance(p, dict))
+            token = str((page.get("metadata") or {}).get("continue") or "")
+            if not token:
+                return pods
+
     async def _pod_exists(self, namespace: str, name: str, uid: str) -> bool:
         """Whether the pod of an expired admission exists after all (the cache may lag)."""
         if not name or name.endswith("<generated>"):
@@ -377,6 +407,6 @@ class UsageController:
             return False
         except KubeError as err:
             raise Unavailable(f"pod {namespace}/{name}: {err}") from None
-        except (TimeoutError, OSError) as err:
+        except (TimeoutError, OSError, aiohttp.ClientError) as err:
             raise Unavailable(f"pod {namespace}/{name}: {err}") from None
         return str((pod.get("metadata") or {}).get("uid")) == uid

@@ -185,6 +185,26 @@ async def test_unmatched_admissions_are_matched_to_the_pods_that_appear(
         assert "unmatched" not in status
 
 
+async def test_unmatched_is_dropped_only_against_a_live_list_of_pods(fake: FakeApiServer) -> None:
+    """When `unmatched` falls due, the pods it stood for are counted from a live list: a
+    controller whose cache lags (here: never started) must not lose them."""
+    fake.put(counted_quota(gpu=1))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, pending_limit=1, reservation_grace_s=0.05)
+        pods = [gpu_pod(f"p{i}", 40, 4) for i in range(2)]
+        for pod in pods:
+            assert (await service.reviewer(_request(pod))).allowed
+            fake.put(pod)
+        assert _status(fake)["unmatched"]["pods"] == 1
+        await asyncio.sleep(0.1)  # both admissions are older than the grace now
+        lagging = service.controller()  # its pod cache is empty: it has not synced
+        await lagging.reconcile_all()
+        status = _status(fake)
+        assert "unmatched" not in status
+        assert status["used"]["core"] == 80  # both pods, though the cache shows neither
+        assert not (await service.reviewer(_request(gpu_pod("third", 40, 4)))).allowed
+
+
 async def test_new_quota_denies_until_the_existing_pods_are_counted(fake: FakeApiServer) -> None:
     for index in range(5):
         fake.put(gpu_pod(f"old{index}", 100, 4))  # 5.00 cards in use before any quota
