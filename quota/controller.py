@@ -11,8 +11,8 @@ a restart or a missed event heals completely. For each GPUQuota, ``used`` become
   GET shows no pod of that name and UID (*expired*: the create failed after admission);
 * the ``unmatched`` aggregate of older admissions, less the pods that appeared since the
   previous recount without a pending entry (those are the pods it stands for); it is dropped
-  whole once its newest admission is older than the grace, when every pod it stands for is
-  either in the cache or will never exist.
+  whole once its newest admission is older than the grace, when every pod it stands for
+  either exists or never will (that recount lists the namespace's pods live: the cache may lag).
 
 The write is a compare-and-swap on the version read, so it never erases an admission written
 meanwhile: on 409 the controller re-reads and recomputes. A pod is therefore charged at least
