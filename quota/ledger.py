@@ -39,6 +39,7 @@ from quota.model import (
 # every per-model limit, which over-counts (safe) and keeps the entry small.
 MAX_PENDING_MODELS = 8
 DEFAULT_PENDING_LIMIT = 8
+MAX_POD_NAME = 253  # the CRD's bound, a pod name's longest
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,7 +101,7 @@ class Pending:
         listed = None if models is None or len(models) > MAX_PENDING_MODELS else sorted(models)
         return PendingWire(
             uid=self.uid,
-            pod=self.pod,
+            pod=self.pod[:MAX_POD_NAME],  # a display name ("x-<generated>") may be longer
             core=self.demand.core,
             memory_mib=self.demand.memory_mib,
             models=listed,
