@@ -135,3 +135,16 @@ def test_status_of_the_previous_release_keeps_its_reservations() -> None:
     assert Ledger.of(quota).charged(None) == Usage(130, 1280, 2)
     assert [entry.uid for entry in quota.status.pending] == ["u1"]
     assert not quota.counted()  # counted again by the controller before admission uses it
+
+
+@pytest.mark.parametrize(
+    ("name", "kept"),
+    [
+        pytest.param("train-0", "train-0", id="short-name-as-is"),
+        pytest.param("x" * 250 + "<generated>", "x" * 250 + "<ge", id="display-name-cut-to-253"),
+    ],
+)
+def test_pending_pod_names_fit_the_crd(name: str, kept: str) -> None:
+    ledger = Ledger.of(GPUQuota(gpu_quota(gpu=1)))
+    ledger.admit("u", name, Demand(10, 256), AT)
+    assert ledger.pending[0].wire().pod == kept
