@@ -121,8 +121,9 @@ async def run_server(
         quota = await open_quota(config.quota, api, registry=registry)
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
+        # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
+        # the quota service logs it once and denies GPU pods with the command that installs it.
         background.append(quota.run())
-        waiting["GPU quota"] = lambda: quota.ready() is None
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory)
             await stack.enter_async_context(informer)

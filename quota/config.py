@@ -82,10 +82,30 @@ class QuotaConfig(BaseModel):
         description="Status writes tried per quota on 409 Conflict (within timeout_s).",
     )
     reservation_grace_s: float = Field(
-        default=120.0,
+        default=10.0,
         gt=0,
-        description="How long a reservation waits for its pod to appear before the "
-        "controller may release it; longer than the API server's request timeout (60s).",
+        description="How long an admission waits for its pod to appear before the controller "
+        "may release it (after a GET finds no such pod). Safety needs every create that "
+        "admission allowed to be persisted within this time or never (docs/quota.md).",
+    )
+    pending_limit: int = Field(
+        default=8,
+        ge=1,
+        le=64,
+        description="Admissions recorded one by one in a GPUQuota's status; older ones are "
+        "aggregated, so the object stays a few KB at any number of pods.",
+    )
+    count_wait_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="How long a GPU pod waits for the controller to count a GPUQuota that is "
+        "new or changed before it is denied as 'not yet known'; below timeout_s.",
+    )
+    stale_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="An admission still not matched to a pod after this long means the quota "
+        "controller is not running: said on the GPUQuota, in a metric and in denials.",
     )
     resync_s: float = Field(
         default=30.0, gt=0, description="Controller: full reconcile of every GPUQuota this often."
@@ -103,5 +123,11 @@ class QuotaConfig(BaseModel):
             raise ValueError(
                 f"quota.request_timeout_s ({self.request_timeout_s:g}) must not exceed "
                 f"quota.timeout_s ({self.timeout_s:g})"
+            )
+        if self.count_wait_s >= self.timeout_s:
+            raise ValueError(
+                f"quota.count_wait_s ({self.count_wait_s:g}) must be shorter than "
+                f"quota.timeout_s ({self.timeout_s:g}), or waiting for a new GPUQuota to be "
+                f"counted ends in a timeout instead of a clear denial"
             )
         return self

@@ -48,6 +48,8 @@ class LeaderElector:
         self.is_leader = False
         self._observed: tuple[str, str] | None = None  # (holder, renewTime) last seen
         self._observed_at = 0.0
+        # Why Lease requests fail, while they do: logged when it changes, not every renewal.
+        self.problem: str | None = None
 
     async def run(self, work: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Run ``work`` while holding the Lease; stop it as soon as the Lease may be lost."""
@@ -102,7 +104,9 @@ class LeaderElector:
                     body=body,
                     timeout_s=self.request_timeout_s,
                 )
+                self._ok()
                 self.is_leader = True
+                self.metrics.controller_seen.set(1)
                 return True
             spec = lease.get("spec") or {}
             holder = str(spec.get("holderIdentity") or "")
@@ -112,8 +116,10 @@ class LeaderElector:
             expired = time.monotonic() - self._observed_at > float(
                 spec.get("leaseDurationSeconds") or self.config.lease_duration_s
             )
+            self._ok()
             if holder and holder != self.identity and not expired:
                 self.is_leader = False
+                self.metrics.controller_seen.set(1)
                 return False
             transitions = int(spec.get("leaseTransitions") or 0)
             acquired = spec.get("acquireTime") or _micro_time()
@@ -127,14 +133,43 @@ class LeaderElector:
             self._observed = (self.identity, str(spec.get("renewTime") or ""))
             self._observed_at = time.monotonic()
             self.is_leader = True
+            self.metrics.controller_seen.set(1)
             return True
         except KubeError as err:
-            if err.status != 409:
-                log.warning("lease request failed", extra={"error": str(err)})
-            return False  # someone else wrote first (409), or the API server is unhappy
-        except (TimeoutError, aiohttp.ClientError, OSError) as err:
-            log.warning("lease request failed", extra={"error": str(err) or type(err).__name__})
+            if err.status != 409:  # 409: someone else wrote first, which is no problem
+                self._failed(str(err.status), str(err))
             return False
+        except (TimeoutError, aiohttp.ClientError, OSError) as err:
+            self._failed("network", str(err) or type(err).__name__)
+            return False
+
+    def _failed(self, code: str, error: str) -> None:
+        """A Lease request failed: count it, and log it when the cause is new (a missing
+        namespace or RBAC fails the same way every renew interval)."""
+        self.metrics.lease_errors.labels(code).inc()
+        self.metrics.controller_seen.set(1 if self.is_leader else 0)
+        problem = (
+            f"the quota controller cannot use its Lease {self.namespace}/{self.config.lease_name}"
+            f" ({error}); until it can, no replica counts pods, so GPU that ended pods held "
+            f"stays charged and new GPUQuotas are not counted"
+        )
+        if code == "404":
+            problem += (
+                f"; does namespace {self.namespace!r} exist? (set POD_NAMESPACE or "
+                f"quota.leader_election.lease_namespace)"
+            )
+        elif code == "403":
+            problem += "; grant leases get/create/update in that namespace (deploy/base RBAC)"
+        if problem != self.problem:
+            log.error(problem, extra={"identity": self.identity, "code": code})
+        self.problem = problem
+
+    def _ok(self) -> None:
+        if self.problem is not None:
+            log.info(
+                "quota controller Lease requests work again", extra={"identity": self.identity}
+            )
+        self.problem = None
 
     def _lease(
         self, current: dict[str, Any] | None, *, transitions: int, acquired: Any

@@ -1,8 +1,16 @@
-"""The quota arithmetic: used + reserved + demand <= limit, in every scope of a quota.
+"""The quota arithmetic: charged + demand <= limit, in every scope of a quota.
 
 Pure and synchronous, so the stores can run it on a copy read with a resourceVersion and
 write the result back with compare-and-swap: whatever the interleaving of webhook replicas,
-a reservation is only ever persisted on top of the exact state it was checked against.
+an admission is only ever persisted on top of the exact state it was checked against.
+
+What a quota charges is one aggregate per scope, ``status.used``, as in Kubernetes' own
+ResourceQuota: admission adds each admitted pod to it, the controller replaces it with a
+recount. The recount needs to know which admissions it cannot see as pods yet (a pod is
+persisted after admission, and reaches the controller's watch later still), so admission
+also records the most recent ones in ``pending`` (at most ``pending_limit``, oldest first)
+and folds older ones into one aggregate, ``unmatched``. The object therefore stays the same
+size whatever the number of pods; docs/quota.md explains why the recount is safe.
 
 A quota has a namespace-wide scope and one scope per GPU model it names. A demand counts
 against a model's scope when the pod may land on that model (pinned to it, or not pinned at
@@ -11,7 +19,7 @@ all: an unpinned pod may land anywhere, so it is charged against every per-model
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -20,11 +28,18 @@ from quota.model import (
     Amount,
     GPUQuota,
     LimitSpec,
+    PendingWire,
     QuotaSpec,
     QuotaStatus,
-    ReservationWire,
+    UnmatchedWire,
     Used,
 )
+
+# Pinned to more models than this, a pending entry records "any model": charged against
+# every per-model limit, which over-counts (safe) and keeps the entry small.
+MAX_PENDING_MODELS = 8
+DEFAULT_PENDING_LIMIT = 8
+MAX_POD_NAME = 253  # the CRD's bound, a pod name's longest
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +51,14 @@ class Usage:
     def __add__(self, other: Usage) -> Usage:
         return Usage(
             self.core + other.core, self.memory_mib + other.memory_mib, self.pods + other.pods
+        )
+
+    def minus(self, other: Usage) -> Usage:
+        """Subtraction that never goes below zero in any component."""
+        return Usage(
+            max(0, self.core - other.core),
+            max(0, self.memory_mib - other.memory_mib),
+            max(0, self.pods - other.pods),
         )
 
     @classmethod
@@ -56,33 +79,102 @@ class Usage:
             and (limit.pods is None or self.pods <= limit.pods)
         )
 
+    @property
+    def empty(self) -> bool:
+        return self == ZERO
+
 
 ZERO = Usage()
 
 
 @dataclass(frozen=True, slots=True)
-class Reservation:
-    """A demand held for a pod UID until the controller sees the pod (or expiry)."""
+class Pending:
+    """An admission not yet matched to a pod: its pod UID, name, demand and time."""
 
     uid: str
     pod: str
     demand: Demand
-    expires: datetime | None = None
+    at: datetime
 
-    def wire(self) -> ReservationWire:
-        models = None if self.demand.models is None else sorted(self.demand.models)
-        return ReservationWire(
-            pod=self.pod,
+    def wire(self) -> PendingWire:
+        models = self.demand.models
+        listed = None if models is None or len(models) > MAX_PENDING_MODELS else sorted(models)
+        return PendingWire(
+            uid=self.uid,
+            pod=self.pod[:MAX_POD_NAME],  # a display name ("x-<generated>") may be longer
             core=self.demand.core,
             memory_mib=self.demand.memory_mib,
-            models=models,
-            expires=self.expires,
+            models=listed,
+            at=self.at,
         )
 
     @classmethod
-    def from_wire(cls, uid: str, wire: ReservationWire) -> Reservation:
+    def from_wire(cls, wire: PendingWire) -> Pending:
         models = None if wire.models is None else frozenset(wire.models)
-        return cls(uid, wire.pod, Demand(wire.core, wire.memory_mib, models), wire.expires)
+        return cls(wire.uid, wire.pod, Demand(wire.core, wire.memory_mib, models), wire.at)
+
+
+@dataclass
+class Scoped:
+    """An amount in the namespace-wide scope and in each per-model scope of a spec."""
+
+    total: Usage = ZERO
+    models: dict[str, Usage] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, demands: Iterable[Demand], spec: QuotaSpec) -> Scoped:
+        scoped = cls(ZERO, {model: ZERO for model in spec.models})
+        for demand in demands:
+            scoped.add(demand, spec)
+        return scoped
+
+    def get(self, model: str | None) -> Usage:
+        return self.total if model is None else self.models.get(model, ZERO)
+
+    def add(self, demand: Demand, spec: QuotaSpec) -> None:
+        usage = Usage.of(demand)
+        self.total = self.total + usage
+        for model in spec.models:  # every model of the spec gets an entry, zero or not
+            self.models[model] = self.models.get(model, ZERO) + (
+                usage if demand.on(model) else ZERO
+            )
+
+    def remove(self, demand: Demand, spec: QuotaSpec) -> None:
+        usage = Usage.of(demand)
+        self.total = self.total.minus(usage)
+        for model in spec.models:
+            self.models[model] = self.models.get(model, ZERO).minus(
+                usage if demand.on(model) else ZERO
+            )
+
+    def plus(self, other: Scoped, spec: QuotaSpec) -> Scoped:
+        return Scoped(
+            self.total + other.total,
+            {m: self.get(m) + other.get(m) for m in spec.models},
+        )
+
+    @property
+    def empty(self) -> bool:
+        return self.total.empty and all(u.empty for u in self.models.values())
+
+    @classmethod
+    def from_wire(cls, used: Used, spec: QuotaSpec) -> Scoped:
+        total = Usage.from_amount(used)
+        # A model the spec names but the status does not (the spec changed): its share is at
+        # most the namespace-wide amount, so that is what it is taken to be.
+        return cls(
+            total,
+            {
+                m: Usage.from_amount(used.models[m]) if m in used.models else total
+                for m in spec.models
+            },
+        )
+
+    def used(self) -> Used:
+        return Used(
+            **self.total.amount().model_dump(),
+            models={m: u.amount() for m, u in sorted(self.models.items())},
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,56 +185,44 @@ class Violation:
     quota: str
     model: str | None  # None: the namespace-wide scope
     limit: LimitSpec
-    charged: Usage  # used + reserved before this pod
+    charged: Usage  # what the scope held before this pod
     demand: Demand
-
-
-def sum_usage(demands: Iterable[Demand]) -> Usage:
-    total = ZERO
-    for demand in demands:
-        total = total + Usage.of(demand)
-    return total
 
 
 @dataclass
 class Ledger:
-    """One quota's arithmetic state: limits, confirmed usage per scope, and reservations."""
+    """One quota's arithmetic state: limits, what is charged, and the unmatched admissions."""
 
     namespace: str
     name: str
     spec: QuotaSpec
-    used: Usage = ZERO
-    used_models: dict[str, Usage] = field(default_factory=dict)
-    reservations: dict[str, Reservation] = field(default_factory=dict)
-    # Charged amount per scope, kept up to date by reserve() so that checking a batch of N pods
-    # against R reservations costs O(N + R), not O(N * R); dropped when usage is replaced.
-    _charged: dict[str | None, Usage] = field(default_factory=dict, compare=False, repr=False)
+    used: Scoped = field(default_factory=Scoped)
+    pending: list[Pending] = field(default_factory=list)  # oldest first
+    unmatched: Scoped = field(default_factory=Scoped)
+    unmatched_newest: datetime | None = None
+    pending_limit: int = DEFAULT_PENDING_LIMIT
 
     @classmethod
-    def of(cls, quota: GPUQuota) -> Ledger:
+    def of(cls, quota: GPUQuota, *, pending_limit: int = DEFAULT_PENDING_LIMIT) -> Ledger:
         status = quota.status
+        unmatched = status.unmatched
         return cls(
             quota.namespace,
             quota.name,
             quota.spec,
-            Usage.from_amount(status.used),
-            {m: Usage.from_amount(a) for m, a in status.used.models.items()},
-            {uid: Reservation.from_wire(uid, w) for uid, w in status.reservations.items()},
+            Scoped.from_wire(status.used, quota.spec),
+            [Pending.from_wire(p) for p in status.pending],
+            Scoped() if unmatched is None else Scoped.from_wire(unmatched, quota.spec),
+            None if unmatched is None else unmatched.newest,
+            pending_limit,
         )
 
     def scopes(self) -> list[tuple[str | None, LimitSpec]]:
         return [(None, self.spec), *sorted(self.spec.models.items())]
 
     def charged(self, model: str | None) -> Usage:
-        """What the scope holds now: confirmed use plus every pending reservation in it."""
-        cached = self._charged.get(model)
-        if cached is None:
-            used = self.used if model is None else self.used_models.get(model, ZERO)
-            cached = used + sum_usage(
-                r.demand for r in self.reservations.values() if model is None or r.demand.on(model)
-            )
-            self._charged[model] = cached
-        return cached
+        """What the scope holds: counted pods plus admissions not yet matched to pods."""
+        return self.used.get(model)
 
     def check(self, demand: Demand) -> Violation | None:
         """The first scope the demand does not fit, or None when it fits everywhere."""
@@ -155,48 +235,72 @@ class Ledger:
         return None
 
     def holds(self, uid: str) -> bool:
-        return uid in self.reservations
+        return any(p.uid == uid for p in self.pending)
 
-    def reserve(self, reservation: Reservation) -> Violation | None:
-        """Reserve if it fits (idempotent per UID: a repeated review is not charged twice)."""
-        if reservation.uid in self.reservations:
+    def admit(self, uid: str, pod: str, demand: Demand, at: datetime) -> Violation | None:
+        """Charge the demand if it fits (idempotent per UID while the admission is pending:
+        a repeated review is not charged twice)."""
+        if self.holds(uid):
             return None
-        violation = self.check(reservation.demand)
+        violation = self.check(demand)
         if violation is None:
-            self.reservations[reservation.uid] = reservation
-            added = Usage.of(reservation.demand)
-            for model in list(self._charged):
-                if model is None or reservation.demand.on(model):
-                    self._charged[model] = self._charged[model] + added
+            self.used.add(demand, self.spec)
+            self.pending.append(Pending(uid, pod, demand, at))
+            self._fold()
         return violation
 
-    def release(self, uids: Iterable[str]) -> bool:
-        """Drop reservations; whether anything changed."""
-        changed = False
-        for uid in uids:
-            changed |= self.reservations.pop(uid, None) is not None
-        self._charged.clear()
+    def _fold(self) -> None:
+        """Keep ``pending`` bounded: the oldest entries join the ``unmatched`` aggregate."""
+        while len(self.pending) > self.pending_limit:
+            oldest = self.pending.pop(0)
+            self.unmatched.add(oldest.demand, self.spec)
+            if self.unmatched_newest is None or oldest.at > self.unmatched_newest:
+                self.unmatched_newest = oldest.at
+
+    def withdraw(self, uids: Iterable[str]) -> bool:
+        """Undo admissions of pods that were denied after all; whether anything changed.
+
+        An admission already folded into ``unmatched`` stays charged until the controller
+        drops it (an over-count, never an under-count)."""
+        gone = set(uids)
+        kept = []
+        for entry in self.pending:
+            if entry.uid in gone:
+                self.used.remove(entry.demand, self.spec)
+            else:
+                kept.append(entry)
+        changed = len(kept) != len(self.pending)
+        self.pending = kept
         return changed
 
-    def set_used(self, demands: Iterable[Demand]) -> None:
-        """Replace confirmed usage with the sum of the given pods' demands (the controller)."""
-        demands = list(demands)
-        self._charged.clear()
-        self.used = sum_usage(demands)
-        self.used_models = {
-            model: sum_usage(d for d in demands if d.on(model)) for model in self.spec.models
-        }
+    def recount(
+        self,
+        live: Mapping[str, Demand],
+        pending: list[Pending],
+        unmatched: Scoped | None,
+    ) -> None:
+        """The controller's recount: ``used`` = the pods that exist and hold GPU, plus the
+        admissions it still cannot see as pods (``pending`` kept, ``unmatched`` or None)."""
+        self.pending = list(pending)
+        if unmatched is None or unmatched.empty:
+            self.unmatched, self.unmatched_newest = Scoped(), None
+        else:
+            self.unmatched = unmatched
+        used = Scoped.of(live.values(), self.spec)
+        used = used.plus(Scoped.of((p.demand for p in self.pending), self.spec), self.spec)
+        self.used = used.plus(self.unmatched, self.spec)
 
     def status(self, base: QuotaStatus) -> QuotaStatus:
-        """``base`` with this ledger's usage and reservations (conditions etc. kept)."""
-        reserved = sum_usage(r.demand for r in self.reservations.values())
+        """``base`` with this ledger's aggregates (conditions etc. kept)."""
+        unmatched = None
+        if not self.unmatched.empty:
+            unmatched = UnmatchedWire(
+                **self.unmatched.used().model_dump(), newest=self.unmatched_newest
+            )
         return base.model_copy(
             update={
-                "used": Used(
-                    **self.used.amount().model_dump(),
-                    models={m: u.amount() for m, u in sorted(self.used_models.items())},
-                ),
-                "reserved": reserved.amount(),
-                "reservations": {uid: r.wire() for uid, r in sorted(self.reservations.items())},
+                "used": self.used.used(),
+                "pending": [p.wire() for p in self.pending],
+                "unmatched": unmatched,
             }
         )

@@ -4,15 +4,22 @@ The basic denial is exactly the documented format:
 ``GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 8192 MiB; quota
 "team-a" allows 4.00 cards (3.70 used) and 65536 MiB (61440 used)``.
 "used" there is what the quota holds before this pod: pods the controller has counted plus
-reservations of pods admitted but not yet counted. Only the limits the quota sets are named.
+pods admitted but not yet seen by it. Only the limits the quota sets are named.
 """
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import TYPE_CHECKING
+
+from core.kube import GPUQUOTAS
 from core.labels import PRODUCT_LABEL
 from core.units import cards_phrase, cards_text
 from quota.demand import Demand
 from quota.ledger import Violation
+
+if TYPE_CHECKING:
+    from quota.model import GPUQuota
 
 
 def demand_phrase(demand: Demand) -> str:
@@ -64,4 +71,56 @@ def invalid_quota(namespace: str, error: str) -> str:
     return (
         f'GPU quota could not be applied in namespace "{namespace}": {error}; GPU pods are not '
         f"admitted until the GPUQuota is fixed"
+    )
+
+
+def not_counted(quota: GPUQuota) -> str:
+    """Why a quota is not used yet (the reason behind :func:`not_counted_for`)."""
+    why = (
+        "its spec changed"
+        if quota.status.observed_generation not in (None, quota.generation)
+        else "it is new, or its status was reset"
+    )
+    return (
+        f"GPUQuota {quota.ref} has not been counted yet ({why}): the fracgpu quota controller "
+        f"first counts the GPU the namespace's existing pods hold, as soon as it sees the quota"
+    )
+
+
+def not_counted_for(namespace: str, demand: Demand, why: str) -> str:
+    return (
+        f'GPU quota not yet known in namespace "{namespace}": {why}; this pod asks '
+        f"{demand_phrase(demand)} and GPU pods are never admitted against a quota whose usage "
+        f"is unknown. Retry in a few seconds; if it persists, ask the cluster operator to check "
+        f"that the fracgpu quota controller runs (kubectl get gpuquota shows Counted)"
+    )
+
+
+def controller_behind(since: datetime) -> str:
+    """Appended to denials while admissions stay unmatched: usage may include ended pods."""
+    return (
+        f"; note: admissions since {since.strftime('%Y-%m-%dT%H:%M:%SZ')} have not been matched "
+        f"to pods, so the fracgpu quota controller is not running and GPU that ended pods held "
+        f"is still counted (operator: see docs/operator-guide.md, quota controller not running)"
+    )
+
+
+CRD_NAME = f"{GPUQUOTAS.plural}.{GPUQUOTAS.group}"
+INSTALL_CRD = "kubectl apply -k deploy/crds"
+
+
+def crd_missing_problem() -> str:
+    """What an operator reads (log, `fracgpu serve` status) while the CRD is missing."""
+    return (
+        f"the GPUQuota CRD ({CRD_NAME}) is not installed, so no GPU quota can be checked and GPU "
+        f"pods are denied; install it with `{INSTALL_CRD}` (from the fracgpu release)"
+    )
+
+
+def crd_missing(namespace: str, demand: Demand) -> str:
+    return (
+        f'GPU quota could not be checked in namespace "{namespace}": the GPUQuota CRD '
+        f"({CRD_NAME}) is not installed in this cluster; this pod asks {demand_phrase(demand)} "
+        f"and GPU pods are never admitted unaccounted. Ask the cluster operator to install it "
+        f"with `{INSTALL_CRD}`"
     )

@@ -6,7 +6,7 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from quota.ledger import Ledger, Usage
+from quota.ledger import Ledger
 
 # Admission with quota makes API calls; the buckets reach into seconds for a slow apiserver.
 _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -25,19 +25,21 @@ class QuotaMetrics:
         )
         self.used = Gauge(
             "fracgpu_quota_used",
-            "GPU use counted from existing pods by the controller, per namespace and quota.",
-            labels,
-            registry=r,
-        )
-        self.reserved = Gauge(
-            "fracgpu_quota_reserved",
-            "GPU reserved by admission for pods the controller has not yet counted.",
+            "GPU a quota charges (counted pods plus admissions not yet seen as pods).",
             labels,
             registry=r,
         )
         self.pending = Gauge(
-            "fracgpu_quota_pending_reservations",
-            "Reservations waiting for their pod to appear, per namespace and quota.",
+            "fracgpu_quota_pending_admissions",
+            "Admissions recorded one by one in a GPUQuota that the controller has not yet "
+            "matched to pods (bounded by pending_limit; older ones are aggregated).",
+            ["namespace", "quota"],
+            registry=r,
+        )
+        self.unmatched_age = Gauge(
+            "fracgpu_quota_unmatched_admission_age_seconds",
+            "Age of the oldest admission not matched to a pod, once it is older than "
+            "stale_after_s (0 otherwise): above 0, the quota controller is not running.",
             ["namespace", "quota"],
             registry=r,
         )
@@ -62,9 +64,10 @@ class QuotaMetrics:
         )
         self.released = Counter(
             "fracgpu_quota_reservations_released",
-            "Reservations released by the controller: confirmed (pod counted), expired (pod "
-            "never persisted), ended (pod deleted or finished first), or denied (admission "
-            "failed part-way).",
+            "Admissions the controller matched or dropped: confirmed (pod seen), expired "
+            "(pod never persisted), ended (pod deleted or finished first), unmatched (the "
+            "aggregate of older admissions, matched or expired), or denied (admission failed "
+            "part-way and withdrew it).",
             ["why"],
             registry=r,
         )
@@ -79,33 +82,46 @@ class QuotaMetrics:
             "1 while this replica holds the quota controller's Lease.",
             registry=r,
         )
+        self.crd_installed = Gauge(
+            "fracgpu_quota_crd_installed",
+            "1 when the GPUQuota CRD is installed; 0 while it is not (GPU pods are denied).",
+            registry=r,
+        )
+        self.controller_seen = Gauge(
+            "fracgpu_quota_controller_seen",
+            "1 while this replica sees some replica hold the quota controller's Lease (renewed "
+            "within its duration); 0 means no controller runs anywhere.",
+            registry=r,
+        )
+        self.lease_errors = Counter(
+            "fracgpu_quota_lease_errors",
+            "Lease requests that failed with something other than a lost race, by HTTP status "
+            "(or 'network'): 404 usually means the lease namespace does not exist, 403 RBAC.",
+            ["code"],
+            registry=r,
+        )
 
     def observe(self, ledger: Ledger) -> None:
-        """Publish one quota's limits, usage and reservations."""
+        """Publish one quota's limits, usage and pending admissions."""
         ns, name = ledger.namespace, ledger.name
         spec = ledger.spec
-        reserved = ledger.charged(None)
-        reserved = Usage(
-            reserved.core - ledger.used.core,
-            reserved.memory_mib - ledger.used.memory_mib,
-            reserved.pods - ledger.used.pods,
-        )
-        for resource, limit, used, held in (
-            ("cards", spec.gpu, ledger.used.core, reserved.core),
-            ("memory_mib", spec.gpumem, ledger.used.memory_mib, reserved.memory_mib),
-            ("pods", spec.pods, ledger.used.pods, reserved.pods),
+        used = ledger.charged(None)
+        for resource, limit, value in (
+            ("cards", spec.gpu, used.core),
+            ("memory_mib", spec.gpumem, used.memory_mib),
+            ("pods", spec.pods, used.pods),
         ):
             scale = 100 if resource == "cards" else 1
             if limit is not None:
                 self.limit.labels(ns, name, resource).set(limit / scale)
-            self.used.labels(ns, name, resource).set(used / scale)
-            self.reserved.labels(ns, name, resource).set(held / scale)
-        self.pending.labels(ns, name).set(len(ledger.reservations))
+            self.used.labels(ns, name, resource).set(value / scale)
+        self.pending.labels(ns, name).set(len(ledger.pending))
 
     def forget(self, namespace: str, name: str) -> None:
         for resource in ("cards", "memory_mib", "pods"):
-            for gauge in (self.limit, self.used, self.reserved):
+            for gauge in (self.limit, self.used):
                 with contextlib.suppress(KeyError):
                     gauge.remove(namespace, name, resource)
-        with contextlib.suppress(KeyError):
-            self.pending.remove(namespace, name)
+        for labelled in (self.pending, self.unmatched_age):
+            with contextlib.suppress(KeyError):
+                labelled.remove(namespace, name)

@@ -90,27 +90,10 @@ class Used(Amount):
     models: dict[str, Amount] = Field(default_factory=dict)
 
 
-class Hard(_Wire):
-    """The spec's limits in display form, so printer columns read the same for every quota."""
+class PendingWire(_Wire):
+    """One recent admission the controller has not yet matched to a pod."""
 
-    cards: str | None = None
-    memory_mib: int | None = Field(
-        default=None, validation_alias="memoryMiB", serialization_alias="memoryMiB"
-    )
-    pods: int | None = None
-
-    @classmethod
-    def of(cls, spec: LimitSpec) -> Hard:
-        return cls(
-            cards=None if spec.gpu is None else cards_text(spec.gpu),
-            memory_mib=spec.gpumem,
-            pods=spec.pods,
-        )
-
-
-class ReservationWire(_Wire):
-    """A pending reservation, keyed in status by the pod's UID."""
-
+    uid: str
     pod: str = ""
     core: int = 0
     memory_mib: int = Field(
@@ -118,9 +101,13 @@ class ReservationWire(_Wire):
     )
     # GPU models the pod may land on; absent means any model.
     models: list[str] | None = None
-    # When the controller may release it if the pod never appeared; absent means never
-    # (embedded mode, where there is no controller and every admitted pod counts).
-    expires: datetime | None = None
+    at: datetime
+
+
+class UnmatchedWire(Used):
+    """Admissions folded out of ``pending``; ``newest`` is the latest admission folded in."""
+
+    newest: datetime | None = None
 
 
 class Condition(_Wire):
@@ -131,17 +118,42 @@ class Condition(_Wire):
     last_transition_time: datetime | None = None
 
 
+# The controller has counted the namespace's pods for the current spec: admission may use
+# ``used``. Until then (a new quota, a changed spec, a status that was reset) it denies.
+COUNTED = "Counted"
+# Whether admissions are being matched to pods (the controller runs); written by whoever notices.
+CONTROLLER_ACTIVE = "ControllerActive"
+
+
 class QuotaStatus(_Wire):
-    hard: Hard = Field(default_factory=Hard)
     used: Used = Field(default_factory=Used)
-    reserved: Amount = Field(default_factory=Amount)
-    reservations: dict[str, ReservationWire] = Field(default_factory=dict)
+    pending: list[PendingWire] = Field(default_factory=list)
+    unmatched: UnmatchedWire | None = None
     conditions: list[Condition] = Field(default_factory=list)
     observed_generation: int | None = None
     last_reconcile_time: datetime | None = None
 
     def wire(self) -> dict[str, Any]:
         return self.model_dump(by_alias=True, exclude_none=True, mode="json")
+
+    def condition(self, kind: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == kind), None)
+
+    def with_condition(self, condition: Condition) -> QuotaStatus:
+        """This status with ``condition`` replacing the one of its type; the transition time
+        is kept when status and reason did not change (as Kubernetes conditions do)."""
+        previous = self.condition(condition.type)
+        if previous is not None and (previous.status, previous.reason) == (
+            condition.status,
+            condition.reason,
+        ):
+            condition = condition.model_copy(
+                update={"last_transition_time": previous.last_transition_time}
+            )
+        others = [c for c in self.conditions if c.type != condition.type]
+        return self.model_copy(
+            update={"conditions": sorted([*others, condition], key=lambda c: c.type)}
+        )
 
 
 class GPUQuota:
@@ -150,13 +162,12 @@ class GPUQuota:
     __slots__ = ("raw", "spec", "status")
 
     def __init__(self, raw: Mapping[str, Any]) -> None:
-        # Shallow copies: the raw object is never mutated below its top level and metadata,
-        # and a deep copy of a status with many reservations would dominate admission time.
+        # Shallow copies: the raw object is never mutated below its top level and metadata.
         self.raw: dict[str, Any] = dict(raw)
         self.raw["metadata"] = dict(self.raw.get("metadata") or {})
         self.spec = parse_spec(self.raw)
         try:
-            self.status = QuotaStatus.model_validate(self.raw.get("status") or {})
+            self.status = QuotaStatus.model_validate(_upgraded(self.raw.get("status") or {}))
         except ValidationError:
             # A status we cannot read is rebuilt by the controller; admission must not trust it.
             raise QuotaError(
@@ -191,9 +202,21 @@ class GPUQuota:
         value = self.meta.get("generation")
         return value if isinstance(value, int) else None
 
+    @property
+    def uid(self) -> str:
+        return str(self.meta.get("uid", ""))
+
+    def counted(self) -> bool:
+        """Whether the controller has counted the pods for this spec (see :data:`COUNTED`)."""
+        condition = self.status.condition(COUNTED)
+        return (
+            condition is not None
+            and condition.status == "True"
+            and self.status.observed_generation == self.generation
+        )
+
     def with_status(self, status: QuotaStatus) -> GPUQuota:
         """A copy carrying ``status`` (and this object's resourceVersion, for the CAS write)."""
-        status = status.model_copy(update={"hard": Hard.of(self.spec)})
         copy = GPUQuota.__new__(GPUQuota)  # spec and status are known: no second parse
         copy.raw = {**self.raw, "metadata": dict(self.meta), "status": status.wire()}
         copy.spec, copy.status = self.spec, status
@@ -236,3 +259,29 @@ def _parse_pods(raw: object) -> int:
     if isinstance(raw, bool) or not isinstance(raw, int) or raw < 0:
         raise UnitError(PODS_RULE)
     return raw
+
+
+def _upgraded(status: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A status written by a release that kept one reservation per pod, in today's form.
+
+    Its ``used`` counted only pods the controller had seen and ``reservations`` held the
+    rest; today ``used`` is the whole charge and ``pending`` the unseen admissions. Without
+    this an upgrade would forget what was admitted but not yet counted.
+    """
+    old = status.get("reservations")
+    if not isinstance(old, Mapping) or "pending" in status:
+        return status
+    upgraded = {k: v for k, v in status.items() if k not in ("reservations", "reserved", "hard")}
+    used = dict(status.get("used") or {})
+    pending = []
+    for uid, entry in old.items():
+        if not isinstance(entry, Mapping):
+            continue
+        pending.append({"uid": uid, **entry, "at": entry.get("expires") or now().isoformat()})
+        for key in ("core", "memoryMiB"):
+            used[key] = int(used.get(key) or 0) + int(entry.get(key) or 0)
+        used["pods"] = int(used.get("pods") or 0) + 1
+    used.pop("models", None)  # per-model shares are recounted; until then not counted
+    upgraded["used"] = used
+    upgraded["pending"] = pending
+    return upgraded

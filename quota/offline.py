@@ -31,7 +31,7 @@ async def review_pods_async(
 ) -> list[QuotaDecision]:
     """One decision per pod (canonical, i.e. already mutated), in order."""
     store = MemoryStore(load_quota_file(quota_file))
-    reserver = Reserver(store, reservation_ttl_s=None, require_quota=require_quota)
+    reserver = Reserver(store, require_quota=require_quota, controller=False)
     decisions = []
     try:
         for index, pod in enumerate(pods):

@@ -2,7 +2,7 @@
 
 Reads the cluster (kubeconfig, in-cluster, $KUBECONFIG) or, with ``--file``, a quota file as
 embedded mode uses it. "used" is what the quota charges now: pods counted by the controller
-plus pending reservations of admitted pods not yet counted.
+plus admitted pods it has not seen yet ("PENDING" of them are listed one by one).
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def render(
                 f"{cards_text(charged.core)}/{_limit(spec.gpu, cards_text)}",
                 f"{charged.memory_mib}/{_limit(spec.gpumem, str)}",
                 f"{charged.pods}/{_limit(spec.pods, str)}",
-                str(len(ledger.reservations)),
+                str(len(ledger.pending)),
             )
         )
         for model, limit in sorted(spec.models.items()):
@@ -132,10 +132,16 @@ def _pod_lines(quota: GPUQuota, pods: Sequence[Mapping[str, Any]] | None) -> lis
         meta = pod.get("metadata") or {}
         counted.add(str(meta.get("uid")))
         lines.append(f"  {meta.get('name')}  {_describe(demand)}")
-    for uid, reservation in sorted(ledger.reservations.items()):
-        if uid in counted:
+    for entry in ledger.pending:
+        if entry.uid in counted:
             continue
-        lines.append(f"  {reservation.pod}  {_describe(reservation.demand)}  (pending)")
+        lines.append(f"  {entry.pod}  {_describe(entry.demand)}  (pending)")
+    if not ledger.unmatched.empty:
+        more = ledger.unmatched.total
+        lines.append(
+            f"  and {more.pods} more admitted pods not yet seen by the controller  "
+            f"{cards_text(more.core)} card, {more.memory_mib} MiB"
+        )
     if len(lines) == 1:
         lines.append("  no GPU pods")
     return lines

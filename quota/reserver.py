@@ -1,6 +1,6 @@
 """Reserving a pod's demand in every GPUQuota of its namespace before the pod is allowed.
 
-This follows kube-apiserver's own ResourceQuota admission (design K5):
+This follows kube-apiserver's own ResourceQuota admission:
 
 * pods of one namespace are decided in **batches** by one worker per namespace (per replica):
   the worker reads the quotas once, checks every waiting pod in arrival order against a
@@ -11,9 +11,12 @@ This follows kube-apiserver's own ResourceQuota admission (design K5):
   re-checked against the new state, a bounded number of times;
 * a pod is allowed only when its reservation is **persisted** in every quota of the namespace;
   a pod denied by a later quota has its reservations in earlier ones released;
-* a reservation is keyed by the pod's UID, so a repeated review of the same pod is not charged
-  twice; the usage controller turns it into counted usage when the pod appears, and releases
-  it when the pod never appears (expiry) or ends.
+* an admission adds the pod's demand to ``status.used`` and records it (pod UID, demand,
+  time) among the quota's few most recent ``pending`` admissions, so a repeated review of the
+  same pod is not charged twice; the usage controller matches it to the pod when the pod
+  appears, and drops it when the pod never appears or ends (:mod:`quota.ledger`);
+* a quota the controller has not counted yet (new, spec changed, status reset) is not used:
+  its pods are denied with a message that says so, as Kubernetes' ResourceQuota does.
 
 Hence no over-admission: a persisted status is always the result of applying the ledger check
 to the exact state it replaced, and every allowed pod is in a persisted status.
@@ -26,13 +29,13 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from quota import messages
 from quota.demand import Demand
-from quota.ledger import Ledger, Reservation
+from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Violation
 from quota.metrics import QuotaMetrics
-from quota.model import GPUQuota, QuotaError, now
+from quota.model import CONTROLLER_ACTIVE, Condition, GPUQuota, QuotaError, QuotaStatus, now
 from quota.store import Conflict, NotFound, QuotaStore, Unavailable
 
 log = logging.getLogger(__name__)
@@ -71,21 +74,34 @@ class Reserver:
         store: QuotaStore,
         *,
         metrics: QuotaMetrics | None = None,
-        reservation_ttl_s: float | None = 120.0,
         timeout_s: float = 5.0,
         max_attempts: int = 20,
         require_quota: bool = False,
         conflict_backoff_s: float = 0.005,
+        pending_limit: int = DEFAULT_PENDING_LIMIT,
+        controller: bool = True,
+        stale_after_s: float = 60.0,
+        count_wait_s: float = 2.0,
     ) -> None:
+        """``controller``: whether a usage controller counts pods (Kubernetes mode). Without
+        one (embedded mode) a quota is used as it is and admissions are never matched.
+        ``stale_after_s``: an admission still unmatched this long means the controller is not
+        doing its work; admission then says so (condition, metric, log, denial text).
+        ``count_wait_s``: how long a pod waits for a new quota to be counted before it is
+        denied."""
         self.store = store
         self.metrics = metrics or QuotaMetrics()
-        self.reservation_ttl_s = reservation_ttl_s
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.require_quota = require_quota
         self.conflict_backoff_s = conflict_backoff_s
+        self.pending_limit = pending_limit
+        self.controller = controller
+        self.stale_after_s = stale_after_s
+        self.count_wait_s = count_wait_s
         self._queues: dict[str, list[_Waiter]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self._stale: set[tuple[str, str]] = set()  # quotas already reported as unmatched
 
     async def decide(
         self, namespace: str, uid: str, pod: str, demand: Demand, *, dry_run: bool = False
@@ -130,20 +146,72 @@ class Reserver:
         if isinstance(quotas, Decision):
             return self._explain(namespace, demand, quotas)
         for quota in quotas:
-            violation = Ledger.of(quota).check(demand)
+            violation = self._ledger(quota).check(demand)
             if violation is not None:
-                return Decision(False, messages.exceeded(violation), "exceeded")
+                return Decision(False, self._exceeded(quota, violation), "exceeded")
         return Decision(True, reason="dry-run")
+
+    def _ledger(self, quota: GPUQuota) -> Ledger:
+        return Ledger.of(quota, pending_limit=self.pending_limit)
+
+    def _exceeded(self, quota: GPUQuota, violation: Violation) -> str:
+        message = messages.exceeded(violation)
+        since = self._unmatched_since(quota)
+        if since is not None:
+            message += messages.controller_behind(since)
+        return message
+
+    def _unmatched_since(self, quota: GPUQuota) -> datetime | None:
+        """The oldest admission still unmatched, when it is older than ``stale_after_s``."""
+        if not self.controller:
+            return None
+        status = quota.status
+        times = [p.at for p in status.pending]
+        if status.unmatched is not None and status.unmatched.newest is not None:
+            times.append(status.unmatched.newest)
+        if not times:
+            return None
+        oldest = min(times)
+        return oldest if (now() - oldest).total_seconds() > self.stale_after_s else None
 
     async def _quotas(self, namespace: str) -> list[GPUQuota] | Decision:
         """The namespace's quotas, or the decision for every pod when there are none to use."""
-        raws = await self.store.list(namespace)
+        try:
+            raws = await self.store.list(namespace)
+        except NotFound:
+            # Listing a kind fails with 404 only when its CRD is not installed.
+            return Decision(False, reason="no-crd")
         if not raws:
             return Decision(not self.require_quota, reason="no-quota")
         try:
-            return sorted((GPUQuota(raw) for raw in raws), key=lambda q: q.name)
+            quotas = sorted((GPUQuota(raw) for raw in raws), key=lambda q: q.name)
         except QuotaError as exc:
             return Decision(False, str(exc), "invalid-quota")
+        if self.controller:
+            for index, quota in enumerate(quotas):
+                if quota.counted():
+                    continue
+                try:
+                    fresh = await self._counted(namespace, quota.name)
+                except NotFound:
+                    continue  # deleted meanwhile: it limits nothing any more
+                except QuotaError as exc:
+                    return Decision(False, str(exc), "invalid-quota")
+                if not fresh.counted():
+                    return Decision(False, messages.not_counted(fresh), "not-counted")
+                quotas[index] = fresh
+        return quotas
+
+    async def _counted(self, namespace: str, name: str) -> GPUQuota:
+        """The quota read live, waiting up to ``count_wait_s`` for the controller to count it:
+        a quota created just before its pods (one `kubectl apply` of both) then admits them
+        instead of denying the first ones. Never decided on a cached state."""
+        deadline = asyncio.get_running_loop().time() + self.count_wait_s
+        while True:
+            quota = GPUQuota(await self.store.get(namespace, name))
+            if quota.counted() or asyncio.get_running_loop().time() >= deadline:
+                return quota
+            await asyncio.sleep(0.05)
 
     # --- reservations --------------------------------------------------------------------
 
@@ -169,16 +237,13 @@ class Reserver:
             for waiter in batch:
                 waiter.decide(self._explain(namespace, waiter.demand, quotas))
             return
-        expires = None
-        if self.reservation_ttl_s is not None:
-            expires = now() + timedelta(seconds=self.reservation_ttl_s)
         pending = list(batch)
         for index, quota in enumerate(quotas):
             if not pending:
                 break
             # Pods that arrive while the first quota's write is retried join the retry.
             absorb = batch if index == 0 else None
-            pending = await self._reserve_in(namespace, quota, pending, expires, absorb)
+            pending = await self._reserve_in(namespace, quota, pending, absorb)
         for waiter in pending:
             waiter.decide(Decision(True))
         await self._release(namespace, [w for w in batch if w.denied and w.held])
@@ -191,6 +256,11 @@ class Reserver:
         if decision.reason == "invalid-quota":
             message = messages.invalid_quota(namespace, decision.message)
             return Decision(False, message, "invalid-quota")
+        if decision.reason == "no-crd":
+            return Decision(False, messages.crd_missing(namespace, demand), "no-crd")
+        if decision.reason == "not-counted":
+            message = messages.not_counted_for(namespace, demand, decision.message)
+            return Decision(False, message, "not-counted")
         return decision
 
     async def _reserve_in(
@@ -198,7 +268,6 @@ class Reserver:
         namespace: str,
         quota: GPUQuota,
         waiters: list[_Waiter],
-        expires: datetime | None,
         absorb: list[_Waiter] | None = None,
     ) -> list[_Waiter]:
         """Reserve every waiter that fits ``quota``; deny the others. Returns the ones that fit.
@@ -210,18 +279,19 @@ class Reserver:
         fresh = False  # whether ``quota`` was just read live (not from a cache)
         attempt = 0
         for _ in range(self.max_attempts):
-            ledger = Ledger.of(quota)
-            before = len(ledger.reservations)
+            ledger = self._ledger(quota)
+            at = now()
+            changed = False
             accepted: list[_Waiter] = []
             denied: list[tuple[_Waiter, str]] = []
             for waiter in waiters:
-                violation = ledger.reserve(
-                    Reservation(waiter.uid, waiter.pod, waiter.demand, expires)
-                )
+                held = ledger.holds(waiter.uid)
+                violation = ledger.admit(waiter.uid, waiter.pod, waiter.demand, at)
                 if violation is None:
                     accepted.append(waiter)
+                    changed |= not held
                 else:
-                    denied.append((waiter, messages.exceeded(violation)))
+                    denied.append((waiter, self._exceeded(quota, violation)))
             if denied and not fresh:
                 # Never deny on a cached state: the controller may have released since.
                 try:
@@ -231,10 +301,9 @@ class Reserver:
                 fresh = True
                 continue
             try:
-                if len(ledger.reservations) != before:
-                    await self.store.write_status(
-                        quota.with_status(ledger.status(quota.status)).raw
-                    )
+                if changed:
+                    status = self._flag_unmatched(quota, ledger.status(quota.status))
+                    await self.store.write_status(quota.with_status(status).raw)
             except Conflict:
                 self.metrics.conflicts.labels("admission").inc()
                 # Another writer won: back off a little, at random, so that replicas stop
@@ -264,6 +333,33 @@ class Reserver:
             f"admitted (too many concurrent writers)"
         )
 
+    def _flag_unmatched(self, quota: GPUQuota, status: QuotaStatus) -> QuotaStatus:
+        """Say on the quota, in the write admission makes anyway, that the controller is not
+        matching admissions to pods (so nothing that ended is released); log it once."""
+        since = self._unmatched_since(quota)
+        key = (quota.namespace, quota.name)
+        self.metrics.unmatched_age.labels(*key).set(
+            0 if since is None else (now() - since).total_seconds()
+        )
+        if since is None:
+            self._stale.discard(key)
+            return status
+        if key not in self._stale:
+            self._stale.add(key)
+            log.warning(
+                "quota admissions are not being matched to pods: is the quota controller running?",
+                extra={"namespace": key[0], "quota": key[1], "unmatched_since": since.isoformat()},
+            )
+        return status.with_condition(
+            Condition(
+                type=CONTROLLER_ACTIVE,
+                status="False",
+                reason="AdmissionsUnmatched",
+                message=messages.controller_behind(since).lstrip("; "),
+                last_transition_time=now(),
+            )
+        )
+
     async def _release(self, namespace: str, waiters: Sequence[_Waiter]) -> None:
         """Best effort: what fails to be released here expires in the controller."""
         by_quota: dict[str, set[str]] = {}
@@ -274,8 +370,8 @@ class Reserver:
             for _ in range(self.max_attempts):
                 try:
                     quota = GPUQuota(await self.store.get(namespace, name))
-                    ledger = Ledger.of(quota)
-                    if not ledger.release(uids):
+                    ledger = self._ledger(quota)
+                    if not ledger.withdraw(uids):
                         break
                     await self.store.write_status(
                         quota.with_status(ledger.status(quota.status)).raw
@@ -287,7 +383,7 @@ class Reserver:
                     self.metrics.conflicts.labels("admission").inc()
                 except (NotFound, QuotaError, Unavailable) as exc:
                     log.warning(
-                        "could not release reservations; they expire",
+                        "could not withdraw admissions; the controller drops them",
                         extra={"namespace": namespace, "quota": name, "error": str(exc)},
                     )
                     break

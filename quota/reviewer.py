@@ -2,7 +2,7 @@
 
 The validating webhook runs after every mutation, so the pod it sees carries
 ``fracgpu.io/core`` and ``fracgpu.io/memory`` and, since kube-apiserver fills them before
-validating admission, its final name and UID (design K4): the reservation is keyed by
+validating admission, its final name and UID: the admission is recorded under
 that UID. Anything that is not the creation of a pod holding a GPU is allowed untouched, so
 pods without GPU are never affected by quota, whatever the state of the API server.
 """

@@ -4,7 +4,9 @@
 * ``await service.run()`` runs the usage controller under leader election (Kubernetes mode)
   until cancelled, and returns at once in embedded mode (nothing to reconcile: there are no
   pods to watch, every admitted pod stays charged);
-* ``service.ready()`` is None when ready, else why not (the GPUQuota CRD is missing).
+* ``service.problem()`` is None when quota works, else what an operator must fix (the
+  GPUQuota CRD is not installed). It is not a readiness condition: mutation needs no quota,
+  so the server stays ready and GPU pods are denied with a message that names the fix.
 """
 
 from __future__ import annotations
@@ -19,16 +21,13 @@ from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.kubestore import KubeQuotaStore
 from quota.leader import LeaderElector
+from quota.messages import crd_missing_problem
 from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
 from quota.reviewer import QuotaReviewer
 from quota.store import MemoryStore, NotFound, QuotaStore, Unavailable, load_quota_file
 
 log = logging.getLogger(__name__)
-
-_CRD_MISSING = (
-    "the GPUQuota CRD (gpuquotas.fracgpu.io) is not installed; apply deploy/crds/gpuquota.yaml"
-)
 
 
 class QuotaService:
@@ -47,27 +46,39 @@ class QuotaService:
         self.reserver = Reserver(
             store,
             metrics=metrics,
-            reservation_ttl_s=None if embedded else config.reservation_grace_s,
             timeout_s=config.timeout_s,
             max_attempts=config.max_attempts,
             require_quota=config.require_quota,
+            pending_limit=config.pending_limit,
+            controller=not embedded,
+            stale_after_s=config.stale_after_s,
+            count_wait_s=config.count_wait_s,
         )
         self.reviewer = QuotaReviewer(self.reserver, metrics)
         self._problem: str | None = None
+        self.probe_interval_s = 5.0
 
-    def ready(self) -> str | None:
+    def problem(self) -> str | None:
         return self._problem
 
     async def probe(self) -> None:
-        """Check that GPUQuotas can be listed; only a missing CRD makes the service unready
-        (an API server blip must not take the whole webhook out of its Service)."""
+        """Check that GPUQuotas can be listed: a 404 means the CRD is not installed. Logged
+        once when it goes missing and once when it is back, not at every probe."""
         try:
             await self.store.list(None)
-            self._problem = None
         except NotFound:
-            self._problem = _CRD_MISSING
+            if self._problem is None:
+                log.error(crd_missing_problem(), extra={"crd": "gpuquotas.fracgpu.io"})
+            self._problem = crd_missing_problem()
+            self.metrics.crd_installed.set(0)
+            return
         except Unavailable as exc:
             log.warning("GPUQuota probe failed", extra={"error": str(exc)})
+            return
+        if self._problem is not None:
+            log.info("GPUQuota CRD installed: GPU quota is checked again")
+        self._problem = None
+        self.metrics.crd_installed.set(1)
 
     def controller(self) -> UsageController:
         assert self.api is not None
@@ -79,14 +90,18 @@ class QuotaService:
             resync_s=self.config.resync_s,
             max_attempts=self.config.max_attempts,
             request_timeout_s=self.config.request_timeout_s,
+            grace_s=self.config.reservation_grace_s,
+            pending_limit=self.config.pending_limit,
         )
 
     async def run(self) -> None:
         if self.api is None:
             return
-        while self._problem is not None:  # wait for the CRD before reconciling
-            await asyncio.sleep(self.config.resync_s)
+        while self._problem is not None:  # wait for the CRD before watching or reconciling
+            await asyncio.sleep(self.probe_interval_s)
             await self.probe()
+        if isinstance(self.store, KubeQuotaStore):
+            self.store.start()
 
         async def reconcile() -> None:
             await self.controller().run()
@@ -126,5 +141,6 @@ async def open_quota(
     store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
     service = QuotaService(config, store, metrics, api)
     await service.probe()
-    store.start()
+    if service.problem() is None:
+        store.start()  # else in run(), once the CRD is there: no watch retrying a 404
     return service

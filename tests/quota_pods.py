@@ -67,3 +67,14 @@ def review(
         "object": pod,
         "dryRun": dry_run,
     }
+
+
+def counted_quota(name: str = "team-a", namespace: str = "team-a", **spec: Any) -> dict[str, Any]:
+    """A GPUQuota as the controller leaves it once it has counted an empty namespace."""
+    quota = gpu_quota(name, namespace, **spec)
+    quota["metadata"]["generation"] = 1
+    quota["status"] = {
+        "observedGeneration": 1,
+        "conditions": [{"type": "Counted", "status": "True", "reason": "Counted"}],
+    }
+    return quota

@@ -2,12 +2,15 @@
 
 import argparse
 import asyncio
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import yaml
 
 from quota.cli import add_parser
+from quota.demand import Demand
+from quota.ledger import Ledger
 from quota.model import GPUQuota
 from quota.offline import review_pods
 from quota.report import render
@@ -67,3 +70,15 @@ def test_offline_decisions_feed_the_view(tmp_path: Path) -> None:
         True,
         False,
     ]
+
+
+def test_render_lists_pending_admissions_and_the_unmatched_rest() -> None:
+    quota = GPUQuota(gpu_quota(gpu=2))
+    ledger = Ledger.of(quota, pending_limit=1)
+    at = datetime(2026, 1, 1, tzinfo=UTC)
+    ledger.admit("u1", "early", Demand(30, 256), at)
+    ledger.admit("u2", "late", Demand(20, 256), at)
+    out = render([quota.with_status(ledger.status(quota.status))], {"team-a": []})
+    assert "0.50/2.00" in out
+    assert "  late  0.20 card, 256 MiB  (pending)" in out
+    assert "  and 1 more admitted pods not yet seen by the controller  0.30 card, 256 MiB" in out

@@ -18,7 +18,7 @@ from quota.controller import UsageController
 from quota.leader import LeaderElector
 from quota.service import QuotaService, open_quota
 from tests.fakes.apiserver import FakeApiServer
-from tests.quota_pods import gpu_pod, gpu_quota, plain_pod, review
+from tests.quota_pods import counted_quota, gpu_pod, gpu_quota, plain_pod, review
 from webhook.server import build_app
 
 NAMESPACES = ("default", "team-a", "team-b", "fracgpu-system")
@@ -93,6 +93,8 @@ async def _cache_has(controller: UsageController, pods: list[dict[str, Any]]) ->
 async def test_two_replicas_200_concurrent_creates_never_over_admit(fake: FakeApiServer) -> None:
     fake.put(gpu_quota(gpu="4.5", gpumem="64Gi"))
     async with AsyncExitStack() as stack:
+        controller = await _synced_controller(stack, fake)
+        await controller.reconcile_all()  # counts the new quota, as the running one would
         urls = [await _replica(stack, fake), await _replica(stack, fake)]
         session = await stack.enter_async_context(aiohttp.ClientSession())
         pods = [gpu_pod(f"p{i}", 30, 16) for i in range(200)]
@@ -104,19 +106,21 @@ async def test_two_replicas_200_concurrent_creates_never_over_admit(fake: FakeAp
         denied = [a["status"]["message"] for a in answers if not a["allowed"]]
         assert all(m.startswith('GPU quota exceeded in namespace "team-a"') for m in denied)
         status = _status(fake)
-        assert sorted(status["reservations"]) == sorted(p["metadata"]["uid"] for p in admitted)
-        assert status["reserved"]["core"] == 450
-        # The pods are persisted; the controller turns reservations into counted usage.
+        uids = {p["metadata"]["uid"] for p in admitted}
+        # The 8 most recent one by one, the 7 before them in one aggregate.
+        assert {entry["uid"] for entry in status["pending"]} <= uids
+        assert len(status["pending"]) + status["unmatched"]["pods"] == 15
+        assert status["used"]["core"] == 450
+        # The pods are persisted; the controller matches the admissions to them.
         for pod in admitted:
             fake.put(pod)
-        controller = await _synced_controller(stack, fake)
         await _cache_has(controller, admitted)
         await controller.reconcile_all()
         status = _status(fake)
         assert status["used"]["core"] == 450
         assert status["used"]["cards"] == "4.50"
-        assert status["reservations"] == {}
-        assert status["hard"] == {"cards": "4.50", "memoryMiB": 65536}
+        assert status["pending"] == []
+        assert "unmatched" not in status
         # Still full: the next pod is denied with the counted usage.
         answer = await _post(session, urls[0], review(gpu_pod("late", 30, 16)))
         assert not answer["allowed"]
@@ -124,7 +128,7 @@ async def test_two_replicas_200_concurrent_creates_never_over_admit(fake: FakeAp
 
 
 async def test_conflict_storm(fake: FakeApiServer) -> None:
-    fake.put(gpu_quota(gpu=4))
+    fake.put(counted_quota(gpu=4))
     async with AsyncExitStack() as stack:
         service = await _service(stack, fake, max_attempts=8)
         fake.fail_writes("gpuquotas", "team-a", "team-a", times=5)
@@ -137,7 +141,7 @@ async def test_conflict_storm(fake: FakeApiServer) -> None:
         assert response.status is not None
         assert 'GPU quota could not be verified in namespace "team-a"' in response.status.message
         assert "changed 8 times" in response.status.message
-        assert len(_status(fake)["reservations"]) == 1  # only pod "a" holds a reservation
+        assert len(_status(fake)["pending"]) == 1  # only pod "a" was admitted
 
 
 def _request(pod: dict[str, Any], **kwargs: Any) -> Any:
@@ -147,7 +151,7 @@ def _request(pod: dict[str, Any], **kwargs: Any) -> Any:
 
 
 async def test_dry_run_reserves_nothing(fake: FakeApiServer) -> None:
-    fake.put(gpu_quota(gpu=1))
+    fake.put(counted_quota(gpu=1))
     async with AsyncExitStack() as stack:
         service = await _service(stack, fake)
         version = fake.get("gpuquotas", "team-a", "team-a")["metadata"]["resourceVersion"]
@@ -157,14 +161,16 @@ async def test_dry_run_reserves_nothing(fake: FakeApiServer) -> None:
         after = fake.get("gpuquotas", "team-a", "team-a")
         assert after is not None
         assert after["metadata"]["resourceVersion"] == version
-        assert not after.get("status")
+        assert "pending" not in after["status"]
 
 
 @pytest.mark.parametrize("mode", ["503", "drop", "slow"])
 async def test_api_server_down_or_slow(fake: FakeApiServer, mode: str) -> None:
-    fake.put(gpu_quota(gpu=4))
+    fake.put(counted_quota(gpu=4))
     async with AsyncExitStack() as stack:
-        service = await _service(stack, fake, timeout_s=0.5, request_timeout_s=0.3)
+        service = await _service(
+            stack, fake, timeout_s=0.5, request_timeout_s=0.3, count_wait_s=0.1
+        )
         if mode == "slow":
             fake.latency = 2.0
         else:
@@ -210,8 +216,8 @@ async def test_restart_recomputes_identical_usage_and_terminal_pods_release(
         assert _status(fake)["used"]["pods"] == 2
 
 
-async def test_reservations_of_pods_never_persisted_expire(fake: FakeApiServer) -> None:
-    fake.put(gpu_quota(gpu=1))
+async def test_admissions_of_pods_never_persisted_expire(fake: FakeApiServer) -> None:
+    fake.put(counted_quota(gpu=1))
     async with AsyncExitStack() as stack:
         service = await _service(stack, fake, reservation_grace_s=0.05)
         ghost, real = gpu_pod("ghost", 40, 4), gpu_pod("real", 40, 4)
@@ -221,8 +227,10 @@ async def test_reservations_of_pods_never_persisted_expire(fake: FakeApiServer) 
         await asyncio.sleep(0.1)
         unsynced = service.controller()  # informer not started: an empty (lagging) cache
         await unsynced.reconcile_all()
-        reservations = _status(fake)["reservations"]
-        assert list(reservations) == [real["metadata"]["uid"]]  # the real pod is never uncounted
+        pending = _status(fake)["pending"]
+        # The real pod is never uncounted: its admission stays until the cache shows the pod.
+        assert [entry["uid"] for entry in pending] == [real["metadata"]["uid"]]
+        assert _status(fake)["used"]["core"] == 40
         assert unsynced.metrics.released.labels("expired")._value.get() == 1
         # Room again for the ghost's share.
         assert (await service.reviewer(_request(gpu_pod("next", 40, 4)))).allowed

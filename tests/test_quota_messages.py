@@ -1,7 +1,9 @@
 """Denial messages: exactly the documented format, extended for models and pod counts."""
 
+from datetime import UTC, datetime
+
 from quota.demand import Demand
-from quota.ledger import Ledger, Reservation
+from quota.ledger import Ledger
 from quota.messages import exceeded, no_quota, unverifiable
 from quota.model import GPUQuota
 from tests.quota_pods import gpu_quota
@@ -9,7 +11,7 @@ from tests.quota_pods import gpu_quota
 
 def _violation(spec: dict[str, object], used: list[Demand], ask: Demand) -> str:
     ledger = Ledger.of(GPUQuota(gpu_quota(**spec)))
-    ledger.set_used(used)
+    ledger.recount({str(i): d for i, d in enumerate(used)}, [], None)
     violation = ledger.check(ask)
     assert violation is not None
     return exceeded(violation)
@@ -24,9 +26,9 @@ def test_design_example_exactly() -> None:
     )
 
 
-def test_reserved_counts_as_used() -> None:
+def test_pending_admissions_count_as_used() -> None:
     ledger = Ledger.of(GPUQuota(gpu_quota(gpu="1")))
-    ledger.reserve(Reservation("u", "p", Demand(80, 256)))
+    ledger.admit("u", "p", Demand(80, 256), datetime.now(UTC))
     violation = ledger.check(Demand(30, 256))
     assert violation is not None
     assert exceeded(violation).endswith('quota "team-a" allows 1.00 card (0.80 used)')

@@ -39,5 +39,4 @@ def test_status_round_trip_keeps_unknown_fields() -> None:
     written = quota.with_status(status)
     assert written.raw["metadata"]["labels"] == {"team": "a"}
     assert written.raw["status"]["used"]["memoryMiB"] == 8192
-    assert written.raw["status"]["hard"] == {"cards": "4.00"}
     assert GPUQuota(written.raw).status.used.core == 100

@@ -8,7 +8,7 @@ from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
 from quota.reviewer import QuotaReviewer
 from quota.store import MemoryStore
-from tests.quota_pods import gpu_pod, gpu_quota, plain_pod, review
+from tests.quota_pods import counted_quota, gpu_pod, plain_pod, review
 from webhook.server import build_app
 
 
@@ -21,7 +21,7 @@ async def _post(client: TestClient[Any, Any], request: dict[str, Any]) -> dict[s
 
 
 async def test_validate_endpoint() -> None:
-    store = MemoryStore([gpu_quota(gpu=1)])
+    store = MemoryStore([counted_quota(gpu=1)])
     metrics = QuotaMetrics()
     reviewer = QuotaReviewer(Reserver(store, metrics=metrics), metrics)
     async with TestClient(TestServer(build_app({"/validate": reviewer}))) as client:

@@ -9,6 +9,7 @@ import json
 import ssl
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import jsonpatch
@@ -22,6 +23,11 @@ from tests.support import eventually, free_port
 from webhook.config import AdmissionConfig, ServerConfig
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
+
+
+def _counted(quota: dict[str, Any] | None) -> bool:
+    conditions = ((quota or {}).get("status") or {}).get("conditions") or []
+    return any(c["type"] == "Counted" and c["status"] == "True" for c in conditions)
 
 
 async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> None:
@@ -83,6 +89,8 @@ async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> N
                     pass
                 await asyncio.sleep(0.02)
             assert ready
+            # The quota controller counts the new GPUQuota before admission uses it.
+            await eventually(lambda: _counted(fake.get("gpuquotas", "team-a", "team-a")))
             review = json.loads(EXAMPLE.read_text())
             del review["request"]["object"]["spec"]["containers"][0]["resources"]["limits"][
                 "fracgpu.io/gpumem"

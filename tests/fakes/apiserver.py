@@ -35,7 +35,8 @@ talks to it unchanged, and the semantics that clients depend on are the real one
   kind, name or namespace mismatch between URL and body → 400; invalid names and labels → 422;
   pod spec updates outside the mutable fields → 422; `pods/binding` sets spec.nodeName once.
 
-Fault injection, all under the test's control: `latency`, `fail_writes()` (forced 409 or another
+Fault injection and cost, all under the test's control: `latency` (every request),
+`write_latency` (every write, as an etcd commit), `fail_writes()` (forced 409 or another
 code for the next N writes to one object), `down()`/`up()` (503 or dropped connections),
 `drop_watches()`, `compact()`, `send_bookmarks()`, and `on_request` (a hook called before each
 request is served). `requests` records every request.
@@ -115,6 +116,7 @@ class RequestRecord:
     method: str
     path: str
     query: dict[str, str]
+    body_bytes: int = 0  # the request body's length (what a write costs to send and store)
 
 
 @dataclass
@@ -150,6 +152,9 @@ class FakeApiServer:
         self.bookmark_interval = bookmark_interval
         self.graceful_pod_deletion = graceful_pod_deletion
         self.latency = 0.0
+        # Added to every write (create, replace, patch, delete): what committing to etcd costs a
+        # real API server, so that a path with one more write is slower, as it is there.
+        self.write_latency = 0.0
         # Called with each request before it is served: the test's hook to act at an exact point
         # (compact between two pages, change an object between a read and a write).
         self.on_request: Callable[[RequestRecord], Awaitable[None] | None] | None = None
@@ -357,7 +362,9 @@ class FakeApiServer:
     # --- HTTP ----------------------------------------------------------------------------
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        record = RequestRecord(request.method, request.path, dict(request.query))
+        record = RequestRecord(
+            request.method, request.path, dict(request.query), request.content_length or 0
+        )
         self.requests.append(record)
         if self.on_request is not None:
             outcome = self.on_request(record)
@@ -365,6 +372,8 @@ class FakeApiServer:
                 await outcome
         if self.latency:
             await asyncio.sleep(self.latency)
+        if self.write_latency and request.method in ("POST", "PUT", "PATCH", "DELETE"):
+            await asyncio.sleep(self.write_latency)
         if self._down == "drop":
             if request.transport is not None:
                 request.transport.abort()

@@ -1,0 +1,50 @@
+"""bench.quota's real-cluster path (--kubeconfig), run against the fake API server: it creates
+its namespaces, quotas and pods through the real client, reports, and cleans up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import quota as bench
+from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kinds import Kind
+
+# Kubernetes' own quota object, which the fake does not serve unless asked (no quota logic:
+# the benchmark only creates it and its pods).
+RESOURCEQUOTA = Kind("", "v1", "ResourceQuota", "resourcequotas", True, status_subresource=True)
+
+
+async def test_cluster_mode_runs_and_cleans_up(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with FakeApiServer() as fake:
+        fake.register(RESOURCEQUOTA)
+        kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+        args = bench.parser().parse_args(
+            [
+                "--kubeconfig",
+                str(kubeconfig),
+                "--serial",
+                "3",
+                "--pods",
+                "10",
+                "--concurrency",
+                "4",
+                "--rounds",
+                "1",
+                "--gpu",
+                "1",
+                "--settle-s",
+                "0.1",
+            ]
+        )
+        # The fake enforces no quota: all 10 pods are created where 9 fit, and the benchmark
+        # says so and fails, as it would on a cluster whose quota let one too many in.
+        assert await bench.cluster(args) == 1
+        namespaces = {n["metadata"]["name"] for n in fake.objects("namespaces")}
+    out = capsys.readouterr().out
+    assert "fracgpu / resourcequota, median of the rounds: latency one at a time" in out
+    assert "over-admission: 1 (fracgpu admitted 10 of 10, 9 fit" in out
+    assert not any(name.startswith("bench-") for name in namespaces)
