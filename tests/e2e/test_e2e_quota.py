@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from core.kube import GPUQUOTAS, PODS, KubeError, call_json
+from quota.model import COUNTED
 from tests.e2e.harness import Kubectl, Run
 from tests.e2e.scenarios import expected_quota, gpu_pod, gpu_quota, manifest
 
@@ -28,6 +29,20 @@ def quota_webhook(run: Run) -> str:
     (obj,) = [o for o in run.configurations if o["kind"] == QUOTA_WEBHOOK_KIND]
     name: str = obj["webhooks"][0]["name"]
     return name
+
+
+async def _new_quota(api: Any, namespace: str, quota: Obj) -> None:
+    """Create a GPUQuota and wait until its controller has counted the namespace: until then
+    admission holds GPU pods back (up to a few seconds) and denies them as not counted yet."""
+    await call_json(api, "POST", GPUQUOTAS.path(namespace), body=quota)
+    name = quota["metadata"]["name"]
+    for _ in range(100):
+        obj = await call_json(api, "GET", GPUQUOTAS.path(namespace, name))
+        conditions = (obj.get("status") or {}).get("conditions") or []
+        if any(c.get("type") == COUNTED and c.get("status") == "True" for c in conditions):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"GPUQuota {namespace}/{name} was not counted within 10 s")
 
 
 async def _create(api: Any, namespace: str, pod: Obj, **query: str) -> KubeError | None:
@@ -45,7 +60,7 @@ async def test_denial_is_the_quota_message_as_kubectl_prints_it(
     first, second = gpu_pod("a", "0.5", "8Gi"), gpu_pod("b", "0.6", "4Gi")
     want = await expected_quota(tmp_path, namespace, quota, [first, second])
     assert [d.allowed for d in want] == [True, False]
-    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=quota)
+    await _new_quota(kube_api, namespace, quota)
     await asyncio.to_thread(kubectl.ok, "create", "-n", namespace, "-f", "-",
                             stdin=manifest(first))  # fmt: skip
     proc = await asyncio.to_thread(
@@ -75,7 +90,7 @@ async def test_concurrent_creates_are_never_over_admitted(
     kube_api: Any, namespace: str, burst: Burst
 ) -> None:
     quota = gpu_quota("q", gpu=burst.limit)
-    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=quota)
+    await _new_quota(kube_api, namespace, quota)
     results = await asyncio.gather(
         *(_create(kube_api, namespace, gpu_pod(f"p{i}", burst.share)) for i in range(burst.count))
     )
@@ -94,7 +109,7 @@ async def _status_text(api: Any, namespace: str, name: str) -> str:
 
 
 async def test_dry_run_is_decided_and_reserves_nothing(kube_api: Any, namespace: str) -> None:
-    await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=gpu_quota("q", gpu="1"))
+    await _new_quota(kube_api, namespace, gpu_quota("q", gpu="1"))
     fits, too_big = gpu_pod("dry-run-fits", "1"), gpu_pod("dry-run-too-big", "2")
     assert await _create(kube_api, namespace, fits, dryRun="All") is None
     assert await _create(kube_api, namespace, too_big, dryRun="All") is not None
