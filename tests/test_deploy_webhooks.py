@@ -17,12 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.contract import VISIBLE_DEVICES_ENV as VISIBLE_DEVICES
 from core.units import ENV_GPU, ENV_MEMORY_MIB
 from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
 from webhook import server
 from webhook.config import AdmissionConfig, ServerConfig
 from webhook.inventory import Inventory
-from webhook.mutation import TEMPLATE_PATHS, VISIBLE_DEVICES, Mutator
+from webhook.mutation import TEMPLATE_PATHS, Mutator
 from webhook.resources import (
     DIALECT_RESOURCES,
     OPTIONAL_DIALECTS,

@@ -9,7 +9,6 @@ for no GPU pass untouched.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,18 +16,16 @@ from typing import Any
 from pydantic_core import to_json
 
 from core.admission import AdmissionRequest, AdmissionResponse
-from core.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS, VISIBLE_DEVICES_ENV
-from core.units import CANONICAL, DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX, Grant
+from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
+from webhook.checks import Container, PodView, forbidden
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.resources import (
     CardChoice,
     ContainerResult,
-    container_ref,
     enabled,
     input_resources,
     normalise_container,
-    quote,
 )
 
 # Where the pod template lives in each built-in workload kind, by (API group, kind).
@@ -43,10 +40,6 @@ TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 CONTAINER_LISTS = ("initContainers", "containers")
 _CANONICAL = frozenset(CANONICAL)
-# The NVIDIA container runtime hands cards to any container that sets this variable; only the
-# device plugin may set it. These values expose no card.
-VISIBLE_DEVICES = VISIBLE_DEVICES_ENV
-HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
 # Normalised containers remembered by the mutator (see Mutator._normalise); cleared when full.
 MEMO_SIZE = 4096
@@ -187,7 +180,7 @@ class Mutator:
                         outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
         outcome.gpu = any(r.grant is not None for *_, r in results)
-        outcome.errors.extend(self._forbidden(spec, meta, results, outcome.gpu))
+        outcome.errors.extend(forbidden(self._view(spec, meta, results, outcome.gpu), self.config))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome
@@ -204,80 +197,13 @@ class Mutator:
             self._pod_ops(ops, view)
         return outcome
 
-    def _forbidden(
-        self,
-        spec: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        results: list[Located],
-        gpu: bool,
-    ) -> list[str]:
-        """What a pod may not set because the device plugin or the hook rely on it."""
-        problems: list[str] = []
-        for _, _, container, result in results:
-            who = container_ref(result.name)
-            env = container.get("env")
-            for var in env if isinstance(env, list) else ():
-                if not isinstance(var, dict):
-                    continue
-                var_name, value = str(var.get("name") or ""), var.get("value")
-                literal = "valueFrom" not in var
-                if var_name == VISIBLE_DEVICES and not (
-                    literal and (value or "") in HARMLESS_VISIBLE_DEVICES
-                ):
-                    problems.append(
-                        f"{who}: environment variable {VISIBLE_DEVICES} selects GPUs "
-                        f"and is set only by the fracgpu device plugin; remove it and request "
-                        f"fracgpu.io/gpu instead"
-                    )
-                elif var_name.startswith(SYSTEM_ENV_PREFIX) and not (
-                    literal
-                    and result.grant is not None
-                    and result.grant.env().get(var_name) == value
-                ):
-                    problems.append(
-                        f"{who}: environment variable {var_name} is set by fracgpu "
-                        f"and cannot be set in the pod spec (got {quote(value)}); remove it"
-                    )
-            if not gpu:
-                continue
-            security = container.get("securityContext")
-            if (
-                isinstance(security, dict)
-                and security.get("privileged") is True
-                and not self.config.allow_privileged
-            ):
-                problems.append(
-                    f"{who}: is privileged; a privileged container sees every GPU of the node and "
-                    f"escapes its share; remove securityContext.privileged from GPU pods"
-                )
-            mounts = container.get("volumeMounts")
-            for mount in mounts if isinstance(mounts, list) else []:
-                path = mount.get("mountPath") if isinstance(mount, dict) else None
-                if isinstance(path, str) and _reserved(path):
-                    problems.append(
-                        f"{who}: volume mount at {path} covers a path the fracgpu "
-                        f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
-                        f"volume elsewhere"
-                    )
-        if gpu:
-            volumes = spec.get("volumes")
-            for volume in volumes if isinstance(volumes, list) else []:
-                host = volume.get("hostPath") if isinstance(volume, dict) else None
-                path = host.get("path") if isinstance(host, dict) else None
-                if isinstance(path, str) and _host_reserved(path):
-                    vol = quote(volume.get("name"))
-                    problems.append(
-                        f"volume {vol}: hostPath {path} holds fracgpu's node "
-                        f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
-                    )
-            annotations = meta.get("annotations")
-            for key in annotations if isinstance(annotations, dict) else {}:
-                if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
-                    problems.append(
-                        f"annotation {key} is reserved for fracgpu and cannot be set on a GPU "
-                        f"pod; remove it"
-                    )
-        return problems
+    def _view(
+        self, spec: Mapping[str, Any], meta: Mapping[str, Any], results: list[Located], gpu: bool
+    ) -> PodView:
+        containers = tuple(
+            Container(c, r, self._granted_env(r.grant) if r.grant else {}) for _, _, c, r in results
+        )
+        return PodView(spec, meta, containers, gpu)
 
     def _container_ops(
         self,
@@ -387,20 +313,6 @@ def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
         )
     label = "gpu" if outcome.gpu else ("stripped" if outcome.patch else "no-gpu")
     return AdmissionResponse.allow(uid, outcome.patch, outcome.warnings, label=label)
-
-
-def _reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
-    return any(norm == p or norm.startswith(p + "/") for p in RESERVED_CONTAINER_PATHS)
-
-
-def _host_reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
-    return (
-        norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD)
-        or norm == HOST_ROOT
-        or norm.startswith(HOST_ROOT + "/")
-    )
 
 
 def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:

@@ -1,0 +1,171 @@
+"""What a pod may not set, because the device plugin, the hook or the node trust it.
+
+One small check per rule, each a function of one :class:`PodView` (the pod walked once) and the
+admission configuration, returning the denial messages; :data:`CHECKS` is the registry the
+mutator runs. Adding a rule is adding a function and a line, and a named-case table in
+``tests/test_webhook_checks.py``.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from core.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS, VISIBLE_DEVICES_ENV
+from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
+from webhook.config import AdmissionConfig
+from webhook.resources import ContainerResult, container_ref, quote
+
+# The NVIDIA container runtime hands cards to any container that sets this variable; only the
+# device plugin may set it. These values expose no card.
+HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
+
+
+@dataclass(frozen=True, slots=True)
+class Container:
+    """One container of the pod, with what its request normalised to."""
+
+    spec: Mapping[str, Any]
+    result: ContainerResult
+    granted_env: Mapping[str, str]  # the FRACGPU_* variables its grant puts in it
+
+    @property
+    def ref(self) -> str:
+        return container_ref(self.result.name)
+
+    def env(self) -> Iterator[Mapping[str, Any]]:
+        env = self.spec.get("env")
+        yield from (v for v in (env if isinstance(env, list) else ()) if isinstance(v, dict))
+
+    def mount_paths(self) -> Iterator[str]:
+        mounts = self.spec.get("volumeMounts")
+        for mount in mounts if isinstance(mounts, list) else ():
+            path = mount.get("mountPath") if isinstance(mount, dict) else None
+            if isinstance(path, str):
+                yield path
+
+
+@dataclass(frozen=True, slots=True)
+class PodView:
+    """A pod (or pod template) as every check sees it: walked once, shared by all."""
+
+    spec: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    containers: tuple[Container, ...]
+    gpu: bool  # some container holds a grant
+
+    def annotations(self) -> Mapping[str, Any]:
+        annotations = self.meta.get("annotations")
+        return annotations if isinstance(annotations, dict) else {}
+
+    def host_paths(self) -> Iterator[tuple[str, str]]:
+        """(volume name as quoted in messages, hostPath) of every hostPath volume."""
+        volumes = self.spec.get("volumes")
+        for volume in volumes if isinstance(volumes, list) else ():
+            host = volume.get("hostPath") if isinstance(volume, dict) else None
+            path = host.get("path") if isinstance(host, dict) else None
+            if isinstance(path, str):
+                yield quote(volume.get("name")), path
+
+
+Check = Callable[[PodView, AdmissionConfig], Iterable[str]]
+
+
+def no_system_env(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """``NVIDIA_VISIBLE_DEVICES`` selects cards; ``FRACGPU_*`` describe the grant. Only fracgpu
+    sets them: a literal equal to what the container's grant implies is fracgpu's own (a pod
+    made from an admitted template carries it), anything else is the user's."""
+    for c in pod.containers:
+        for var in c.env():
+            name, value = str(var.get("name") or ""), var.get("value")
+            literal = "valueFrom" not in var
+            if name == VISIBLE_DEVICES_ENV:
+                if not (literal and (value or "") in HARMLESS_VISIBLE_DEVICES):
+                    yield (
+                        f"{c.ref}: environment variable {VISIBLE_DEVICES_ENV} selects GPUs "
+                        f"and is set only by the fracgpu device plugin; remove it and request "
+                        f"fracgpu.io/gpu instead"
+                    )
+            elif name.startswith(SYSTEM_ENV_PREFIX) and not (
+                literal and c.granted_env.get(name) == value
+            ):
+                yield (
+                    f"{c.ref}: environment variable {name} is set by fracgpu "
+                    f"and cannot be set in the pod spec (got {quote(value)}); remove it"
+                )
+
+
+def no_privileged_gpu_container(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """A privileged container sees every card of the node, whatever its share."""
+    if not pod.gpu or config.allow_privileged:
+        return
+    for c in pod.containers:
+        security = c.spec.get("securityContext")
+        if isinstance(security, dict) and security.get("privileged") is True:
+            yield (
+                f"{c.ref}: is privileged; a privileged container sees every GPU of the node and "
+                f"escapes its share; remove securityContext.privileged from GPU pods"
+            )
+
+
+def no_reserved_mounts(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """The device plugin mounts the hook, the preload file and the limits at these paths."""
+    if not pod.gpu:
+        return
+    for c in pod.containers:
+        for path in c.mount_paths():
+            if _under(_normal(path), RESERVED_CONTAINER_PATHS):
+                yield (
+                    f"{c.ref}: volume mount at {path} covers a path the fracgpu "
+                    f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
+                    f"volume elsewhere"
+                )
+
+
+def no_reserved_host_paths(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """The node's fracgpu state holds every container's limits and accounting."""
+    if not pod.gpu:
+        return
+    for name, path in pod.host_paths():
+        norm = _normal(path)
+        if norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD) or _under(norm, (HOST_ROOT,)):
+            yield (
+                f"volume {name}: hostPath {path} holds fracgpu's node "
+                f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
+            )
+
+
+def no_reserved_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """Annotations under fracgpu.io/ are fracgpu's, except the record of the request."""
+    if not pod.gpu:
+        return
+    for key in pod.annotations():
+        if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
+            yield (
+                f"annotation {key} is reserved for fracgpu and cannot be set on a GPU pod; "
+                f"remove it"
+            )
+
+
+CHECKS: tuple[Check, ...] = (
+    no_system_env,
+    no_privileged_gpu_container,
+    no_reserved_mounts,
+    no_reserved_host_paths,
+    no_reserved_annotations,
+)
+
+
+def forbidden(pod: PodView, config: AdmissionConfig) -> list[str]:
+    """Every problem every check finds, in registry order."""
+    return [problem for check in CHECKS for problem in check(pod, config)]
+
+
+def _normal(path: str) -> str:
+    return posixpath.normpath("/" + path.strip().lstrip("/"))
+
+
+def _under(path: str, roots: Iterable[str]) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in roots)
