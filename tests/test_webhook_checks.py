@@ -13,6 +13,8 @@ from webhook.checks import (
     Check,
     Container,
     PodView,
+    no_cdi_annotations,
+    no_device_list_mounts,
     no_privileged_gpu_container,
     no_reserved_annotations,
     no_reserved_host_paths,
@@ -191,6 +193,28 @@ def host(path: Any, grant: Grant | None = SHARE) -> PodView:
     return view(container(grant=grant), volumes=[{"name": "v", "hostPath": {"path": path}}])
 
 
+def holds(path: str, what: str, guard: str) -> str:
+    return (
+        f'volume "v": hostPath {path} holds {what} ({guard}) and cannot be mounted into a GPU '
+        f"pod; remove it"
+    )
+
+
+def contains(path: str, what: str, guard: str) -> str:
+    return (
+        f'volume "v": hostPath {path} contains {what} ({guard}) and cannot be mounted into a GPU '
+        f"pod; mount a narrower path"
+    )
+
+
+STATE = "fracgpu's node state"
+PLUGINS = "kubelet's device plugin sockets"
+PROCESSES = (
+    'volume "v": hostPath {} exposes the node\'s processes, and through them every path of the '
+    "node, and cannot be mounted into a GPU pod; remove it"
+)
+
+
 @pytest.mark.parametrize(
     ("pod", "expected"),
     [
@@ -202,13 +226,207 @@ def host(path: Any, grant: Grant | None = SHARE) -> PodView:
             ],
             id="under-the-state",
         ),
+        pytest.param(
+            host("/proc/1/root/var/lib/fracgpu"),
+            [
+                holds(
+                    "/proc/1/root/var/lib/fracgpu (the node's /var/lib/fracgpu)",
+                    STATE,
+                    "/var/lib/fracgpu",
+                )
+            ],
+            id="through-pid-1-root",
+        ),
+        pytest.param(
+            host("/proc/self/root/var/lib/fracgpu/"),
+            [
+                holds(
+                    "/proc/self/root/var/lib/fracgpu/ (the node's /var/lib/fracgpu)",
+                    STATE,
+                    "/var/lib/fracgpu",
+                )
+            ],
+            id="through-self-root",
+        ),
+        pytest.param(
+            host("/proc/42/task/42/cwd/var/lib/fracgpu"),
+            [
+                holds(
+                    "/proc/42/task/42/cwd/var/lib/fracgpu (the node's /var/lib/fracgpu)",
+                    STATE,
+                    "/var/lib/fracgpu",
+                )
+            ],
+            id="through-a-thread-cwd",
+        ),
+        # Text cannot resolve ".." after a /proc link; it stays under /proc, which is refused.
+        pytest.param(
+            host("/proc/1/root/../var/lib/fracgpu"),
+            [
+                PROCESSES.format(
+                    "/proc/1/root/../var/lib/fracgpu (the node's /proc/1/var/lib/fracgpu)"
+                )
+            ],
+            id="dot-dot-after-a-proc-link",
+        ),
+        pytest.param(
+            host("//var//lib/./fracgpu"),
+            [
+                holds(
+                    "//var//lib/./fracgpu (the node's /var/lib/fracgpu)", STATE, "/var/lib/fracgpu"
+                )
+            ],
+            id="slashes-and-dots",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet/../fracgpu"),
+            [
+                holds(
+                    "/var/lib/kubelet/../fracgpu (the node's /var/lib/fracgpu)",
+                    STATE,
+                    "/var/lib/fracgpu",
+                )
+            ],
+            id="dot-dot",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet/device-plugins"),
+            [holds("/var/lib/kubelet/device-plugins", PLUGINS, "/var/lib/kubelet/device-plugins")],
+            id="device-plugin-sockets",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet/device-plugins/kubelet.sock"),
+            [
+                holds(
+                    "/var/lib/kubelet/device-plugins/kubelet.sock",
+                    PLUGINS,
+                    "/var/lib/kubelet/device-plugins",
+                )
+            ],
+            id="kubelet-socket",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet/pod-resources"),
+            [
+                holds(
+                    "/var/lib/kubelet/pod-resources",
+                    "kubelet's pod resources socket",
+                    "/var/lib/kubelet/pod-resources",
+                )
+            ],
+            id="pod-resources",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet/plugins_registry"),
+            [
+                holds(
+                    "/var/lib/kubelet/plugins_registry",
+                    "kubelet's plugin registration sockets",
+                    "/var/lib/kubelet/plugins_registry",
+                )
+            ],
+            id="plugins-registry",
+        ),
+        pytest.param(
+            host("/var/run/cdi"),
+            [holds("/var/run/cdi", "container device specifications", "/var/run/cdi")],
+            id="cdi-specs",
+        ),
+        pytest.param(
+            host("/etc/cdi/nvidia.yaml"),
+            [holds("/etc/cdi/nvidia.yaml", "container device specifications", "/etc/cdi")],
+            id="static-cdi-spec",
+        ),
+        pytest.param(
+            host("/var/lib/kubelet"),
+            [contains("/var/lib/kubelet", PLUGINS, "/var/lib/kubelet/device-plugins")],
+            id="parent-of-kubelet-sockets",
+        ),
+        pytest.param(
+            host("/var/lib"),
+            [contains("/var/lib", STATE, "/var/lib/fracgpu")],
+            id="parent-of-state",
+        ),
+        pytest.param(host("/"), [contains("/", STATE, "/var/lib/fracgpu")], id="root"),
+        pytest.param(
+            host("/proc/1/root"),
+            [contains("/proc/1/root (the node's /)", STATE, "/var/lib/fracgpu")],
+            id="root-through-proc",
+        ),
+        pytest.param(host("/proc"), [PROCESSES.format("/proc")], id="proc"),
+        pytest.param(host("/proc/1"), [PROCESSES.format("/proc/1")], id="a-process"),
+        pytest.param(
+            host("/proc/1/root/proc/1"),
+            [PROCESSES.format("/proc/1/root/proc/1 (the node's /proc/1)")],
+            id="proc-through-proc",
+        ),
         pytest.param(host("/var/lib/fracgpu-old"), [], id="look-alike"),
+        pytest.param(host("/var/lib/kubelet/pods"), [], id="kubelet-pods"),
+        pytest.param(host("/proc/1/root/data"), [], id="elsewhere-through-proc"),
         pytest.param(host("/data"), [], id="elsewhere"),
         pytest.param(host("/var/lib/fracgpu", grant=None), [], id="no-gpu-pod"),
+        pytest.param(host(7), [], id="not-a-path"),
     ],
 )
 def test_no_reserved_host_paths(pod: PodView, expected: list[str]) -> None:
     assert problems(no_reserved_host_paths, pod) == expected
+
+
+@pytest.mark.parametrize(
+    ("pod", "denied"),
+    [
+        pytest.param(
+            mounted("/var/run/nvidia-container-devices/all"),
+            ["/var/run/nvidia-container-devices/all"],
+            id="all-cards",
+        ),
+        pytest.param(
+            mounted("/var/run/nvidia-container-devices/GPU-1", grant=None),
+            ["/var/run/nvidia-container-devices/GPU-1"],
+            id="no-gpu-pod",
+        ),
+        pytest.param(
+            mounted("/run/nvidia-container-devices/0"),
+            ["/run/nvidia-container-devices/0"],
+            id="through-run",
+        ),
+        pytest.param(
+            mounted("//var/run/./nvidia-container-devices"),
+            ["//var/run/./nvidia-container-devices"],
+            id="the-directory-spelled-oddly",
+        ),
+        pytest.param(mounted("/var/run/nvidia-container-devices-x", "/var/run"), [], id="others"),
+    ],
+)
+def test_no_device_list_mounts(pod: PodView, denied: list[str]) -> None:
+    assert problems(no_device_list_mounts, pod) == [
+        f'container "c": volume mount at {path} selects GPUs (/var/run/nvidia-container-devices '
+        f"is where the fracgpu device plugin names a container's cards); remove it and request "
+        f"fracgpu.io/gpu instead"
+        for path in denied
+    ]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "grant", "denied"),
+    [
+        pytest.param(
+            {"cdi.k8s.io/gpu": "nvidia.com/gpu=all"}, None, ["cdi.k8s.io/gpu"], id="no-gpu-pod"
+        ),
+        pytest.param({"cdi.k8s.io/x": "vendor/c=d"}, SHARE, ["cdi.k8s.io/x"], id="gpu-pod"),
+        pytest.param({"example.com/cdi.k8s.io": "x"}, None, [], id="look-alike"),
+    ],
+)
+def test_no_cdi_annotations(
+    annotations: dict[str, str], grant: Grant | None, denied: list[str]
+) -> None:
+    pod = view(container(grant=grant), annotations=annotations)
+    assert problems(no_cdi_annotations, pod) == [
+        f"annotation {key} asks the container runtime for devices (cdi.k8s.io/ annotations "
+        f"inject them by name) and cannot be set on a pod; remove it and request fracgpu.io/gpu "
+        f"instead"
+        for key in denied
+    ]
 
 
 @pytest.mark.parametrize(

@@ -9,11 +9,18 @@ mutator runs. Adding a rule is adding a function and a line, and a named-case ta
 from __future__ import annotations
 
 import posixpath
+import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from core.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS, VISIBLE_DEVICES_ENV
+from core.contract import (
+    DEVICE_LIST_MOUNT_ROOT,
+    HOST_ROOT,
+    LD_SO_PRELOAD,
+    RESERVED_CONTAINER_PATHS,
+    VISIBLE_DEVICES_ENV,
+)
 from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
 from webhook.config import AdmissionConfig
 from webhook.resources import ContainerResult, container_ref, quote
@@ -124,16 +131,90 @@ def no_reserved_mounts(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
                 )
 
 
+# What a GPU pod may not reach on the node through a hostPath volume, and why: fracgpu's state
+# (every container's limits and accounting), the preload list, kubelet's sockets (a client of
+# the device plugin socket can starve kubelet's own calls; the others list or register every
+# device) and the container device specifications a runtime would inject. A hostPath at, under
+# or above one of them (``/`` included) is refused.
+HOST_GUARDS: tuple[tuple[str, str], ...] = (
+    (HOST_ROOT, "fracgpu's node state"),
+    (LD_SO_PRELOAD, "the node's preload list"),
+    ("/var/lib/kubelet/device-plugins", "kubelet's device plugin sockets"),
+    ("/var/lib/kubelet/pod-resources", "kubelet's pod resources socket"),
+    ("/var/lib/kubelet/plugins_registry", "kubelet's plugin registration sockets"),
+    ("/var/run/cdi", "container device specifications"),
+    ("/run/cdi", "container device specifications"),
+    ("/etc/cdi", "container device specifications"),
+)
+# /proc/<pid>/root (and cwd, and per thread) is another process's view of the node's tree.
+_PROC_ROOT = re.compile(r"^/proc/[^/]+(?:/task/[^/]+)?/(?:root|cwd)(?=/|$)")
+
+
+def node_path(path: str) -> str:
+    """The node path a hostPath reaches, as far as text can tell: ``..``, ``.``, repeated and
+    trailing slashes resolved, and ``/proc/<pid>/root`` prefixes removed."""
+    norm = _normal(path)
+    while (match := _PROC_ROOT.match(norm)) is not None:
+        norm = _normal(norm[match.end() :])
+    return norm
+
+
 def no_reserved_host_paths(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
-    """The node's fracgpu state holds every container's limits and accounting."""
+    """A hostPath may not reach what the node trusts (HOST_GUARDS), nor the process tree."""
     if not pod.gpu:
         return
     for name, path in pod.host_paths():
-        norm = _normal(path)
-        if norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD) or _under(norm, (HOST_ROOT,)):
+        norm = node_path(path)
+        seen = path if norm == path else f"{path} (the node's {norm})"
+        if _under(norm, ("/proc",)):
             yield (
-                f"volume {name}: hostPath {path} holds fracgpu's node "
-                f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
+                f"volume {name}: hostPath {seen} exposes the node's processes, and through "
+                f"them every path of the node, and cannot be mounted into a GPU pod; remove it"
+            )
+            continue
+        for guard, what in HOST_GUARDS:
+            if _under(norm, (guard,)):
+                yield (
+                    f"volume {name}: hostPath {seen} holds {what} ({guard}) and cannot be "
+                    f"mounted into a GPU pod; remove it"
+                )
+                break
+            if _under(guard, (norm,)) or norm == "/":
+                yield (
+                    f"volume {name}: hostPath {seen} contains {what} ({guard}) and cannot be "
+                    f"mounted into a GPU pod; mount a narrower path"
+                )
+                break
+
+
+# With the NVIDIA container toolkit configured as docs/install.md says, a container gets the
+# cards named by the mounts under this directory, and no longer NVIDIA_VISIBLE_DEVICES.
+DEVICE_LIST_ROOTS = (DEVICE_LIST_MOUNT_ROOT, "/run/nvidia-container-devices")
+
+
+def no_device_list_mounts(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """Only the device plugin names cards by mounts there; on any pod, GPU or not."""
+    for c in pod.containers:
+        for path in c.mount_paths():
+            if _under(_normal(path), DEVICE_LIST_ROOTS):
+                yield (
+                    f"{c.ref}: volume mount at {path} selects GPUs ({DEVICE_LIST_MOUNT_ROOT} is "
+                    f"where the fracgpu device plugin names a container's cards); remove it "
+                    f"and request fracgpu.io/gpu instead"
+                )
+
+
+CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
+
+
+def no_cdi_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
+    """A container runtime with CDI injects the devices these name; on any pod, GPU or not."""
+    for key in pod.annotations():
+        if key.startswith(CDI_ANNOTATION_PREFIX):
+            yield (
+                f"annotation {key} asks the container runtime for devices ({CDI_ANNOTATION_PREFIX}"
+                f" annotations inject them by name) and cannot be set on a pod; remove it and "
+                f"request fracgpu.io/gpu instead"
             )
 
 
@@ -154,7 +235,9 @@ CHECKS: tuple[Check, ...] = (
     no_privileged_gpu_container,
     no_reserved_mounts,
     no_reserved_host_paths,
+    no_device_list_mounts,
     no_reserved_annotations,
+    no_cdi_annotations,
 )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from core.contract import VISIBLE_DEVICES_ENV
+from core.contract import MAX_DEVICES, VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
 from webhook.resources import DEFAULT_MAX_CARDS, OPTIONAL_DIALECTS, Dialect
 
@@ -68,7 +68,7 @@ class AdmissionConfig(_Section):
     max_cards: int = Field(
         DEFAULT_MAX_CARDS,
         ge=1,
-        le=1024,
+        le=MAX_DEVICES,
         description="whole cards one container may ask for; more could never be scheduled",
     )
 

@@ -23,6 +23,7 @@ from webhook.inventory import Inventory
 from webhook.resources import (
     CardChoice,
     ContainerResult,
+    container_ref,
     enabled,
     input_resources,
     normalise_container,
@@ -39,6 +40,8 @@ TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
     ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template"),
 }
 CONTAINER_LISTS = ("initContainers", "containers")
+EPHEMERAL_CONTAINERS = "ephemeralContainers"
+EPHEMERAL = "ephemeralcontainers"  # the Pod subresource kubectl debug writes
 _CANONICAL = frozenset(CANONICAL)
 DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
 # Normalised containers remembered by the mutator (see Mutator._normalise); cleared when full.
@@ -135,6 +138,8 @@ class Mutator:
         return env
 
     async def __call__(self, req: AdmissionRequest) -> AdmissionResponse:
+        if (req.kind.kind, req.sub_resource, req.operation) == ("Pod", EPHEMERAL, "UPDATE"):
+            return self._ephemeral(req)
         if req.operation not in ("CREATE", "UPDATE") or req.sub_resource or req.object is None:
             return AdmissionResponse.allow(req.uid, label="not-applicable")
         if req.kind.kind == "Pod" and req.operation == "UPDATE":
@@ -142,6 +147,16 @@ class Mutator:
             return AdmissionResponse.allow(req.uid, label="not-applicable")
         outcome = self.mutate(req.object, req.kind.group, req.kind.kind)
         return respond(req.uid, outcome)
+
+    def _ephemeral(self, req: AdmissionRequest) -> AdmissionResponse:
+        """``kubectl debug`` adds ephemeral containers to a running pod: they are checked like
+        any of its containers (a privileged one, or one that sets NVIDIA_VISIBLE_DEVICES, would
+        see every card), and nothing else of the pod, admitted at its creation, is changed."""
+        pod = req.object if isinstance(req.object, dict) else {}
+        outcome = self.mutate_pod(pod)
+        if not outcome.allowed:
+            return respond(req.uid, outcome)
+        return AdmissionResponse.allow(req.uid, label="ephemeral")
 
     def mutate(self, obj: Mapping[str, Any], group: str, kind: str) -> Outcome:
         """Mutate an object of a supported kind; other kinds pass untouched."""
@@ -180,7 +195,8 @@ class Mutator:
                         outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
         outcome.gpu = any(r.grant is not None for *_, r in results)
-        outcome.errors.extend(forbidden(self._view(spec, meta, results, outcome.gpu), self.config))
+        checked = results + self._ephemeral_containers(spec, outcome.errors)
+        outcome.errors.extend(forbidden(self._view(spec, meta, checked, outcome.gpu), self.config))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome
@@ -196,6 +212,29 @@ class Mutator:
             view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
         return outcome
+
+    def _ephemeral_containers(self, spec: Mapping[str, Any], errors: list[str]) -> list[Located]:
+        """Ephemeral containers hold no resources; they are only checked, never rewritten."""
+        found: list[Located] = []
+        containers = spec.get(EPHEMERAL_CONTAINERS)
+        for index, container in enumerate(containers if isinstance(containers, list) else ()):
+            if not isinstance(container, dict):
+                continue
+            name = str(container.get("name") or f"{EPHEMERAL_CONTAINERS}[{index}]")
+            resources = container.get("resources")
+            asked = sorted(
+                key
+                for part in ("limits", "requests")
+                for key in _keys(resources.get(part) if isinstance(resources, dict) else None)
+                if key in self.inputs
+            )
+            if asked:
+                errors.append(
+                    f"{container_ref(name)}: is an ephemeral container and asks for "
+                    f"{', '.join(asked)}; ephemeral containers get no GPU, remove the resources"
+                )
+            found.append((EPHEMERAL_CONTAINERS, index, container, ContainerResult(name)))
+        return found
 
     def _view(
         self, spec: Mapping[str, Any], meta: Mapping[str, Any], results: list[Located], gpu: bool
@@ -304,6 +343,10 @@ def _memo_key(
         if type(value) is not str:
             return None
     return (name, asked, also, choice_id)
+
+
+def _keys(section: object) -> list[str]:
+    return [str(k) for k in section] if isinstance(section, dict) else []
 
 
 def respond(uid: str, outcome: Outcome) -> AdmissionResponse:

@@ -35,6 +35,7 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
+from core.contract import MAX_DEVICES
 from core.labels import PRODUCT_LABEL
 from core.quantity import MAX_CHARS, Quantity, QuantityError, format_decimal, parse_quantity
 from core.units import (
@@ -189,8 +190,9 @@ def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
     return tuple(d for d in Dialect if d in chosen)
 
 
-DEFAULT_MAX_CARDS = 16
-"""Whole cards one container may ask for: more than any node has (``admission.max_cards``)."""
+DEFAULT_MAX_CARDS = MAX_DEVICES
+"""Whole cards one container may ask for (``admission.max_cards``): as many as a container's
+limits file can name, more than most nodes have."""
 
 
 def normalise_container(
