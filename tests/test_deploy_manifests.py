@@ -155,6 +155,8 @@ def test_only_the_device_plugin_runs_as_root_and_mounts_host_paths() -> None:
                 "/var/lib/kubelet/device-plugins",
                 "/var/lib/kubelet/pod-resources",
                 contract.HOST_ROOT,
+                "/etc/nvidia-container-runtime",  # read by check-nvidia-toolkit
+                contract.DEVICE_LIST_HOST_PATH,  # the plugin's own device list: all cards
             }
         else:
             assert host_paths == [], workload["metadata"]["name"]
