@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic_core import to_json
 
@@ -74,6 +74,12 @@ class _Pod:
     results: list[Located]
 
 
+class SchedulerCheck(Protocol):
+    """Says why the configured scheduler is not running (None: it is)."""
+
+    def not_running(self) -> str | None: ...
+
+
 @dataclass
 class Outcome:
     """The decision for one object: allowed with a patch, or denied with messages."""
@@ -97,9 +103,15 @@ class Outcome:
 class Mutator:
     """The ``/mutate`` reviewer and the engine behind ``fracgpu review``."""
 
-    def __init__(self, config: AdmissionConfig, inventory: Inventory) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        inventory: Inventory,
+        scheduler: SchedulerCheck | None = None,
+    ) -> None:
         self.config = config
         self.inventory = inventory
+        self.scheduler = scheduler
         self.dialects = enabled(config.dialects)
         self.inputs = input_resources(self.dialects)
         self._memo: dict[tuple[Any, ...], tuple[CardChoice, ContainerResult]] = {}
@@ -211,6 +223,8 @@ class Mutator:
         if outcome.gpu:
             view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
+            if not base:
+                self._scheduler_op(outcome, spec)
         return outcome
 
     def _ephemeral_containers(self, spec: Mapping[str, Any], errors: list[str]) -> list[Located]:
@@ -282,17 +296,33 @@ class Mutator:
         else:
             ops.extend({"op": "add", "path": f"{where}/env/-", "value": v} for v in missing)
 
-    def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
-        root, spec = pod.root, pod.spec
+    def _scheduler_op(self, outcome: Outcome, spec: Mapping[str, Any]) -> None:
+        """Hand a GPU pod to the configured scheduler, but only while it runs.
+
+        Only pods, never templates: a template keeps its value for every pod made from it, and
+        a scheduler that stops later would leave those pods waiting with no event. Each pod
+        is decided when it is created.
+        """
         scheduler = self.config.scheduler_name
         current = spec.get("schedulerName")
-        if (
+        if not (
             scheduler
             and current != scheduler
             and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
         ):
-            op = "add" if current is None else "replace"
-            ops.append({"op": op, "path": f"{root}/spec/schedulerName", "value": scheduler})
+            return
+        why = self.scheduler.not_running() if self.scheduler is not None else None
+        if why is not None:
+            outcome.warnings.append(
+                f"scheduler {scheduler} is not running ({why}); the pod keeps "
+                f"{current or 'the default scheduler'} so that it does not wait unscheduled"
+            )
+            return
+        op = "add" if current is None else "replace"
+        outcome.patch.append({"op": op, "path": "/spec/schedulerName", "value": scheduler})
+
+    def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
+        root, spec = pod.root, pod.spec
         tolerations = spec.get("tolerations")
         present = tolerations if isinstance(tolerations, list) else []
         needed = [t for t in self.config.tolerations if not _tolerated(t, present)]
