@@ -63,6 +63,14 @@ class PodView:
     containers: tuple[Container, ...]
     gpu: bool  # some container holds a grant
 
+    def mounts_under(self, roots: Iterable[str]) -> Iterator[tuple[Container, str]]:
+        """(container, mountPath as written) of every volume mount at or under one of roots."""
+        roots = tuple(roots)
+        for c in self.containers:
+            for path in c.mount_paths():
+                if _under(_normal(path), roots):
+                    yield c, path
+
     def annotations(self) -> Mapping[str, Any]:
         annotations = self.meta.get("annotations")
         return annotations if isinstance(annotations, dict) else {}
@@ -121,14 +129,12 @@ def no_reserved_mounts(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
     """The device plugin mounts the hook, the preload file and the limits at these paths."""
     if not pod.gpu:
         return
-    for c in pod.containers:
-        for path in c.mount_paths():
-            if _under(_normal(path), RESERVED_CONTAINER_PATHS):
-                yield (
-                    f"{c.ref}: volume mount at {path} covers a path the fracgpu "
-                    f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
-                    f"volume elsewhere"
-                )
+    for c, path in pod.mounts_under(RESERVED_CONTAINER_PATHS):
+        yield (
+            f"{c.ref}: volume mount at {path} covers a path the fracgpu "
+            f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
+            f"volume elsewhere"
+        )
 
 
 # What a GPU pod may not reach on the node through a hostPath volume, and why: fracgpu's state
@@ -194,14 +200,12 @@ DEVICE_LIST_ROOTS = (DEVICE_LIST_MOUNT_ROOT, "/run/nvidia-container-devices")
 
 def no_device_list_mounts(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
     """Only the device plugin names cards by mounts there; on any pod, GPU or not."""
-    for c in pod.containers:
-        for path in c.mount_paths():
-            if _under(_normal(path), DEVICE_LIST_ROOTS):
-                yield (
-                    f"{c.ref}: volume mount at {path} selects GPUs ({DEVICE_LIST_MOUNT_ROOT} is "
-                    f"where the fracgpu device plugin names a container's cards); remove it "
-                    f"and request fracgpu.io/gpu instead"
-                )
+    for c, path in pod.mounts_under(DEVICE_LIST_ROOTS):
+        yield (
+            f"{c.ref}: volume mount at {path} selects GPUs ({DEVICE_LIST_MOUNT_ROOT} is "
+            f"where the fracgpu device plugin names a container's cards); remove it "
+            f"and request fracgpu.io/gpu instead"
+        )
 
 
 CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
