@@ -395,6 +395,12 @@ pod_json = st.recursive(
                     "path",
                     "nodeSelector",
                     "affinity",
+                    "ephemeralContainers",
+                    "securityContext",
+                    "privileged",
+                    "cdi.k8s.io/x",
+                    "fracgpu.io/core",
+                    "schedulerName",
                 ]
             ),
             c,
@@ -766,3 +772,20 @@ async def test_harmless_ephemeral_containers_pass_without_a_patch(
     response = await mutator(scheduler_name="fracgpu-scheduler")(debugged(target, **ephemeral))
     assert response.allowed
     assert response.patch is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=pod_json)
+async def test_hostile_ephemeral_container_updates_get_an_answer(obj: Any) -> None:
+    """Whatever kubectl debug's subresource carries, the reply is an allow or a 422 denial."""
+    request = AdmissionRequest.model_validate(
+        {
+            "uid": "u",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "subResource": "ephemeralcontainers",
+            "operation": "UPDATE",
+            "object": obj if isinstance(obj, dict) else {"spec": obj},
+        }
+    )
+    response = await mutator()(request)
+    assert response.allowed or (response.status is not None and response.status.code == 422)
