@@ -565,6 +565,12 @@ NODES = {"l4": L4_LABELS, "h100": H100_LABELS}
             {"fracgpu.io/gpumem": "24576"}, ["h100"], ["l4", "h100"], id="memory-l4-pool-appears"
         ),
         pytest.param({"fracgpu.io/gpu": "0.3"}, ["l4", "h100"], ["h100"], id="l4-pool-removed"),
+        pytest.param(
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "40Gi"},
+            ["h100"],
+            ["l4"],
+            id="h100-pool-scaled-to-zero",
+        ),
     ],
 )
 def test_deployment_replicaset_pod_chain_is_admitted_unchanged(

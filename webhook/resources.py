@@ -497,7 +497,9 @@ def _resolve(
     blocks = ask.memory_blocks
     if ask.memory_mib is not None:
         blocks = ceil_div(ask.memory_mib, BLOCK_MIB)
-    if blocks is not None:
+    # The canonical form was sized when it was first admitted: a ReplicaSet or pod made from it
+    # must pass even while the models that hold it are scaled to zero.
+    if blocks is not None and not ask.exact:
         _check_fits(name, ask, blocks, choice)
     core = ask.core
     if core is not None and core >= CORE_PER_CARD:
