@@ -336,6 +336,29 @@ def test_canonical_whole_cards_with_memory_need_no_model() -> None:
     assert grant_of({CORE: "200", MEMORY: "636"}, UNKNOWN) == Grant(200, 636)
 
 
+@pytest.mark.parametrize(
+    ("limits", "card"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8000000000"}, UNKNOWN, id="no-model"
+        ),
+        pytest.param({"fracgpu.io/core": "30", "fracgpu.io/memory": "1e30"}, KNOWN, id="canonical"),
+        pytest.param(
+            {"fracgpu.io/core": "200", "fracgpu.io/memory": "9000"}, UNKNOWN, id="canonical-cards"
+        ),
+    ],
+)
+def test_memory_no_gpu_has_is_denied_even_without_a_model(
+    limits: dict[str, Any], card: CardChoice
+) -> None:
+    assert "more than any GPU has (1048576 MiB usable)" in error_of(limits, card)
+
+
+def test_canonical_memory_is_not_held_to_the_models_known_now() -> None:
+    """Sized when first admitted; the model that holds it may be scaled to zero now."""
+    assert grant_of({CORE: "50", MEMORY: "159"}, CardChoice((L4,))) == Grant(50, 159)
+
+
 def test_explicit_memory_needs_no_inventory() -> None:
     assert grant_of({"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "8Gi"}, UNKNOWN) == Grant(30, 32)
 

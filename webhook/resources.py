@@ -497,9 +497,7 @@ def _resolve(
     blocks = ask.memory_blocks
     if ask.memory_mib is not None:
         blocks = ceil_div(ask.memory_mib, BLOCK_MIB)
-    # The canonical form was sized when it was first admitted: a ReplicaSet or pod made from it
-    # must pass even while the models that hold it are scaled to zero.
-    if blocks is not None and not ask.exact:
+    if blocks is not None:
         _check_fits(name, ask, blocks, choice)
     core = ask.core
     if core is not None and core >= CORE_PER_CARD:
@@ -559,16 +557,28 @@ def _whole_cards(
     return Grant(core, 0)
 
 
+MAX_CARD_MIB = 2**20
+"""No GPU has a TiB of memory: more is a typo (bytes written as MiB), known models or not."""
+
+
 def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
-    """Deny memory that no candidate card has: it would only fail later, on the node."""
-    largest = choice.largest
-    if largest is None or blocks <= card_blocks(largest.memory_mib):
+    """Deny memory that no candidate card has: it would only fail later, on the node.
+
+    The canonical form is held only to what any card could have: it was sized against the
+    candidates when it was first admitted, and they may be scaled to zero now.
+    """
+    largest = None if ask.exact else choice.largest
+    if largest is None:
+        limit, what = card_blocks(MAX_CARD_MIB), "any GPU"
+    else:
+        limit, what = card_blocks(largest.memory_mib), largest.product
+    if blocks <= limit:
         return
     hint = ""
     if ask.memory_mib is not None and ask.memory_mib >= MIB:
         hint = " (a plain number is MiB; write a binary suffix such as 8Gi for bytes)"
     raise RequestError(
         f"{container_ref(name)}: asks for {blocks * BLOCK_MIB} MiB of GPU memory per card, more "
-        f"than {largest.product} has ({card_blocks(largest.memory_mib) * BLOCK_MIB} MiB usable); "
-        f"ask for less memory, or for whole cards{hint}"
+        f"than {what} has ({limit * BLOCK_MIB} MiB usable); ask for less memory, or for whole "
+        f"cards{hint}"
     )
