@@ -30,7 +30,9 @@ from webhook.resources import ContainerResult, container_ref, quote
 HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: one of each is built per container on every admission, and a frozen dataclass
+# pays for its immutability in __init__. Nothing modifies them after.
+@dataclass(slots=True)
 class Container:
     """One container of the pod, with what its request normalised to."""
 
@@ -54,7 +56,7 @@ class Container:
                 yield path
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PodView:
     """A pod (or pod template) as every check sees it: walked once, shared by all."""
 

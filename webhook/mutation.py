@@ -253,8 +253,9 @@ class Mutator:
     def _view(
         self, spec: Mapping[str, Any], meta: Mapping[str, Any], results: list[Located], gpu: bool
     ) -> PodView:
+        granted = self._granted_env
         containers = tuple(
-            Container(c, r, self._granted_env(r.grant) if r.grant else {}) for _, _, c, r in results
+            [Container(c, r, granted(r.grant) if r.grant else {}) for *_, c, r in results]
         )
         return PodView(spec, meta, containers, gpu)
 
