@@ -29,7 +29,7 @@ SHARE = Grant(30, 95)
 
 def container(name: str = "c", grant: Grant | None = SHARE, **spec: Any) -> Container:
     granted = grant.env() if grant else {}
-    return Container({"name": name, **spec}, ContainerResult(name, grant=grant), granted)
+    return Container.of({"name": name, **spec}, ContainerResult(name, grant=grant), granted)
 
 
 def view(
@@ -42,7 +42,7 @@ def view(
         spec["volumes"] = volumes
     meta: dict[str, Any] = {} if annotations is None else {"annotations": annotations}
     gpu = any(c.result.grant is not None for c in containers)
-    return PodView(spec, meta, containers, gpu)
+    return PodView.of(spec, meta, containers, gpu)
 
 
 def problems(check: Check, pod: PodView, **config: Any) -> list[str]:

@@ -30,8 +30,8 @@ from webhook.resources import ContainerResult, container_ref, quote
 HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 
 
-# Not frozen: one of each is built per container on every admission, and a frozen dataclass
-# pays for its immutability in __init__. Nothing modifies them after.
+# Not frozen, and filled once: one of each is built per container on every admission, which
+# a frozen dataclass makes slower, and every check reads the same few fields.
 @dataclass(slots=True)
 class Container:
     """One container of the pod, with what its request normalised to."""
@@ -39,52 +39,74 @@ class Container:
     spec: Mapping[str, Any]
     result: ContainerResult
     granted_env: Mapping[str, str]  # the FRACGPU_* variables its grant puts in it
+    env: tuple[Mapping[str, Any], ...]
+    mount_paths: tuple[str, ...]
+
+    @classmethod
+    def of(
+        cls, spec: Mapping[str, Any], result: ContainerResult, granted_env: Mapping[str, str]
+    ) -> Container:
+        env = spec.get("env")
+        mounts = spec.get("volumeMounts")
+        return cls(
+            spec,
+            result,
+            granted_env,
+            tuple(v for v in env if isinstance(v, dict)) if isinstance(env, list) else (),
+            tuple(
+                m["mountPath"]
+                for m in mounts
+                if isinstance(m, dict) and isinstance(m.get("mountPath"), str)
+            )
+            if isinstance(mounts, list)
+            else (),
+        )
 
     @property
     def ref(self) -> str:
         return container_ref(self.result.name)
-
-    def env(self) -> Iterator[Mapping[str, Any]]:
-        env = self.spec.get("env")
-        yield from (v for v in (env if isinstance(env, list) else ()) if isinstance(v, dict))
-
-    def mount_paths(self) -> Iterator[str]:
-        mounts = self.spec.get("volumeMounts")
-        for mount in mounts if isinstance(mounts, list) else ():
-            path = mount.get("mountPath") if isinstance(mount, dict) else None
-            if isinstance(path, str):
-                yield path
 
 
 @dataclass(slots=True)
 class PodView:
     """A pod (or pod template) as every check sees it: walked once, shared by all."""
 
-    spec: Mapping[str, Any]
-    meta: Mapping[str, Any]
     containers: tuple[Container, ...]
     gpu: bool  # some container holds a grant
+    annotations: Mapping[str, Any]
+    host_paths: tuple[tuple[str, str], ...]  # (volume name as messages quote it, hostPath)
 
-    def mounts_under(self, roots: Iterable[str]) -> Iterator[tuple[Container, str]]:
-        """(container, mountPath as written) of every volume mount at or under one of roots."""
-        roots = tuple(roots)
-        for c in self.containers:
-            for path in c.mount_paths():
-                if _under(_normal(path), roots):
-                    yield c, path
-
-    def annotations(self) -> Mapping[str, Any]:
-        annotations = self.meta.get("annotations")
-        return annotations if isinstance(annotations, dict) else {}
-
-    def host_paths(self) -> Iterator[tuple[str, str]]:
-        """(volume name as quoted in messages, hostPath) of every hostPath volume."""
-        volumes = self.spec.get("volumes")
+    @classmethod
+    def of(
+        cls,
+        spec: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        containers: tuple[Container, ...],
+        gpu: bool,
+    ) -> PodView:
+        annotations = meta.get("annotations")
+        volumes = spec.get("volumes")
+        host_paths = []
         for volume in volumes if isinstance(volumes, list) else ():
             host = volume.get("hostPath") if isinstance(volume, dict) else None
             path = host.get("path") if isinstance(host, dict) else None
             if isinstance(path, str):
-                yield quote(volume.get("name")), path
+                host_paths.append((quote(volume.get("name")), path))
+        return cls(
+            containers,
+            gpu,
+            annotations if isinstance(annotations, dict) else {},
+            tuple(host_paths),
+        )
+
+    def mounts_under(self, roots: tuple[str, ...]) -> list[tuple[Container, str]]:
+        """(container, mountPath as written) of every volume mount at or under one of roots."""
+        return [
+            (c, path)
+            for c in self.containers
+            for path in c.mount_paths
+            if _under(_normal(path), roots)
+        ]
 
 
 Check = Callable[[PodView, AdmissionConfig], Iterable[str]]
@@ -95,7 +117,7 @@ def no_system_env(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
     sets them: a literal equal to what the container's grant implies is fracgpu's own (a pod
     made from an admitted template carries it), anything else is the user's."""
     for c in pod.containers:
-        for var in c.env():
+        for var in c.env:
             name, value = str(var.get("name") or ""), var.get("value")
             literal = "valueFrom" not in var
             if name == VISIBLE_DEVICES_ENV:
@@ -171,7 +193,7 @@ def no_reserved_host_paths(pod: PodView, config: AdmissionConfig) -> Iterator[st
     """A hostPath may not reach what the node trusts (HOST_GUARDS), nor the process tree."""
     if not pod.gpu:
         return
-    for name, path in pod.host_paths():
+    for name, path in pod.host_paths:
         norm = node_path(path)
         seen = path if norm == path else f"{path} (the node's {norm})"
         if _under(norm, ("/proc",)):
@@ -215,7 +237,7 @@ CDI_ANNOTATION_PREFIX = "cdi.k8s.io/"
 
 def no_cdi_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
     """A container runtime with CDI injects the devices these name; on any pod, GPU or not."""
-    for key in pod.annotations():
+    for key in pod.annotations:
         if key.startswith(CDI_ANNOTATION_PREFIX):
             yield (
                 f"annotation {key} asks the container runtime for devices ({CDI_ANNOTATION_PREFIX}"
@@ -228,7 +250,7 @@ def no_reserved_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[s
     """Annotations under fracgpu.io/ are fracgpu's, except the record of the request."""
     if not pod.gpu:
         return
-    for key in pod.annotations():
+    for key in pod.annotations:
         if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
             yield (
                 f"annotation {key} is reserved for fracgpu and cannot be set on a GPU pod; "

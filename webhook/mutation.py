@@ -255,9 +255,9 @@ class Mutator:
     ) -> PodView:
         granted = self._granted_env
         containers = tuple(
-            [Container(c, r, granted(r.grant) if r.grant else {}) for *_, c, r in results]
+            [Container.of(c, r, granted(r.grant) if r.grant else {}) for *_, c, r in results]
         )
-        return PodView(spec, meta, containers, gpu)
+        return PodView.of(spec, meta, containers, gpu)
 
     def _container_ops(
         self,
