@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
+from webhook.config import AdmissionConfig
 from webhook.resources import DEFAULT_MAX_CARDS, Card, CardChoice, Dialect, normalise_container
 
 H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
@@ -588,3 +589,9 @@ def test_invalid_gpu_values_are_denied(value: Any) -> None:
         assert result.zero
     else:
         assert result.errors and result.grant is None
+
+
+@pytest.mark.parametrize("value", [0, 17], ids=["none", "more-than-a-limits-file-names"])
+def test_max_cards_configuration_is_bounded(value: int) -> None:
+    with pytest.raises(ValueError, match="max_cards"):
+        AdmissionConfig(max_cards=value)
