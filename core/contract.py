@@ -48,6 +48,15 @@ RESERVED_CONTAINER_PATHS = (CONTAINER_ROOT, CONTAINER_HOOK_DIR, LD_SO_PRELOAD)
 # The variable through which the NVIDIA container runtime is told which cards a container sees.
 # The node agent sets it; a pod that sets it itself is denied (it would pick its own cards).
 VISIBLE_DEVICES_ENV = "NVIDIA_VISIBLE_DEVICES"
+# Where the node agent names a container's cards to the NVIDIA container toolkit when the node
+# runs it with accept-nvidia-visible-devices-as-volume-mounts = true and
+# accept-nvidia-visible-devices-envvar-when-unprivileged = false (docs/install.md): one mount
+# of DEVICE_LIST_HOST_PATH at DEVICE_LIST_MOUNT_ROOT/<card UUID> per card, and
+# VISIBLE_DEVICES_ENV set to DEVICE_LIST_MOUNT_ROOT. The variable alone then selects nothing,
+# so one a user sets (through envFrom, where admission cannot see it) hands out no card; the
+# webhook denies user mounts under this directory.
+DEVICE_LIST_MOUNT_ROOT = "/var/run/nvidia-container-devices"
+DEVICE_LIST_HOST_PATH = "/dev/null"
 
 
 class LimitsError(ValueError):

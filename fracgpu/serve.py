@@ -33,6 +33,7 @@ from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
+from webhook.schedwatch import SchedulerPresence, scheduler_informer
 from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,14 @@ async def run_server(
     """Serve until ``stop`` is set (by default: until SIGTERM or SIGINT); the exit status."""
     registry = CollectorRegistry()
     inventory = Inventory(config.admission.inventory.models)
-    reviewers: dict[str, Reviewer] = {MUTATE_PATH: Mutator(config.admission, inventory)}
+    admission = config.admission
+    # Where a scheduler is configured, pods are handed to it only while its Lease is renewed.
+    presence = (
+        SchedulerPresence(admission.scheduler_lease)
+        if admission.scheduler_name and admission.scheduler_lease and not standalone
+        else None
+    )
+    reviewers: dict[str, Reviewer] = {MUTATE_PATH: Mutator(admission, inventory, presence)}
     waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
     stopping: list[str] = []
 
@@ -128,6 +136,10 @@ async def run_server(
             informer = node_informer(api, inventory)
             await stack.enter_async_context(informer)
             waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
+        if api is not None and presence is not None:
+            lease = scheduler_informer(api, presence)
+            await stack.enter_async_context(lease)
+            waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
 
         app = build_app(reviewers, metrics=AdmissionMetrics(registry), readiness=readiness)
         runner = web.AppRunner(app, access_log=None, handle_signals=False)

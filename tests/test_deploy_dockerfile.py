@@ -102,7 +102,11 @@ def test_hook_is_built_and_lands_where_the_device_plugin_installs_it_from() -> N
     assert hook_copy[0][2] == HOOK_IN_IMAGE
 
     daemonset = find(render("default"), "DaemonSet", "fracgpu-device-plugin")
-    (init,) = daemonset["spec"]["template"]["spec"]["initContainers"]
+    (init,) = [
+        c
+        for c in daemonset["spec"]["template"]["spec"]["initContainers"]
+        if c["name"] == "install-hook"
+    ]
     script = init["command"][-1]
     assert f"cp {HOOK_IN_IMAGE} " in script
     # The node directory is the contract's host root; the preload file names the library at the

@@ -160,6 +160,8 @@ def test_only_the_device_plugin_runs_as_root_mounts_host_paths_and_shares_host_p
                 "/var/lib/kubelet/pod-resources",
                 contract.HOST_ROOT,
                 "/var/log/containers",
+                "/etc/nvidia-container-runtime",  # read by check-nvidia-toolkit
+                contract.DEVICE_LIST_HOST_PATH,  # the plugin's own device list: all cards
             }
             assert spec["hostPID"] is True  # the node guard reads and kills node pids
         else:

@@ -17,12 +17,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core.contract import VISIBLE_DEVICES_ENV as VISIBLE_DEVICES
 from core.units import ENV_GPU, ENV_MEMORY_MIB
 from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
 from webhook import server
 from webhook.config import AdmissionConfig, ServerConfig
 from webhook.inventory import Inventory
-from webhook.mutation import TEMPLATE_PATHS, VISIBLE_DEVICES, Mutator
+from webhook.mutation import EPHEMERAL, TEMPLATE_PATHS, Mutator
 from webhook.resources import (
     DIALECT_RESOURCES,
     OPTIONAL_DIALECTS,
@@ -122,6 +123,8 @@ def test_mutating_rules_cover_exactly_the_kinds_the_mutator_handles() -> None:
         # Pod resources are immutable after CREATE; templates change on every rollout.
         ops = ("CREATE",) if kind == "Pod" else ("CREATE", "UPDATE")
         expected |= {(group, PLURALS[kind], op) for op in ops}
+    # kubectl debug's ephemeral containers, which the mutator checks (and does not rewrite).
+    expected.add(("", f"pods/{EPHEMERAL}", "UPDATE"))
     assert covered == expected
 
 
@@ -187,8 +190,12 @@ def pod(*, containers: list[Obj] | None = None, init: list[Obj] | None = None) -
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"}, "spec": spec}
 
 
-def container(limits: Obj | None = None, requests: Obj | None = None, env: Any = None) -> Obj:
+def container(
+    limits: Obj | None = None, requests: Obj | None = None, env: Any = None, mounts: Any = None
+) -> Obj:
     c: Obj = {"name": "c", "image": "busybox"}
+    if mounts is not None:
+        c["volumeMounts"] = [{"name": "v", "mountPath": m} for m in mounts]
     resources: Obj = {}
     if limits is not None:
         resources["limits"] = limits
@@ -248,6 +255,61 @@ def test_system_variables_are_sent_from_any_pod(kind: str, variable: str) -> Non
     assert cond(wrap(pod(containers=[container(env=env)]), kind), kind)
     assert cond(wrap(pod(init=[container(env=env[1:])]), kind), kind)
     assert not cond(wrap(pod(containers=[container(env=env[:1])]), kind), kind)
+
+
+@pytest.mark.parametrize("overlay", ["default", "dialects"])
+@pytest.mark.parametrize(
+    "ephemeral",
+    [
+        pytest.param({"env": [{"name": VISIBLE_DEVICES, "value": "all"}]}, id="visible-devices"),
+        pytest.param({"env": [{"name": ENV_GPU, "value": "1"}]}, id="system-variable"),
+        pytest.param(
+            {"volumeMounts": [{"name": "v", "mountPath": "/var/run/nvidia-container-devices/a"}]},
+            id="device-list-mount",
+        ),
+    ],
+)
+def test_ephemeral_containers_that_set_system_things_are_sent(overlay: str, ephemeral: Obj) -> None:
+    obj = pod()
+    obj["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox", **ephemeral}]
+    assert _condition(_mutating(overlay))(obj)
+
+
+def test_plain_ephemeral_containers_of_plain_pods_are_not_sent() -> None:
+    obj = pod()
+    obj["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox"}]
+    assert not _condition(_mutating())(obj)
+
+
+@pytest.mark.parametrize("kind", sorted({k for _, k in TEMPLATE_PATHS}))
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/var/run/nvidia-container-devices/all",
+        "/run/nvidia-container-devices/GPU-1",
+        "//var/run/./nvidia-container-devices",
+    ],
+)
+def test_device_list_mounts_are_sent_from_any_pod(kind: str, path: str) -> None:
+    cond = _condition(_mutating())
+    mounting = container()
+    mounting["volumeMounts"] = [{"name": "v", "mountPath": path}]
+    assert cond(wrap(pod(containers=[mounting]), kind), kind)
+
+
+@pytest.mark.parametrize("kind", sorted({k for _, k in TEMPLATE_PATHS}))
+def test_cdi_annotations_are_sent_from_any_pod(kind: str) -> None:
+    cond = _condition(_mutating())
+    obj = pod()
+    obj["metadata"]["annotations"] = {"cdi.k8s.io/gpu": "nvidia.com/gpu=all"}
+    wrapped = wrap(obj, kind)
+    if kind != "Pod":
+        template = wrapped
+        for token in TEMPLATE_PATHS[next((g, k) for g, k in TEMPLATE_PATHS if k == kind)]:
+            template = template[token]
+        template["metadata"]["annotations"] = {"cdi.k8s.io/gpu": "nvidia.com/gpu=all"}
+        del wrapped["metadata"]
+    assert cond(wrapped, kind)
 
 
 @pytest.mark.parametrize("resource", DIALECT_ONLY)
@@ -311,9 +373,27 @@ _containers = st.lists(
             ),
             max_size=2,
         ),
+        mounts=st.none()
+        | st.lists(
+            st.sampled_from(
+                [
+                    "/data",
+                    "/var/run/nvidia-container-devices/all",
+                    "/run/nvidia-container-devices/0",
+                    "/run/fracgpu",
+                    "/etc/ld.so.preload",
+                ]
+            ),
+            max_size=2,
+        ),
     ),
     min_size=1,
     max_size=3,
+)
+_annotations = st.none() | st.dictionaries(
+    st.sampled_from(["cdi.k8s.io/gpu", "fracgpu.io/unlimited", "example.com/a"]),
+    st.just("x"),
+    max_size=2,
 )
 
 
@@ -322,15 +402,31 @@ _containers = st.lists(
 @given(
     containers=_containers,
     init=st.none() | _containers,
+    extras=st.tuples(st.none() | _containers, _annotations),
     kind=st.sampled_from(sorted({k for _, k in TEMPLATE_PATHS})),
 )
 def test_what_the_condition_skips_the_webhook_would_pass_unchanged(
-    overlay: str, containers: list[Obj], init: list[Obj] | None, kind: str
+    overlay: str,
+    containers: list[Obj],
+    init: list[Obj] | None,
+    extras: tuple[list[Obj] | None, Obj | None],
+    kind: str,
 ) -> None:
+    ephemeral, annotations = extras
     dialects = config_dialects(overlay)
     mutator = Mutator(AdmissionConfig(dialects=dialects), Inventory({"Tesla T4": 15360}))
     cond = _condition(_mutating(overlay))
-    obj = wrap(pod(containers=containers, init=init), kind)
+    made = pod(containers=containers, init=init)
+    if ephemeral is not None:
+        made["spec"]["ephemeralContainers"] = ephemeral
+    if annotations is not None:
+        made["metadata"]["annotations"] = annotations
+    obj = wrap(made, kind)
+    if kind != "Pod" and annotations is not None:
+        template: Obj = obj
+        for token in TEMPLATE_PATHS[next((g, k) for g, k in TEMPLATE_PATHS if k == kind)]:
+            template = template[token]
+        template["metadata"]["annotations"] = annotations
     if cond(obj, kind):
         return
     group = next(g for g, k in TEMPLATE_PATHS if k == kind)

@@ -232,6 +232,30 @@ def test_denial_names_every_problem() -> None:
             ),
             'volume "state": hostPath /var/lib/fracgpu/containers holds fracgpu\'s node state',
         ),
+        pytest.param(
+            pod(
+                container("a", {"fracgpu.io/gpu": "0.5"}),
+                volumes=[{"name": "s", "hostPath": {"path": "/proc/1/root/var/lib/fracgpu"}}],
+            ),
+            'volume "s": hostPath /proc/1/root/var/lib/fracgpu (the node\'s /var/lib/fracgpu) '
+            "holds fracgpu's node state",
+            id="host-state-through-proc",
+        ),
+        pytest.param(
+            pod(
+                container("a", {"fracgpu.io/gpu": "1"}),
+                volumes=[{"name": "k", "hostPath": {"path": "/var/lib/kubelet/device-plugins/"}}],
+            ),
+            'volume "k": hostPath /var/lib/kubelet/device-plugins/ (the node\'s '
+            "/var/lib/kubelet/device-plugins) holds kubelet's device plugin sockets",
+            id="kubelet-device-plugin-sockets",
+        ),
+        pytest.param(
+            pod(container("a", {"cpu": "1"}))
+            | {"metadata": {"annotations": {"cdi.k8s.io/g": "x"}}},
+            "annotation cdi.k8s.io/g asks the container runtime for devices",
+            id="cdi-annotation-on-a-plain-pod",
+        ),
     ],
 )
 def test_system_owned_settings_are_denied(obj: dict[str, Any], expected: str) -> None:
@@ -371,6 +395,12 @@ pod_json = st.recursive(
                     "path",
                     "nodeSelector",
                     "affinity",
+                    "ephemeralContainers",
+                    "securityContext",
+                    "privileged",
+                    "cdi.k8s.io/x",
+                    "fracgpu.io/core",
+                    "schedulerName",
                 ]
             ),
             c,
@@ -535,6 +565,12 @@ NODES = {"l4": L4_LABELS, "h100": H100_LABELS}
             {"fracgpu.io/gpumem": "24576"}, ["h100"], ["l4", "h100"], id="memory-l4-pool-appears"
         ),
         pytest.param({"fracgpu.io/gpu": "0.3"}, ["l4", "h100"], ["h100"], id="l4-pool-removed"),
+        pytest.param(
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "40Gi"},
+            ["h100"],
+            ["l4"],
+            id="h100-pool-scaled-to-zero",
+        ),
     ],
 )
 def test_deployment_replicaset_pod_chain_is_admitted_unchanged(
@@ -637,3 +673,125 @@ def test_system_variables_that_differ_from_the_grant_are_denied(
 ) -> None:
     outcome = mutator().mutate(pod(container("c", limits, env=[env])), "", "Pod")
     assert f"environment variable {env['name']} is set by fracgpu" in outcome.message
+
+
+# kubectl debug: the pods/ephemeralcontainers subresource ------------------------------------
+
+
+def debugged(pod_obj: dict[str, Any], **ephemeral: Any) -> AdmissionRequest:
+    """The UPDATE kubectl debug sends: the whole pod, with the ephemeral container added."""
+    obj = copy.deepcopy(pod_obj)
+    obj["spec"]["ephemeralContainers"] = [{"name": "debugger", "image": "busybox", **ephemeral}]
+    return AdmissionRequest.model_validate(
+        {
+            "uid": "u",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "subResource": "ephemeralcontainers",
+            "namespace": "ns",
+            "operation": "UPDATE",
+            "object": obj,
+            "oldObject": pod_obj,
+        }
+    )
+
+
+ADMITTED_GPU_POD = pod(
+    container(
+        "app",
+        {"fracgpu.io/core": "30", "fracgpu.io/memory": "95"},
+        env=[
+            {"name": "FRACGPU_GPU", "value": "0.3"},
+            {"name": "FRACGPU_MEMORY_MIB", "value": "24320"},
+        ],
+    )
+)
+PLAIN_POD = pod(container("web", {"cpu": "1"}))
+
+
+@pytest.mark.parametrize(
+    ("target", "ephemeral", "denied"),
+    [
+        pytest.param(
+            ADMITTED_GPU_POD,
+            {"securityContext": {"privileged": True}},
+            'container "debugger": is privileged',
+            id="privileged-in-a-gpu-pod",
+        ),
+        pytest.param(
+            ADMITTED_GPU_POD,
+            {"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+            'container "debugger": environment variable NVIDIA_VISIBLE_DEVICES selects GPUs',
+            id="visible-devices-in-a-gpu-pod",
+        ),
+        pytest.param(
+            PLAIN_POD,
+            {"env": [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]},
+            'container "debugger": environment variable NVIDIA_VISIBLE_DEVICES selects GPUs',
+            id="visible-devices-in-a-plain-pod",
+        ),
+        pytest.param(
+            ADMITTED_GPU_POD,
+            {"env": [{"name": "FRACGPU_GPU", "value": "1"}]},
+            'container "debugger": environment variable FRACGPU_GPU is set by fracgpu',
+            id="system-variable",
+        ),
+        pytest.param(
+            ADMITTED_GPU_POD,
+            {"volumeMounts": [{"name": "v", "mountPath": "/run/fracgpu/limits"}]},
+            'container "debugger": volume mount at /run/fracgpu/limits covers',
+            id="reserved-mount",
+        ),
+        pytest.param(
+            PLAIN_POD,
+            {"volumeMounts": [{"name": "v", "mountPath": "/var/run/nvidia-container-devices/a"}]},
+            'container "debugger": volume mount at /var/run/nvidia-container-devices/a selects',
+            id="device-list-mount",
+        ),
+        pytest.param(
+            ADMITTED_GPU_POD,
+            {"resources": {"limits": {"fracgpu.io/gpu": "1"}}},
+            'container "debugger": is an ephemeral container and asks for fracgpu.io/gpu; '
+            "ephemeral containers get no GPU, remove the resources",
+            id="asks-for-a-gpu",
+        ),
+    ],
+)
+async def test_ephemeral_containers_are_checked(
+    target: dict[str, Any], ephemeral: dict[str, Any], denied: str
+) -> None:
+    response = await mutator()(debugged(target, **ephemeral))
+    assert response.status is not None
+    assert denied in response.status.message
+
+
+@pytest.mark.parametrize(
+    ("target", "ephemeral"),
+    [
+        pytest.param(ADMITTED_GPU_POD, {}, id="plain-debugger-in-a-gpu-pod"),
+        pytest.param(PLAIN_POD, {"securityContext": {"privileged": True}}, id="privileged-no-gpu"),
+    ],
+)
+async def test_harmless_ephemeral_containers_pass_without_a_patch(
+    target: dict[str, Any], ephemeral: dict[str, Any]
+) -> None:
+    response = await mutator(scheduler_name="fracgpu-scheduler")(debugged(target, **ephemeral))
+    assert response.allowed
+    assert response.patch is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(obj=pod_json)
+async def test_hostile_ephemeral_container_updates_get_an_answer(obj: Any) -> None:
+    """Whatever kubectl debug's subresource carries, the reply is an allow or a 422 denial."""
+    request = AdmissionRequest.model_validate(
+        {
+            "uid": "u",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "subResource": "ephemeralcontainers",
+            "operation": "UPDATE",
+            "object": obj if isinstance(obj, dict) else {"spec": obj},
+        }
+    )
+    response = await mutator()(request)
+    assert response.allowed or (response.status is not None and response.status.code == 422)

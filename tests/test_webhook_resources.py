@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
+from webhook.config import AdmissionConfig
 from webhook.resources import DEFAULT_MAX_CARDS, Card, CardChoice, Dialect, normalise_container
 
 H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
@@ -336,6 +337,29 @@ def test_canonical_whole_cards_with_memory_need_no_model() -> None:
     assert grant_of({CORE: "200", MEMORY: "636"}, UNKNOWN) == Grant(200, 636)
 
 
+@pytest.mark.parametrize(
+    ("limits", "card"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "8000000000"}, UNKNOWN, id="no-model"
+        ),
+        pytest.param({"fracgpu.io/core": "30", "fracgpu.io/memory": "1e30"}, KNOWN, id="canonical"),
+        pytest.param(
+            {"fracgpu.io/core": "200", "fracgpu.io/memory": "9000"}, UNKNOWN, id="canonical-cards"
+        ),
+    ],
+)
+def test_memory_no_gpu_has_is_denied_even_without_a_model(
+    limits: dict[str, Any], card: CardChoice
+) -> None:
+    assert "more than any GPU has (1048576 MiB usable)" in error_of(limits, card)
+
+
+def test_canonical_memory_is_not_held_to_the_models_known_now() -> None:
+    """Sized when first admitted; the model that holds it may be scaled to zero now."""
+    assert grant_of({CORE: "50", MEMORY: "159"}, CardChoice((L4,))) == Grant(50, 159)
+
+
 def test_explicit_memory_needs_no_inventory() -> None:
     assert grant_of({"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "8Gi"}, UNKNOWN) == Grant(30, 32)
 
@@ -565,3 +589,9 @@ def test_invalid_gpu_values_are_denied(value: Any) -> None:
         assert result.zero
     else:
         assert result.errors and result.grant is None
+
+
+@pytest.mark.parametrize("value", [0, 17], ids=["none", "more-than-a-limits-file-names"])
+def test_max_cards_configuration_is_bounded(value: int) -> None:
+    with pytest.raises(ValueError, match="max_cards"):
+        AdmissionConfig(max_cards=value)

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from core.contract import VISIBLE_DEVICES_ENV
+from core.contract import MAX_DEVICES, VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
 from webhook.resources import DEFAULT_MAX_CARDS, OPTIONAL_DIALECTS, Dialect
 
@@ -54,6 +54,11 @@ class AdmissionConfig(_Section):
     scheduler_name: str = Field(
         "", description=f"scheduler set on GPU pods (such as {SCHEDULER_PROFILE}); empty leaves it"
     )
+    scheduler_lease: str = Field(
+        f"fracgpu/{SCHEDULER_PROFILE}",
+        description="namespace/name of the Lease the leader of scheduler_name renews; GPU pods "
+        "are handed to it only while the Lease is renewed; empty: always (no check)",
+    )
     override_scheduler: bool = Field(
         False, description="also replace a scheduler the pod names (other than default)"
     )
@@ -68,7 +73,7 @@ class AdmissionConfig(_Section):
     max_cards: int = Field(
         DEFAULT_MAX_CARDS,
         ge=1,
-        le=1024,
+        le=MAX_DEVICES,
         description="whole cards one container may ask for; more could never be scheduled",
     )
 
@@ -79,6 +84,14 @@ class AdmissionConfig(_Section):
             if d not in OPTIONAL_DIALECTS:
                 raise ValueError(f"{d.value!r} is always enabled; list only hami or tkestack")
         return dialects
+
+    @field_validator("scheduler_lease")
+    @classmethod
+    def _namespaced(cls, lease: str) -> str:
+        namespace, slash, name = lease.partition("/")
+        if lease and not (slash and namespace and name and "/" not in name):
+            raise ValueError(f"{lease!r}: write the Lease as namespace/name")
+        return lease
 
     @field_validator("env")
     @classmethod

@@ -9,16 +9,15 @@ for no GPU pass untouched.
 
 from __future__ import annotations
 
-import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic_core import to_json
 
 from core.admission import AdmissionRequest, AdmissionResponse
-from core.contract import HOST_ROOT, LD_SO_PRELOAD, RESERVED_CONTAINER_PATHS, VISIBLE_DEVICES_ENV
-from core.units import CANONICAL, DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX, Grant
+from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
+from webhook.checks import Container, PodView, forbidden
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.resources import (
@@ -28,7 +27,6 @@ from webhook.resources import (
     enabled,
     input_resources,
     normalise_container,
-    quote,
 )
 
 # Where the pod template lives in each built-in workload kind, by (API group, kind).
@@ -42,11 +40,9 @@ TEMPLATE_PATHS: dict[tuple[str, str], tuple[str, ...]] = {
     ("batch", "CronJob"): ("spec", "jobTemplate", "spec", "template"),
 }
 CONTAINER_LISTS = ("initContainers", "containers")
+EPHEMERAL_CONTAINERS = "ephemeralContainers"
+EPHEMERAL = "ephemeralcontainers"  # the Pod subresource kubectl debug writes
 _CANONICAL = frozenset(CANONICAL)
-# The NVIDIA container runtime hands cards to any container that sets this variable; only the
-# device plugin may set it. These values expose no card.
-VISIBLE_DEVICES = VISIBLE_DEVICES_ENV
-HARMLESS_VISIBLE_DEVICES = frozenset({"", "void", "none"})
 DENY_LIMIT = 8  # problems listed in one denial; more would be truncated by kubectl anyway
 # Normalised containers remembered by the mutator (see Mutator._normalise); cleared when full.
 MEMO_SIZE = 4096
@@ -78,6 +74,12 @@ class _Pod:
     results: list[Located]
 
 
+class SchedulerCheck(Protocol):
+    """Says why the configured scheduler is not running (None: it is)."""
+
+    def not_running(self) -> str | None: ...
+
+
 @dataclass
 class Outcome:
     """The decision for one object: allowed with a patch, or denied with messages."""
@@ -101,9 +103,15 @@ class Outcome:
 class Mutator:
     """The ``/mutate`` reviewer and the engine behind ``fracgpu review``."""
 
-    def __init__(self, config: AdmissionConfig, inventory: Inventory) -> None:
+    def __init__(
+        self,
+        config: AdmissionConfig,
+        inventory: Inventory,
+        scheduler: SchedulerCheck | None = None,
+    ) -> None:
         self.config = config
         self.inventory = inventory
+        self.scheduler = scheduler
         self.dialects = enabled(config.dialects)
         self.inputs = input_resources(self.dialects)
         self._memo: dict[tuple[Any, ...], tuple[CardChoice, ContainerResult]] = {}
@@ -142,6 +150,8 @@ class Mutator:
         return env
 
     async def __call__(self, req: AdmissionRequest) -> AdmissionResponse:
+        if (req.kind.kind, req.sub_resource, req.operation) == ("Pod", EPHEMERAL, "UPDATE"):
+            return self._ephemeral(req)
         if req.operation not in ("CREATE", "UPDATE") or req.sub_resource or req.object is None:
             return AdmissionResponse.allow(req.uid, label="not-applicable")
         if req.kind.kind == "Pod" and req.operation == "UPDATE":
@@ -149,6 +159,16 @@ class Mutator:
             return AdmissionResponse.allow(req.uid, label="not-applicable")
         outcome = self.mutate(req.object, req.kind.group, req.kind.kind)
         return respond(req.uid, outcome)
+
+    def _ephemeral(self, req: AdmissionRequest) -> AdmissionResponse:
+        """``kubectl debug`` adds ephemeral containers to a running pod: they are checked like
+        any of its containers (a privileged one, or one that sets NVIDIA_VISIBLE_DEVICES, would
+        see every card), and nothing else of the pod, admitted at its creation, is changed."""
+        pod = req.object if isinstance(req.object, dict) else {}
+        outcome = self.mutate_pod(pod)
+        if not outcome.allowed:
+            return respond(req.uid, outcome)
+        return AdmissionResponse.allow(req.uid, label="ephemeral")
 
     def mutate(self, obj: Mapping[str, Any], group: str, kind: str) -> Outcome:
         """Mutate an object of a supported kind; other kinds pass untouched."""
@@ -187,7 +207,8 @@ class Mutator:
                         outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
         outcome.gpu = any(r.grant is not None for *_, r in results)
-        outcome.errors.extend(self._forbidden(spec, meta, results, outcome.gpu))
+        checked = results + self._ephemeral_containers(spec, outcome.errors)
+        outcome.errors.extend(forbidden(self._view(spec, meta, checked, outcome.gpu), self.config))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome
@@ -202,82 +223,41 @@ class Mutator:
         if outcome.gpu:
             view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
+            if not base:
+                self._scheduler_op(outcome, spec)
         return outcome
 
-    def _forbidden(
-        self,
-        spec: Mapping[str, Any],
-        meta: Mapping[str, Any],
-        results: list[Located],
-        gpu: bool,
-    ) -> list[str]:
-        """What a pod may not set because the device plugin or the hook rely on it."""
-        problems: list[str] = []
-        for _, _, container, result in results:
-            who = container_ref(result.name)
-            env = container.get("env")
-            for var in env if isinstance(env, list) else ():
-                if not isinstance(var, dict):
-                    continue
-                var_name, value = str(var.get("name") or ""), var.get("value")
-                literal = "valueFrom" not in var
-                if var_name == VISIBLE_DEVICES and not (
-                    literal and (value or "") in HARMLESS_VISIBLE_DEVICES
-                ):
-                    problems.append(
-                        f"{who}: environment variable {VISIBLE_DEVICES} selects GPUs "
-                        f"and is set only by the fracgpu device plugin; remove it and request "
-                        f"fracgpu.io/gpu instead"
-                    )
-                elif var_name.startswith(SYSTEM_ENV_PREFIX) and not (
-                    literal
-                    and result.grant is not None
-                    and result.grant.env().get(var_name) == value
-                ):
-                    problems.append(
-                        f"{who}: environment variable {var_name} is set by fracgpu "
-                        f"and cannot be set in the pod spec (got {quote(value)}); remove it"
-                    )
-            if not gpu:
+    def _ephemeral_containers(self, spec: Mapping[str, Any], errors: list[str]) -> list[Located]:
+        """Ephemeral containers hold no resources; they are only checked, never rewritten."""
+        found: list[Located] = []
+        containers = spec.get(EPHEMERAL_CONTAINERS)
+        for index, container in enumerate(containers if isinstance(containers, list) else ()):
+            if not isinstance(container, dict):
                 continue
-            security = container.get("securityContext")
-            if (
-                isinstance(security, dict)
-                and security.get("privileged") is True
-                and not self.config.allow_privileged
-            ):
-                problems.append(
-                    f"{who}: is privileged; a privileged container sees every GPU of the node and "
-                    f"escapes its share; remove securityContext.privileged from GPU pods"
+            name = str(container.get("name") or f"{EPHEMERAL_CONTAINERS}[{index}]")
+            resources = container.get("resources")
+            asked = sorted(
+                key
+                for part in ("limits", "requests")
+                for key in _keys(resources.get(part) if isinstance(resources, dict) else None)
+                if key in self.inputs
+            )
+            if asked:
+                errors.append(
+                    f"{container_ref(name)}: is an ephemeral container and asks for "
+                    f"{', '.join(asked)}; ephemeral containers get no GPU, remove the resources"
                 )
-            mounts = container.get("volumeMounts")
-            for mount in mounts if isinstance(mounts, list) else []:
-                path = mount.get("mountPath") if isinstance(mount, dict) else None
-                if isinstance(path, str) and _reserved(path):
-                    problems.append(
-                        f"{who}: volume mount at {path} covers a path the fracgpu "
-                        f"device plugin mounts ({', '.join(RESERVED_CONTAINER_PATHS)}); mount the "
-                        f"volume elsewhere"
-                    )
-        if gpu:
-            volumes = spec.get("volumes")
-            for volume in volumes if isinstance(volumes, list) else []:
-                host = volume.get("hostPath") if isinstance(volume, dict) else None
-                path = host.get("path") if isinstance(host, dict) else None
-                if isinstance(path, str) and _host_reserved(path):
-                    vol = quote(volume.get("name"))
-                    problems.append(
-                        f"volume {vol}: hostPath {path} holds fracgpu's node "
-                        f"state ({HOST_ROOT}) and cannot be mounted into a GPU pod; remove it"
-                    )
-            annotations = meta.get("annotations")
-            for key in annotations if isinstance(annotations, dict) else {}:
-                if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
-                    problems.append(
-                        f"annotation {key} is reserved for fracgpu and cannot be set on a GPU "
-                        f"pod; remove it"
-                    )
-        return problems
+            found.append((EPHEMERAL_CONTAINERS, index, container, ContainerResult(name)))
+        return found
+
+    def _view(
+        self, spec: Mapping[str, Any], meta: Mapping[str, Any], results: list[Located], gpu: bool
+    ) -> PodView:
+        granted = self._granted_env
+        containers = tuple(
+            [Container.of(c, r, granted(r.grant) if r.grant else {}) for *_, c, r in results]
+        )
+        return PodView.of(spec, meta, containers, gpu)
 
     def _container_ops(
         self,
@@ -317,17 +297,33 @@ class Mutator:
         else:
             ops.extend({"op": "add", "path": f"{where}/env/-", "value": v} for v in missing)
 
-    def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
-        root, spec = pod.root, pod.spec
+    def _scheduler_op(self, outcome: Outcome, spec: Mapping[str, Any]) -> None:
+        """Hand a GPU pod to the configured scheduler, but only while it runs.
+
+        Only pods, never templates: a template keeps its value for every pod made from it, and
+        a scheduler that stops later would leave those pods waiting with no event. Each pod
+        is decided when it is created.
+        """
         scheduler = self.config.scheduler_name
         current = spec.get("schedulerName")
-        if (
+        if not (
             scheduler
             and current != scheduler
             and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
         ):
-            op = "add" if current is None else "replace"
-            ops.append({"op": op, "path": f"{root}/spec/schedulerName", "value": scheduler})
+            return
+        why = self.scheduler.not_running() if self.scheduler is not None else None
+        if why is not None:
+            outcome.warnings.append(
+                f"scheduler {scheduler} is not running ({why}); the pod keeps "
+                f"{current or 'the default scheduler'} so that it does not wait unscheduled"
+            )
+            return
+        op = "add" if current is None else "replace"
+        outcome.patch.append({"op": op, "path": "/spec/schedulerName", "value": scheduler})
+
+    def _pod_ops(self, ops: list[dict[str, Any]], pod: _Pod) -> None:
+        root, spec = pod.root, pod.spec
         tolerations = spec.get("tolerations")
         present = tolerations if isinstance(tolerations, list) else []
         needed = [t for t in self.config.tolerations if not _tolerated(t, present)]
@@ -380,6 +376,10 @@ def _memo_key(
     return (name, asked, also, choice_id)
 
 
+def _keys(section: object) -> list[str]:
+    return [str(k) for k in section] if isinstance(section, dict) else []
+
+
 def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
     if not outcome.allowed:
         return AdmissionResponse.deny(
@@ -387,20 +387,6 @@ def respond(uid: str, outcome: Outcome) -> AdmissionResponse:
         )
     label = "gpu" if outcome.gpu else ("stripped" if outcome.patch else "no-gpu")
     return AdmissionResponse.allow(uid, outcome.patch, outcome.warnings, label=label)
-
-
-def _reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
-    return any(norm == p or norm.startswith(p + "/") for p in RESERVED_CONTAINER_PATHS)
-
-
-def _host_reserved(path: str) -> bool:
-    norm = posixpath.normpath("/" + path.strip().lstrip("/"))
-    return (
-        norm in ("/", "/var", "/var/lib", LD_SO_PRELOAD)
-        or norm == HOST_ROOT
-        or norm.startswith(HOST_ROOT + "/")
-    )
 
 
 def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:

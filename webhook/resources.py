@@ -34,6 +34,7 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
+from core.contract import MAX_DEVICES
 from core.labels import PRODUCT_LABEL
 from core.quantity import MAX_CHARS, Quantity, QuantityError, format_decimal, parse_quantity
 from core.units import (
@@ -188,8 +189,9 @@ def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
     return tuple(d for d in Dialect if d in chosen)
 
 
-DEFAULT_MAX_CARDS = 16
-"""Whole cards one container may ask for: more than any node has (``admission.max_cards``)."""
+DEFAULT_MAX_CARDS = MAX_DEVICES
+"""Whole cards one container may ask for (``admission.max_cards``): as many as a container's
+limits file can name, more than most nodes have."""
 
 
 def normalise_container(
@@ -554,16 +556,28 @@ def _whole_cards(
     return Grant(core, 0)
 
 
+MAX_CARD_MIB = 2**20
+"""No GPU has a TiB of memory: more is a typo (bytes written as MiB), known models or not."""
+
+
 def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
-    """Deny memory that no candidate card has: it would only fail later, on the node."""
-    largest = choice.largest
-    if largest is None or blocks <= card_blocks(largest.memory_mib):
+    """Deny memory that no candidate card has: it would only fail later, on the node.
+
+    The canonical form is held only to what any card could have: it was sized against the
+    candidates when it was first admitted, and they may be scaled to zero now.
+    """
+    largest = None if ask.exact else choice.largest
+    if largest is None:
+        limit, what = card_blocks(MAX_CARD_MIB), "any GPU"
+    else:
+        limit, what = card_blocks(largest.memory_mib), largest.product
+    if blocks <= limit:
         return
     hint = ""
     if ask.memory_mib is not None and ask.memory_mib >= MIB:
         hint = " (a plain number is MiB; write a binary suffix such as 8Gi for bytes)"
     raise RequestError(
         f"{container_ref(name)}: asks for {blocks * BLOCK_MIB} MiB of GPU memory per card, more "
-        f"than {largest.product} has ({card_blocks(largest.memory_mib) * BLOCK_MIB} MiB usable); "
-        f"ask for less memory, or for whole cards{hint}"
+        f"than {what} has ({limit * BLOCK_MIB} MiB usable); ask for less memory, or for whole "
+        f"cards{hint}"
     )
