@@ -133,10 +133,11 @@ def admission_config(args: argparse.Namespace) -> AdmissionConfig:
 
 def _run_review(args: argparse.Namespace) -> int:
     config = admission_config(args)
-    mutator = Mutator(config, Inventory(config.inventory.models))
+    inventory = Inventory(config.inventory.models)
+    mutator = Mutator(config, inventory)
     decisions = [review_object(mutator, src, obj) for src, obj in read_manifests(args.files)]
     if args.quota is not None:
-        apply_quota(decisions, args.quota)
+        apply_quota(decisions, args.quota, inventory)
     (render_json if args.output == "json" else render_text)(decisions, sys.stdout)
     return 0 if all(d.allowed for d in decisions) else 1
 

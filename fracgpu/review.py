@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import jsonpatch
 import yaml
 
+from webhook.inventory import Inventory
 from webhook.mutation import TEMPLATE_PATHS, Mutator
 
 
@@ -98,7 +99,7 @@ def review_object(mutator: Mutator, source: str, obj: Any) -> Decision:
     )
 
 
-def apply_quota(decisions: list[Decision], quota_file: Path) -> None:
+def apply_quota(decisions: list[Decision], quota_file: Path, inventory: Inventory) -> None:
     """Check the admitted Pods against GPUQuotas from a file, in order, as the server would.
 
     Workloads are not charged: their pods are, when they are created.
@@ -108,7 +109,11 @@ def apply_quota(decisions: list[Decision], quota_file: Path) -> None:
 
     admitted = [d for d in decisions if d.allowed and d.kind == "Pod" and d.object is not None]
     try:
-        verdicts = review_pods(quota_file, [d.object for d in admitted if d.object is not None])
+        verdicts = review_pods(
+            quota_file,
+            [d.object for d in admitted if d.object is not None],
+            card_memory=inventory.largest_card_mib,
+        )
     except (OSError, QuotaError) as exc:
         raise ManifestError(str(exc)) from None
     for decision, verdict in zip(admitted, verdicts, strict=True):

@@ -126,7 +126,9 @@ async def run_server(
         stack.push_async_callback(certificates.close)
         waiting["serving certificate"] = certificates.ready
         background: list[Awaitable[Any]] = [certificates.run()]
-        quota = await open_quota(config.quota, api, registry=registry)
+        quota = await open_quota(
+            config.quota, api, registry=registry, card_memory=inventory.largest_card_mib
+        )
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
         # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing

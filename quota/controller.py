@@ -34,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from core.kube import GPUQUOTAS, PODS, Api, Informer, KubeError, KubeNotFound, call_json
-from quota.demand import Demand, is_terminal, pod_demand
+from quota.demand import CardMemory, Demand, is_terminal, pod_demand
 from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Pending, Scoped
 from quota.metrics import QuotaMetrics
 from quota.model import CONTROLLER_ACTIVE, COUNTED, Condition, GPUQuota, QuotaError, now
@@ -62,8 +62,10 @@ class UsageController:
         grace_s: float = 10.0,
         pending_limit: int = DEFAULT_PENDING_LIMIT,
         clock: Callable[[], datetime] = now,
+        card_memory: CardMemory | None = None,
     ) -> None:
         self.api = api
+        self.card_memory = card_memory
         self.store = store
         self.metrics = metrics or QuotaMetrics()
         self.resync_s = resync_s
@@ -105,7 +107,7 @@ class UsageController:
         meta = pod.get("metadata") or {}
         namespace = meta.get("namespace")
         uid = str(meta.get("uid") or "")
-        demand = pod_demand(pod)
+        demand = pod_demand(pod, self.card_memory)
         # Each recount reads every pod of the namespace: computed once per change, here.
         if kind == "DELETED":
             self._demands.pop(uid, None)
@@ -283,7 +285,11 @@ class UsageController:
         ended: set[str] = set()
         for pod in pods:
             uid = str((pod.get("metadata") or {}).get("uid") or "")
-            demand = self._demands[uid] if cached and uid in self._demands else pod_demand(pod)
+            demand = (
+                self._demands[uid]
+                if cached and uid in self._demands
+                else pod_demand(pod, self.card_memory)
+            )
             if demand is None:
                 continue
             if is_terminal(pod, at):

@@ -8,18 +8,29 @@ combined separately. GPU quota charges the same, so it agrees with what the sche
 the device plugin will hold.
 
 A pod holds only the canonical resources here (the validating webhook runs after mutation,
-and the controller reads persisted pods), read with :meth:`webhook.resources.Grant.from_resources`.
+and the controller reads persisted pods), read with :meth:`core.units.Grant.from_resources`.
+
+Whole cards carry no memory in the canonical form (they get all of whichever card they land
+on), yet they hold it, and a GPUQuota's ``gpumem`` must count it. They are charged the memory
+of the largest card they may land on (the model they are pinned to, else any known model), in
+whole 256 MiB blocks as the device plugin advertises a card: never less than they can get.
+Where no such card is known (a GPU node pool scaled to zero), ``unsized_cards`` says how many
+cards could not be sized, and a quota that limits ``gpumem`` refuses the pod rather than
+count it at zero.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from core.labels import pinned_products
-from core.units import BLOCK_MIB, Grant
+from core.units import BLOCK_MIB, Grant, card_blocks
+
+CardMemory = Callable[[frozenset[str] | None], int | None]
+"""MiB of the largest card a pod pinned to these models (None: unpinned) may land on, if known."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +44,7 @@ class Demand:
     memory_mib: int
     models: frozenset[str] | None = None
     pods: int = 1
+    unsized_cards: int = 0  # whole cards whose memory no known card could size
 
     def on(self, model: str) -> bool:
         """Whether this demand counts against a per-model limit of ``model``."""
@@ -61,21 +73,36 @@ def _containers(spec: Mapping[str, Any], key: str) -> Iterable[Mapping[str, Any]
     return [c for c in items if isinstance(c, Mapping)] if isinstance(items, list) else []
 
 
-def pod_demand(pod: Mapping[str, Any]) -> Demand | None:
+def pod_demand(pod: Mapping[str, Any], card_memory: CardMemory | None = None) -> Demand | None:
     """The pod's GPU demand, or None when the pod holds no GPU (quota never affects it)."""
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return None
+    pinned = pinned_products(spec)
+    models = None if pinned is None else pinned[1]
+    card_mib = card_memory(models) if card_memory is not None else None
+    unsized = 0
+
+    def sized(grant: Grant | None) -> Grant:
+        nonlocal unsized
+        if grant is None:
+            return Grant(0, 0)
+        if grant.memory_blocks or not grant.whole_cards:
+            return grant
+        if card_mib is None:
+            unsized = max(unsized, grant.whole_cards)
+            return grant
+        return Grant(grant.core, grant.whole_cards * card_blocks(card_mib))
+
     core = blocks = 0
     for container in _containers(spec, "containers"):
-        grant = _grant(container)
-        if grant:
-            core += grant.core
-            blocks += grant.memory_blocks
+        grant = sized(_grant(container))
+        core += grant.core
+        blocks += grant.memory_blocks
     sidecar_core = sidecar_blocks = 0
     init_core = init_blocks = 0
     for container in _containers(spec, "initContainers"):
-        grant = _grant(container) or Grant(0, 0)
+        grant = sized(_grant(container))
         if container.get("restartPolicy") == "Always":
             core += grant.core
             blocks += grant.memory_blocks
@@ -91,8 +118,7 @@ def pod_demand(pod: Mapping[str, Any]) -> Demand | None:
     blocks = max(blocks, init_blocks)
     if core == 0 and blocks == 0:
         return None
-    pinned = pinned_products(spec)
-    return Demand(core, blocks * BLOCK_MIB, None if pinned is None else pinned[1])
+    return Demand(core, blocks * BLOCK_MIB, models, unsized_cards=unsized)
 
 
 def is_terminal(pod: Mapping[str, Any], at: datetime | None = None) -> bool:

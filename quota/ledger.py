@@ -230,7 +230,8 @@ class Ledger:
             if model is not None and not demand.on(model):
                 continue
             charged = self.charged(model)
-            if not (charged + Usage.of(demand)).within(limit):
+            unsized = bool(demand.unsized_cards) and limit.gpumem is not None
+            if unsized or not (charged + Usage.of(demand)).within(limit):
                 return Violation(self.namespace, self.name, model, limit, charged, demand)
         return None
 

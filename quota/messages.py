@@ -28,6 +28,8 @@ def demand_phrase(demand: Demand) -> str:
 
 def exceeded(violation: Violation) -> str:
     limit, charged, demand = violation.limit, violation.charged, violation.demand
+    if demand.unsized_cards and limit.gpumem is not None:
+        return unsized(violation)
     of = f" of {violation.model}" if violation.model else ""
     parts = []
     if limit.gpu is not None:
@@ -48,6 +50,19 @@ def exceeded(violation: Violation) -> str:
             f"limit (pin it with nodeSelector {PRODUCT_LABEL} to count it against one model)"
         )
     return message
+
+
+def unsized(violation: Violation) -> str:
+    cards = violation.demand.unsized_cards
+    of = f" of {violation.model}" if violation.model else ""
+    return (
+        f'GPU quota cannot count this pod in namespace "{violation.namespace}": it asks '
+        f"{cards} whole {'card' if cards == 1 else 'cards'}, which come with all of their "
+        f"memory, and no GPU node of a model it may land on is known yet, while quota "
+        f'"{violation.quota}" limits GPU memory{of} to {violation.limit.gpumem} MiB; create the '
+        f"pod again once a GPU node has joined, or pin a GPU model with nodeSelector "
+        f"{PRODUCT_LABEL} that the webhook's inventory.models names"
+    )
 
 
 def no_quota(namespace: str, demand: Demand) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quota.demand import pod_demand
+from quota.demand import CardMemory, pod_demand
 from quota.reserver import Reserver
 from quota.store import MemoryStore, load_quota_file
 
@@ -27,7 +27,11 @@ class QuotaDecision:
 
 
 async def review_pods_async(
-    quota_file: Path | str, pods: Sequence[Mapping[str, Any]], *, require_quota: bool = False
+    quota_file: Path | str,
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    require_quota: bool = False,
+    card_memory: CardMemory | None = None,
 ) -> list[QuotaDecision]:
     """One decision per pod (canonical, i.e. already mutated), in order."""
     store = MemoryStore(load_quota_file(quota_file))
@@ -35,7 +39,7 @@ async def review_pods_async(
     decisions = []
     try:
         for index, pod in enumerate(pods):
-            demand = pod_demand(pod)
+            demand = pod_demand(pod, card_memory)
             if demand is None:
                 decisions.append(QuotaDecision(True, reason="no-gpu"))
                 continue
@@ -52,7 +56,13 @@ async def review_pods_async(
 
 
 def review_pods(
-    quota_file: Path | str, pods: Sequence[Mapping[str, Any]], *, require_quota: bool = False
+    quota_file: Path | str,
+    pods: Sequence[Mapping[str, Any]],
+    *,
+    require_quota: bool = False,
+    card_memory: CardMemory | None = None,
 ) -> list[QuotaDecision]:
     """:func:`review_pods_async` for synchronous callers (the CLI); not from a running loop."""
-    return asyncio.run(review_pods_async(quota_file, pods, require_quota=require_quota))
+    return asyncio.run(
+        review_pods_async(quota_file, pods, require_quota=require_quota, card_memory=card_memory)
+    )

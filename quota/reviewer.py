@@ -13,15 +13,18 @@ import time
 from typing import Any
 
 from core.admission import AdmissionRequest, AdmissionResponse
-from quota.demand import pod_demand
+from quota.demand import CardMemory, pod_demand
 from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
 
 
 class QuotaReviewer:
-    def __init__(self, reserver: Reserver, metrics: QuotaMetrics) -> None:
+    def __init__(
+        self, reserver: Reserver, metrics: QuotaMetrics, card_memory: CardMemory | None = None
+    ) -> None:
         self.reserver = reserver
         self.metrics = metrics
+        self.card_memory = card_memory
 
     async def __call__(self, request: AdmissionRequest) -> AdmissionResponse:
         if (
@@ -32,7 +35,7 @@ class QuotaReviewer:
         ):
             return AdmissionResponse.allow(request.uid, label="not-pod-create")
         pod: dict[str, Any] = request.object or {}
-        demand = pod_demand(pod)
+        demand = pod_demand(pod, self.card_memory)
         if demand is None:
             return AdmissionResponse.allow(request.uid, label="no-gpu")
         meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}

@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 from core.kube import Api
 from quota.config import QuotaConfig
 from quota.controller import UsageController
+from quota.demand import CardMemory
 from quota.kubestore import KubeQuotaStore
 from quota.leader import LeaderElector
 from quota.messages import crd_missing_problem
@@ -37,8 +38,10 @@ class QuotaService:
         store: QuotaStore,
         metrics: QuotaMetrics,
         api: Api | None = None,
+        card_memory: CardMemory | None = None,
     ) -> None:
         self.config = config
+        self.card_memory = card_memory
         self.store = store
         self.metrics = metrics
         self.api = api
@@ -54,7 +57,7 @@ class QuotaService:
             stale_after_s=config.stale_after_s,
             count_wait_s=config.count_wait_s,
         )
-        self.reviewer = QuotaReviewer(self.reserver, metrics)
+        self.reviewer = QuotaReviewer(self.reserver, metrics, card_memory)
         self._problem: str | None = None
         self.probe_interval_s = 5.0
 
@@ -92,6 +95,7 @@ class QuotaService:
             request_timeout_s=self.config.request_timeout_s,
             grace_s=self.config.reservation_grace_s,
             pending_limit=self.config.pending_limit,
+            card_memory=self.card_memory,
         )
 
     async def run(self) -> None:
@@ -125,21 +129,26 @@ class QuotaService:
 
 
 async def open_quota(
-    config: QuotaConfig, api: Api | None, *, registry: CollectorRegistry | None = None
+    config: QuotaConfig,
+    api: Api | None,
+    *,
+    registry: CollectorRegistry | None = None,
+    card_memory: CardMemory | None = None,
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
-    required) or None (embedded mode). ``registry``: where metrics go (the server's own)."""
+    required) or None (embedded mode). ``registry``: where metrics go (the server's own).
+    ``card_memory``: how much memory whole cards hold (the composition root knows the cards)."""
     metrics = QuotaMetrics(registry)
     if config.mode == "embedded":
         objects = load_quota_file(config.file) if config.file is not None else []
-        return QuotaService(config, MemoryStore(objects), metrics)
+        return QuotaService(config, MemoryStore(objects), metrics, card_memory=card_memory)
     if api is None:
         raise ValueError(
             "quota.mode is kubernetes but no Kubernetes client was given; configure cluster "
             "access, or set quota.mode: embedded with quota.file"
         )
     store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
-    service = QuotaService(config, store, metrics, api)
+    service = QuotaService(config, store, metrics, api, card_memory=card_memory)
     await service.probe()
     if service.problem() is None:
         store.start()  # else in run(), once the CRD is there: no watch retrying a 404

@@ -9,7 +9,10 @@ from core.units import CORE, MEMORY
 
 
 def container(name: str, core: int = 0, blocks: int = 0, **extra: Any) -> dict[str, Any]:
-    limits = {CORE: str(core), MEMORY: str(blocks)} if core or blocks else {}
+    # A whole card carries fracgpu.io/core alone (it gets all of its card's memory).
+    limits = {CORE: str(core)} if core else {}
+    if blocks:
+        limits[MEMORY] = str(blocks)
     return {"name": name, "image": "x", "resources": {"limits": limits}, **extra}
 
 

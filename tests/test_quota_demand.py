@@ -1,9 +1,12 @@
 """Pod demand as Kubernetes computes pod requests (init containers, sidecars), and terminality."""
 
 from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
 
 from core.labels import PRODUCT_LABEL
-from quota.demand import Demand, is_terminal, pod_demand
+from quota.demand import CardMemory, Demand, is_terminal, pod_demand
 from tests.quota_pods import container, gpu_pod, plain_pod
 
 
@@ -52,3 +55,44 @@ def test_terminal() -> None:
     pod["metadata"]["deletionGracePeriodSeconds"] = 30
     assert not is_terminal(pod, at + timedelta(seconds=29))
     assert is_terminal(pod, at + timedelta(seconds=31))
+
+
+SIZES = {"A100": 81920, "T4": 15360}
+
+
+def _card_memory(products: frozenset[str] | None) -> int | None:
+    known = [mib for model, mib in SIZES.items() if products is None or model in products]
+    return max(known, default=None)
+
+
+@pytest.mark.parametrize(
+    ("pod", "card_memory", "demand"),
+    [
+        pytest.param(
+            gpu_pod("p", 200, 0), _card_memory, Demand(200, 2 * 320 * 256), id="largest card"
+        ),
+        pytest.param(
+            gpu_pod("p", 100, 0, node_selector={PRODUCT_LABEL: "T4"}),
+            _card_memory,
+            Demand(100, 60 * 256, frozenset({"T4"})),
+            id="the pinned model's card",
+        ),
+        pytest.param(
+            gpu_pod("p", 100, 0, node_selector={PRODUCT_LABEL: "H100"}),
+            _card_memory,
+            Demand(100, 0, frozenset({"H100"}), unsized_cards=1),
+            id="a model no node has: unsized",
+        ),
+        pytest.param(
+            gpu_pod("p", 300, 0), None, Demand(300, 0, unsized_cards=3), id="no card known"
+        ),
+        pytest.param(
+            gpu_pod("p", 100, 318), _card_memory, Demand(100, 318 * 256), id="memory as admitted"
+        ),
+        pytest.param(gpu_pod("p", 30, 10), None, Demand(30, 10 * 256), id="a share needs no card"),
+    ],
+)
+def test_whole_cards_are_charged_the_memory_of_their_card(
+    pod: dict[str, Any], card_memory: CardMemory | None, demand: Demand
+) -> None:
+    assert pod_demand(pod, card_memory) == demand

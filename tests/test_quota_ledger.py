@@ -148,3 +148,29 @@ def test_pending_pod_names_fit_the_crd(name: str, kept: str) -> None:
     ledger = Ledger.of(GPUQuota(gpu_quota(gpu=1)))
     ledger.admit("u", name, Demand(10, 256), AT)
     assert ledger.pending[0].wire().pod == kept
+
+
+@pytest.mark.parametrize(
+    ("spec", "refused"),
+    [
+        pytest.param(QuotaSpec(gpu=800), False, id="no memory limit: cards count"),
+        pytest.param(QuotaSpec(gpu=800, gpumem=1_000_000), True, id="memory limit: refused"),
+        pytest.param(
+            QuotaSpec(models={"T4": LimitSpec(gpumem=100_000)}),
+            True,
+            id="a per-model memory limit the pod counts against",
+        ),
+        pytest.param(
+            QuotaSpec(models={"T4": LimitSpec(gpumem=100_000)}),
+            False,
+            id="a per-model limit of another model",
+        ),
+    ],
+)
+def test_unsized_whole_cards_are_refused_only_where_memory_is_limited(
+    spec: QuotaSpec, refused: bool, request: pytest.FixtureRequest
+) -> None:
+    pinned = frozenset({"A100"}) if "another model" in request.node.callspec.id else None
+    demand = Demand(200, 0, pinned, unsized_cards=2)
+    violation = Ledger("ns", "q", spec).admit("uid", "p", demand, AT)
+    assert (violation is not None) is refused

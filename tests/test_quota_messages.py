@@ -3,9 +3,9 @@
 from datetime import UTC, datetime
 
 from quota.demand import Demand
-from quota.ledger import Ledger
+from quota.ledger import Ledger, Usage, Violation
 from quota.messages import exceeded, no_quota, unverifiable
-from quota.model import GPUQuota
+from quota.model import GPUQuota, LimitSpec
 from tests.quota_pods import gpu_quota
 
 
@@ -52,3 +52,15 @@ def test_other_messages() -> None:
     text = unverifiable("team-a", Demand(50, 256), "the Kubernetes API server did not answer")
     assert text.startswith('GPU quota could not be verified in namespace "team-a"')
     assert "never admitted unaccounted" in text
+
+
+def test_whole_cards_that_cannot_be_sized_say_why_and_how_to_fix_it() -> None:
+    demand = Demand(200, 0, unsized_cards=2)
+    violation = Violation("team-a", "gpus", None, LimitSpec(gpumem=65536), Usage(), demand)
+    assert exceeded(violation) == (
+        'GPU quota cannot count this pod in namespace "team-a": it asks 2 whole cards, which '
+        "come with all of their memory, and no GPU node of a model it may land on is known yet, "
+        'while quota "gpus" limits GPU memory to 65536 MiB; create the pod again once a GPU node '
+        "has joined, or pin a GPU model with nodeSelector fracgpu.io/gpu.product that the "
+        "webhook's inventory.models names"
+    )

@@ -183,3 +183,17 @@ def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
         assert choice.card is None and f"model-{i}" in choice.unknown
     assert len(inv._choices) <= _MAX_CHOICES
     assert inv.choose(pin).card == Card("NVIDIA-H100-80GB-HBM3", 81559)
+
+
+@pytest.mark.parametrize(
+    ("products", "mib"),
+    [
+        pytest.param(None, 81920, id="unpinned: the largest model"),
+        pytest.param(frozenset({"T4"}), 15360, id="pinned to one model"),
+        pytest.param(frozenset({"T4", "A100"}), 81920, id="pinned to two: the larger"),
+        pytest.param(frozenset({"H100"}), None, id="a model nobody has"),
+    ],
+)
+def test_largest_card_for_quota(products: frozenset[str] | None, mib: int | None) -> None:
+    inventory = Inventory({"T4": 15360, "A100": 81920})
+    assert inventory.largest_card_mib(products) == mib

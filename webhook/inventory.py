@@ -79,6 +79,16 @@ class Inventory:
         for name, labels in nodes:
             self.set_node(name, labels)
 
+    def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
+        """Memory of the largest card a pod pinned to ``products`` (None: unpinned) may land
+        on, or None when no such model is known: what whole cards are charged to a quota."""
+        sizes = [
+            card.memory_mib
+            for card in self.models().values()
+            if products is None or card.product in products
+        ]
+        return max(sizes, default=None)
+
     def models(self, label_key: str | None = None) -> dict[str, Card]:
         """Known models by product name (under one label key's spelling, if given)."""
         found = dict(self._static)
