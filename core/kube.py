@@ -230,6 +230,12 @@ VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
 )
 GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
+DEPLOYMENTS = Resource("apps", "v1", "deployments", namespaced=True)
+REPLICASETS = Resource("apps", "v1", "replicasets", namespaced=True)
+STATEFULSETS = Resource("apps", "v1", "statefulsets", namespaced=True)
+DAEMONSETS = Resource("apps", "v1", "daemonsets", namespaced=True)
+JOBS = Resource("batch", "v1", "jobs", namespaced=True)
+CRONJOBS = Resource("batch", "v1", "cronjobs", namespaced=True)
 RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", namespaced=False)
 RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", namespaced=True)
 RESOURCE_CLAIM_TEMPLATES = Resource(

@@ -25,9 +25,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import open_serving
-from core.kube import kube_client
+from core.kube import Api, kube_client
 from quota.config import QuotaConfig
 from quota.service import open_quota
+from webhook.claims import SliceModels
+from webhook.claimstore import TemplateStore, slice_informer
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
@@ -35,6 +37,7 @@ from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
 from webhook.schedwatch import SchedulerPresence, scheduler_informer
 from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
+from webhook.waitwatch import WaitExplainer
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +111,7 @@ async def run_server(
         if admission.scheduler_name and admission.scheduler_lease and not standalone
         else None
     )
-    reviewers: dict[str, Reviewer] = {MUTATE_PATH: Mutator(admission, inventory, presence)}
+    reviewers: dict[str, Reviewer] = {}
     waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
     stopping: list[str] = []
 
@@ -134,6 +137,11 @@ async def run_server(
         # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
         # the quota service logs it once and denies GPU pods with the command that installs it.
         background.append(quota.run())
+        reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
+        if api is not None and admission.allocation == "dra":
+            reviewers[MUTATE_PATH] = await _dra_admission(
+                stack, api, admission, inventory, presence, waiting=waiting, background=background
+            )
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory)
             await stack.enter_async_context(informer)
@@ -169,6 +177,28 @@ async def run_server(
         await asyncio.sleep(delay)
     log.info("stopped")
     return status
+
+
+async def _dra_admission(
+    stack: contextlib.AsyncExitStack,
+    api: Api,
+    admission: AdmissionConfig,
+    inventory: Inventory,
+    presence: SchedulerPresence | None,
+    *,
+    waiting: dict[str, Callable[[], bool]],
+    background: list[Awaitable[Any]],
+) -> Mutator:
+    """DRA mode: GPU models from the driver's ResourceSlices, claim templates made on demand
+    and collected when unused, and an Event on each pod that waits because no card fits it."""
+    models = SliceModels()
+    slices = slice_informer(api, models)
+    await stack.enter_async_context(slices)
+    waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced
+    templates = TemplateStore(api)
+    background.append(templates.collect_forever())
+    background.append(WaitExplainer(api).run())
+    return Mutator(admission, inventory, presence, claim_models=models.models, templates=templates)
 
 
 class _Stopped(Exception):

@@ -17,9 +17,9 @@ import pytest
 from core import dra
 from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json, kube_client
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
-from webhook.claims import ClaimPlan, SliceModels, plan_claim
-from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore
-from webhook.resources import Card, RequestError, _Ask
+from webhook.claims import ClaimPlan, SliceModels, TemplateError, env_of_template, plan_claim
+from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore, referenced_templates
+from webhook.resources import Ask, Card, RequestError
 
 SMALL = Card("NVIDIA-L4", 23034)  # 89 blocks
 LARGE = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
@@ -38,17 +38,17 @@ def _capacity(request: dict[str, Any]) -> dict[str, str] | None:
 
 # name, ask, models, template name (prefix), exact request or per-model (product, cores, memory)
 EXACT = [
-    pytest.param(_Ask(core=100), {}, "fracgpu-cards-1", {"count": 1}, id="a whole card, no model"),
-    pytest.param(_Ask(core=300), MODELS, "fracgpu-cards-3", {"count": 3}, id="three whole cards"),
+    pytest.param(Ask(core=100), {}, "fracgpu-cards-1", {"count": 1}, id="a whole card, no model"),
+    pytest.param(Ask(core=300), MODELS, "fracgpu-cards-3", {"count": 3}, id="three whole cards"),
     pytest.param(
-        _Ask(core=30, memory_mib=8192),
+        Ask(core=30, memory_mib=8192),
         {},
         "fracgpu-c30-m8192",
         {"count": 1, "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}}},
         id="a share with its memory needs no model",
     ),
     pytest.param(
-        _Ask(core=5, memory_blocks=2),
+        Ask(core=5, memory_blocks=2),
         {},
         "fracgpu-c5-m512",
         {"count": 1, "capacity": {"requests": {"cores": "5", "memory": "512Mi"}}},
@@ -59,7 +59,7 @@ EXACT = [
 
 @pytest.mark.parametrize(("ask", "models", "name", "request_fields"), EXACT)
 def test_exact_requests(
-    ask: _Ask, models: dict[str, Card], name: str, request_fields: dict[str, Any]
+    ask: Ask, models: dict[str, Card], name: str, request_fields: dict[str, Any]
 ) -> None:
     plan = plan_claim("c", ask, models, max_cards=16)
     assert plan.name == name
@@ -71,22 +71,22 @@ def test_exact_requests(
 
 PER_MODEL = [
     pytest.param(
-        _Ask(core=50),
+        Ask(core=50),
         [(SMALL, "50", "11264Mi"), (LARGE, "50", "40704Mi")],
         id="a fraction gets that fraction of whichever card it lands on",
     ),
     pytest.param(
-        _Ask(memory_percent=25),
+        Ask(memory_percent=25),
         [(SMALL, "25", "5632Mi"), (LARGE, "25", "20224Mi")],
         id="a percentage is of the card it lands on",
     ),
     pytest.param(
-        _Ask(memory_mib=40960),
+        Ask(memory_mib=40960),
         [(LARGE, "51", "40960Mi")],
         id="memory alone: only cards that hold it, with the share of compute to match",
     ),
     pytest.param(
-        _Ask(core=10, memory_percent=50),
+        Ask(core=10, memory_percent=50),
         [(SMALL, "10", "11264Mi"), (LARGE, "10", "40704Mi")],
         id="a fraction with a percentage of memory",
     ),
@@ -95,7 +95,7 @@ PER_MODEL = [
 
 @pytest.mark.parametrize(("ask", "alternatives"), PER_MODEL)
 def test_model_dependent_requests_offer_one_alternative_per_model(
-    ask: _Ask, alternatives: list[tuple[Card, str, str]]
+    ask: Ask, alternatives: list[tuple[Card, str, str]]
 ) -> None:
     request = _request(plan_claim("c", ask, MODELS, max_cards=16))
     offered = [
@@ -109,13 +109,13 @@ def test_model_dependent_requests_offer_one_alternative_per_model(
 
 
 def test_a_template_name_changes_when_the_models_change() -> None:
-    one = plan_claim("c", _Ask(core=50), {SMALL.product: SMALL}, max_cards=16)
-    both = plan_claim("c", _Ask(core=50), MODELS, max_cards=16)
+    one = plan_claim("c", Ask(core=50), {SMALL.product: SMALL}, max_cards=16)
+    both = plan_claim("c", Ask(core=50), MODELS, max_cards=16)
     assert one.name != both.name
 
 
 def test_rounded_memory_is_said() -> None:
-    plan = plan_claim("train", _Ask(core=30, memory_mib=3000), {}, max_cards=16)
+    plan = plan_claim("train", Ask(core=30, memory_mib=3000), {}, max_cards=16)
     assert _capacity(_request(plan)["exactly"]) == {"cores": "30", "memory": "3072Mi"}
     assert plan.warnings == (
         'container "train": 3000 MiB of GPU memory rounded up to 3072 MiB (GPU memory is '
@@ -126,13 +126,13 @@ def test_rounded_memory_is_said() -> None:
 @pytest.mark.parametrize(
     ("ask", "models", "message"),
     [
-        pytest.param(_Ask(core=50), {}, "no GPU models are published", id="no model known"),
-        pytest.param(_Ask(memory_percent=10), {}, "no GPU models are published", id="percent"),
+        pytest.param(Ask(core=50), {}, "no GPU models are published", id="no model known"),
+        pytest.param(Ask(memory_percent=10), {}, "no GPU models are published", id="percent"),
         pytest.param(
-            _Ask(memory_mib=200000), MODELS, "more GPU memory than any card", id="too much memory"
+            Ask(memory_mib=200000), MODELS, "more GPU memory than any card", id="too much memory"
         ),
         pytest.param(
-            _Ask(core=2000, core_key="fracgpu.io/gpu", core_shown="20"),
+            Ask(core=2000, core_key="fracgpu.io/gpu", core_shown="20"),
             {},
             "more whole cards than a node has",
             id="more cards than admission.max_cards",
@@ -140,7 +140,7 @@ def test_rounded_memory_is_said() -> None:
     ],
 )
 def test_requests_that_cannot_be_sized_are_denied(
-    ask: _Ask, models: dict[str, Card], message: str
+    ask: Ask, models: dict[str, Card], message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
         plan_claim("c", ask, models, max_cards=16)
@@ -149,25 +149,25 @@ def test_requests_that_cannot_be_sized_are_denied(
 @pytest.mark.parametrize(
     "ask",
     [
-        pytest.param(_Ask(core=200), id="whole cards"),
-        pytest.param(_Ask(core=30, memory_mib=8192), id="share"),
-        pytest.param(_Ask(memory_percent=25), id="first available"),
+        pytest.param(Ask(core=200), id="whole cards"),
+        pytest.param(Ask(core=30, memory_mib=8192), id="share"),
+        pytest.param(Ask(memory_percent=25), id="first available"),
     ],
 )
-def test_templates_are_valid_kubernetes_1_36_objects(ask: _Ask) -> None:
+def test_templates_are_valid_kubernetes_1_36_objects(ask: Ask) -> None:
     template = dict(plan_claim("c", ask, MODELS, max_cards=16).template)
     template["metadata"] = {**template["metadata"], "namespace": "team-a"}
     kubernetes_validate.validate(template, "1.36.0", strict=True)
 
 
 def test_env_describes_what_the_webhook_knows() -> None:
-    assert plan_claim("c", _Ask(core=200), {}, max_cards=16).env == {"FRACGPU_GPU": "2"}
-    assert plan_claim("c", _Ask(core=30, memory_mib=8192), {}, max_cards=16).env == {
+    assert plan_claim("c", Ask(core=200), {}, max_cards=16).env == {"FRACGPU_GPU": "2"}
+    assert plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16).env == {
         "FRACGPU_GPU": "0.3",
         "FRACGPU_MEMORY_MIB": "8192",
     }
     # The memory depends on the card: the node agent, which knows it, sets FRACGPU_MEMORY_MIB.
-    assert plan_claim("c", _Ask(core=50), MODELS, max_cards=16).env == {"FRACGPU_GPU": "0.5"}
+    assert plan_claim("c", Ask(core=50), MODELS, max_cards=16).env == {"FRACGPU_GPU": "0.5"}
 
 
 # --- the store, against the fake API server ---------------------------------------------------
@@ -198,7 +198,7 @@ async def _templates(api: Api, namespace: str) -> list[dict[str, Any]]:
 
 async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
     store = TemplateStore(client, clock=Clock())
-    plan = plan_claim("c", _Ask(core=30, memory_mib=8192), {}, max_cards=16)
+    plan = plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16)
     await store.ensure("team-a", plan, dry_run=True)
     assert await _templates(client, "team-a") == []
     await store.ensure("team-a", plan, dry_run=False)
@@ -208,7 +208,7 @@ async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
 
 async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
     clock = Clock()
-    plan = plan_claim("c", _Ask(core=100), {}, max_cards=16)
+    plan = plan_claim("c", Ask(core=100), {}, max_cards=16)
     await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
     clock.now += 300
     await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
@@ -219,15 +219,14 @@ async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
 async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> None:
     clock = Clock()
     store = TemplateStore(client, grace_s=600, clock=clock)
-    used = plan_claim("c", _Ask(core=100), {}, max_cards=16)
-    idle = plan_claim("c", _Ask(core=200), {}, max_cards=16)
-    fresh = plan_claim("c", _Ask(core=300), {}, max_cards=16)
+    used = plan_claim("c", Ask(core=100), {}, max_cards=16)
+    idle = plan_claim("c", Ask(core=200), {}, max_cards=16)
+    fresh = plan_claim("c", Ask(core=300), {}, max_cards=16)
     await store.ensure("team-a", used, dry_run=False)
     await store.ensure("team-a", idle, dry_run=False)
     clock.now += 601
     await store.ensure("team-a", fresh, dry_run=False)
-    pods = {"team-a": [{"spec": {"resourceClaims": [{"resourceClaimTemplateName": used.name}]}}]}
-    deleted = await store.collect(pods)
+    deleted = await store.collect({"team-a": {used.name}})
     assert deleted == [f"team-a/{idle.name}"]
     names = sorted(t["metadata"]["name"] for t in await _templates(client, "team-a"))
     assert names == sorted([used.name, fresh.name])
@@ -281,3 +280,56 @@ def test_a_deleted_slice_takes_its_models_along() -> None:
     known.set_slice("a", _slice([("L4", "22784Mi")]))
     known.remove_slice("a")
     assert known.models() == {}
+
+
+@pytest.mark.parametrize(
+    "ask",
+    [
+        pytest.param(Ask(core=200), id="whole cards"),
+        pytest.param(Ask(core=30, memory_mib=8192), id="share"),
+        pytest.param(Ask(core=50), id="fraction per model"),
+        pytest.param(Ask(memory_percent=25), id="percentage per model"),
+        pytest.param(Ask(core=10, memory_percent=25), id="fraction and percentage"),
+        pytest.param(Ask(memory_mib=4096), id="memory alone"),
+    ],
+)
+def test_the_env_a_template_implies_is_read_back_from_its_name(ask: Ask) -> None:
+    plan = plan_claim("c", ask, MODELS, max_cards=16)
+    assert env_of_template(plan.name) == plan.env
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("gpu-share", id="not ours"),
+        pytest.param("fracgpu-", id="empty shape"),
+        pytest.param("fracgpu-c30", id="exact share without memory"),
+    ],
+)
+def test_names_that_are_not_our_templates_imply_nothing(name: str) -> None:
+    assert env_of_template(name) is None
+
+
+async def test_templates_named_by_pods_and_workloads_are_referenced(client: Api) -> None:
+    claims = [{"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-cards-1"}]
+    pod_spec = {"containers": [{"name": "c", "image": "x"}], "resourceClaims": claims}
+    await call_json(
+        client,
+        "POST",
+        "/apis/apps/v1/namespaces/team-a/deployments",
+        body={
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "scaled-to-zero"},
+            "spec": {"replicas": 0, "template": {"spec": pod_spec}},
+        },
+    )
+    assert await referenced_templates(client, "team-a") == {"fracgpu-cards-1"}
+
+
+async def test_a_template_that_cannot_be_created_is_a_template_error(client: Api) -> None:
+    store = TemplateStore(client, clock=Clock())
+    with pytest.raises(TemplateError, match="could not create the ResourceClaimTemplate"):
+        await store.ensure(
+            "no-such-namespace", plan_claim("c", Ask(core=100), {}, max_cards=16), dry_run=False
+        )

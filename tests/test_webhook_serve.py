@@ -183,3 +183,77 @@ async def test_supervision_of_background_jobs(
         asyncio.get_running_loop().call_later(stop_after_s, stop.set)
     result = await asyncio.wait_for(_until_stopped([job() for job in jobs], stop), 5)
     assert result == status
+
+
+async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Path) -> None:
+    async with FakeApiServer() as fake:
+        for ns in ("fracgpu", "team-a"):
+            fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        device = {
+            "name": "gpu-0",
+            "attributes": {"productName": {"string": "NVIDIA-L4"}},
+            "capacity": {"cores": {"value": "100"}, "memory": {"value": "22784Mi"}},
+        }
+        fake.put(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "ResourceSlice",
+                "metadata": {"name": "gpu-1-gpu.fracgpu.io"},
+                "spec": {
+                    "driver": "gpu.fracgpu.io",
+                    "nodeName": "gpu-1",
+                    "pool": {"name": "gpu-1", "generation": 1, "resourceSliceCount": 1},
+                    "devices": [device],
+                },
+            }
+        )
+        port = free_port()
+        config = ServeConfig(
+            server=ServerConfig(host="127.0.0.1", port=port),
+            admission=AdmissionConfig(allocation="dra"),
+            certs=CertsConfig(
+                mode="secret",
+                namespace="fracgpu",
+                hosts=["127.0.0.1"],
+                ips=["127.0.0.1"],
+                inject=False,
+            ),
+            quota=QuotaConfig(require_quota=False),
+            kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
+            shutdown_delay_seconds=0,
+        )
+        stop = asyncio.Event()
+        server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
+        await eventually(lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None)
+        secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
+        assert secret is not None
+        ctx = ssl.create_default_context(
+            cadata=base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
+        )
+        url = f"https://127.0.0.1:{port}"
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+            for _ in range(200):
+                try:
+                    async with http.get(url + "/readyz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    pass
+                await asyncio.sleep(0.02)
+            review = json.loads(EXAMPLE.read_text())
+            container = review["request"]["object"]["spec"]["containers"][0]
+            container["resources"] = {"limits": {"fracgpu.io/gpu": "0.5"}}
+            review["request"]["namespace"] = "team-a"
+            async with http.post(url + "/mutate", json=review) as resp:
+                reply = (await resp.json())["response"]
+        stop.set()
+        assert await server == 0
+    assert reply["allowed"] is True
+    patch = json.loads(base64.b64decode(reply["patch"]))
+    [claims] = [op["value"] for op in patch if op["path"] == "/spec/resourceClaims"]
+    [template] = fake.objects("resourceclaimtemplates", "team-a")
+    assert claims == [{"name": "gpu-0", "resourceClaimTemplateName": template["metadata"]["name"]}]
+    [request] = template["spec"]["spec"]["devices"]["requests"]
+    [alternative] = request["firstAvailable"]
+    # Half of the L4 the slice publishes: 89 blocks, floor(89 / 2) = 44.
+    assert alternative["capacity"]["requests"] == {"cores": "50", "memory": "11264Mi"}

@@ -45,7 +45,7 @@ from core.units import (
     MIB,
     format_cards,
 )
-from webhook.resources import Card, CardChoice, RequestError, _Ask, _resolve, container_ref
+from webhook.resources import Ask, Card, CardChoice, RequestError, container_ref, resolve
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class ClaimPlan:
 
 
 def plan_claim(
-    container: str, ask: _Ask, models: Mapping[str, Card], *, max_cards: int
+    container: str, ask: Ask, models: Mapping[str, Card], *, max_cards: int
 ) -> ClaimPlan:
     """The claim template for one container's request; RequestError names what is wrong.
 
@@ -82,7 +82,7 @@ def plan_claim(
     if core is not None and (
         core >= CORE_PER_CARD or ask.memory_mib is not None or ask.memory_blocks is not None
     ):
-        grant = _resolve(container, ask, every, max_cards, warnings)
+        grant = resolve(container, ask, every, max_cards, warnings)
         if grant.whole_cards:
             request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
             env = {ENV_GPU: str(grant.whole_cards)}
@@ -103,10 +103,11 @@ def plan_claim(
     )
     digest = hashlib.sha256(json.dumps(alternatives, sort_keys=True).encode()).hexdigest()[:10]
     env = {ENV_GPU: format_cards(core)} if core is not None else {}
-    return _plan(f"{shape}-{digest}", {"firstAvailable": alternatives}, env, warnings)
+    # "h" marks the digest, so that no digest reads as a shape tag (env_of_template).
+    return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, env, warnings)
 
 
-def _per_model(container: str, ask: _Ask, ordered: tuple[Card, ...]) -> list[dict[str, Any]]:
+def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict[str, Any]]:
     """One alternative per known model, smallest card first, sized by the device-plugin rules."""
     if not ordered:
         raise RequestError(
@@ -118,7 +119,7 @@ def _per_model(container: str, ask: _Ask, ordered: tuple[Card, ...]) -> list[dic
     too_small: list[Card] = []
     for card in ordered:
         try:
-            grant = _resolve(container, ask, CardChoice((card,)), 0, [])
+            grant = resolve(container, ask, CardChoice((card,)), 0, [])
         except RequestError:
             too_small.append(card)
             continue
@@ -162,6 +163,31 @@ def _plan(
         "spec": {"spec": {"devices": {"requests": [{"name": REQUEST_NAME, **request}]}}},
     }
     return ClaimPlan(template, env, tuple(warnings))
+
+
+class TemplateError(RuntimeError):
+    """A claim template could not be made sure of; the message says which and why."""
+
+
+def env_of_template(name: str) -> dict[str, str] | None:
+    """What a container whose claim comes from our template ``name`` was told at admission
+    (None: not a template of ours). Read back from the name, which encodes the shape, so that
+    reinvocation and pods made from a mutated workload recognise fracgpu's own variables."""
+    if not name.startswith(TEMPLATE_PREFIX):
+        return None
+    parts = name.removeprefix(TEMPLATE_PREFIX).split("-")
+    if parts[0] == "cards" and len(parts) == 2 and parts[1].isdigit():
+        return {ENV_GPU: parts[1]}
+    env: dict[str, str] = {}
+    tags = {part[0]: part[1:] for part in parts if part[:1] in "cmp" and part[1:].isdigit()}
+    if "c" in tags:
+        env[ENV_GPU] = format_cards(int(tags["c"]))
+    exact = not any(part.startswith("h") for part in parts)  # no digest: memory is fixed
+    if exact and "m" not in tags:
+        return None
+    if exact:
+        env[ENV_MEMORY_MIB] = tags["m"]
+    return env
 
 
 def pod_claim_name(container_kind: str, index: int) -> str:

@@ -6,6 +6,7 @@ client.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -14,18 +15,27 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from core.kube import (
+    CRONJOBS,
+    DAEMONSETS,
+    DEPLOYMENTS,
+    JOBS,
+    PODS,
+    REPLICASETS,
     RESOURCE_CLAIM_TEMPLATES,
     RESOURCE_SLICES,
+    STATEFULSETS,
     Api,
     EventType,
     Informer,
     KubeConflict,
+    KubeError,
     KubeNotFound,
     RawBody,
+    Resource,
     call_json,
 )
 from core.units import DOMAIN
-from webhook.claims import TEMPLATE_LABELS, ClaimPlan, SliceModels
+from webhook.claims import TEMPLATE_LABELS, ClaimPlan, SliceModels, TemplateError
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +71,18 @@ class TemplateStore:
         body["metadata"]["namespace"] = namespace
         body["metadata"]["annotations"] = {LAST_USED_ANNOTATION: str(int(now))}
         try:
-            await call_json(self.api, "POST", RESOURCE_CLAIM_TEMPLATES.path(namespace), body=body)
-        except KubeConflict:
-            await self._touch(namespace, plan.name, now)
+            try:
+                path = RESOURCE_CLAIM_TEMPLATES.path(namespace)
+                await call_json(self.api, "POST", path, body=body)
+            except KubeConflict:
+                await self._touch(namespace, plan.name, now)
+        except (KubeError, OSError, TimeoutError) as exc:
+            raise TemplateError(
+                f"could not create the ResourceClaimTemplate {namespace}/{plan.name} that this "
+                f"pod's GPU claim is made from ({exc}); create the pod again, and tell the "
+                f"cluster operator if this persists (the webhook needs create and patch on "
+                f"resourceclaimtemplates)"
+            ) from None
         if len(self._known) >= 4096:
             self._known.clear()
         self._known[key] = now
@@ -78,27 +97,17 @@ class TemplateStore:
             content_type="application/merge-patch+json",
         )
 
-    async def collect(self, pods_by_namespace: Mapping[str, list[Mapping[str, Any]]]) -> list[str]:
-        """Delete unused managed templates; returns ``namespace/name`` of each one deleted."""
-        listing = await call_json(
-            self.api,
-            "GET",
-            RESOURCE_CLAIM_TEMPLATES.path(None),
-            query=[("labelSelector", ",".join(f"{k}={v}" for k, v in TEMPLATE_LABELS.items()))],
-        )
+    async def collect(self, referenced: Mapping[str, set[str]]) -> list[str]:
+        """Delete unused managed templates (``referenced``: template names in use, by
+        namespace); returns ``namespace/name`` of each one deleted."""
         now = self.clock()
         deleted: list[str] = []
-        for template in listing.get("items") or []:
+        for template in await self.managed():
             meta = template.get("metadata") or {}
             namespace, name = str(meta.get("namespace")), str(meta.get("name"))
-            used = {
-                str(claim.get("resourceClaimTemplateName"))
-                for pod in pods_by_namespace.get(namespace, [])
-                for claim in (pod.get("spec") or {}).get("resourceClaims") or []
-            }
             last = (meta.get("annotations") or {}).get(LAST_USED_ANNOTATION, "0")
             idle = now - float(last) if last.isdigit() else float("inf")
-            if name in used or idle < self.grace_s:
+            if name in referenced.get(namespace, set()) or idle < self.grace_s:
                 continue
             try:
                 await call_json(self.api, "DELETE", RESOURCE_CLAIM_TEMPLATES.path(namespace, name))
@@ -108,6 +117,60 @@ class TemplateStore:
             deleted.append(f"{namespace}/{name}")
             log.info("deleted an unused claim template", extra={"template": deleted[-1]})
         return deleted
+
+    async def managed(self) -> list[dict[str, Any]]:
+        selector = ",".join(f"{k}={v}" for k, v in TEMPLATE_LABELS.items())
+        listing = await call_json(
+            self.api,
+            "GET",
+            RESOURCE_CLAIM_TEMPLATES.path(None),
+            query=[("labelSelector", selector)],
+        )
+        items: list[dict[str, Any]] = listing.get("items") or []
+        return items
+
+    async def collect_forever(self, interval_s: float = 300.0) -> None:
+        """Collect every ``interval_s``; a failed pass is logged and tried again later."""
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                namespaces = {
+                    str((t.get("metadata") or {}).get("namespace")) for t in await self.managed()
+                }
+                referenced = {ns: await referenced_templates(self.api, ns) for ns in namespaces}
+                await self.collect(referenced)
+            except (KubeError, OSError, TimeoutError) as exc:
+                log.warning("claim template collection failed", extra={"error": str(exc)})
+
+
+# Where pod templates live: pods, and every built-in workload that makes pods.
+_WORKLOADS: tuple[tuple[Resource, tuple[str, ...]], ...] = (
+    (PODS, ()),
+    (DEPLOYMENTS, ("spec", "template")),
+    (REPLICASETS, ("spec", "template")),
+    (STATEFULSETS, ("spec", "template")),
+    (DAEMONSETS, ("spec", "template")),
+    (JOBS, ("spec", "template")),
+    (CRONJOBS, ("spec", "jobTemplate", "spec", "template")),
+)
+
+
+async def referenced_templates(api: Api, namespace: str) -> set[str]:
+    """Claim template names that a pod, or a workload that will make pods, names in
+    ``namespace``: a Deployment scaled to zero still needs its template when it scales up."""
+    names: set[str] = set()
+    for resource, path in _WORKLOADS:
+        listing = await call_json(api, "GET", resource.path(namespace))
+        for item in listing.get("items") or []:
+            template: Any = item
+            for token in path:
+                template = template.get(token) if isinstance(template, dict) else None
+            spec = template.get("spec") if isinstance(template, dict) else None
+            claims = spec.get("resourceClaims") if isinstance(spec, dict) else None
+            for claim in claims if isinstance(claims, list) else ():
+                if isinstance(claim, dict) and claim.get("resourceClaimTemplateName"):
+                    names.add(str(claim["resourceClaimTemplateName"]))
+    return names
 
 
 def slice_informer(api: Api, models: SliceModels) -> Informer:

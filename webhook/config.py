@@ -7,7 +7,7 @@ them; unknown keys are errors, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -46,6 +46,12 @@ class InventoryConfig(_Section):
 
 
 class AdmissionConfig(_Section):
+    allocation: Literal["device-plugin", "dra"] = Field(
+        "device-plugin",
+        description="how shares reach cards: device-plugin (extended resources fracgpu.io/core "
+        "and fracgpu.io/memory, any Kubernetes) or dra (ResourceClaims placed by the stock "
+        "scheduler on one card, Kubernetes 1.36 or later with fracgpu dra-plugin on the nodes)",
+    )
     dialects: list[Dialect] = Field(
         default_factory=list, description="extra vocabularies to accept: hami, tkestack"
     )

@@ -9,7 +9,7 @@ for no GPU pass untouched.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -18,11 +18,20 @@ from pydantic_core import to_json
 from core.admission import AdmissionRequest, AdmissionResponse
 from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
 from webhook.checks import Container, PodView, forbidden
+from webhook.claims import (
+    ClaimPlan,
+    TemplateError,
+    env_of_template,
+    plan_claim,
+    pod_claim_name,
+)
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.resources import (
+    Card,
     CardChoice,
     ContainerResult,
+    RequestError,
     container_ref,
     enabled,
     input_resources,
@@ -80,6 +89,13 @@ class SchedulerCheck(Protocol):
     def not_running(self) -> str | None: ...
 
 
+class Templates(Protocol):
+    """Makes sure a claim template exists in a namespace (DRA mode; ``webhook.claimstore``).
+    Raises TemplateError when it cannot."""
+
+    async def ensure(self, namespace: str, plan: ClaimPlan, *, dry_run: bool) -> None: ...
+
+
 @dataclass
 class Outcome:
     """The decision for one object: allowed with a patch, or denied with messages."""
@@ -88,6 +104,7 @@ class Outcome:
     warnings: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     gpu: bool = False
+    templates: list[ClaimPlan] = field(default_factory=list)  # DRA mode: what the patch names
 
     @property
     def allowed(self) -> bool:
@@ -108,10 +125,17 @@ class Mutator:
         config: AdmissionConfig,
         inventory: Inventory,
         scheduler: SchedulerCheck | None = None,
+        *,
+        claim_models: Callable[[], Mapping[str, Card]] | None = None,
+        templates: Templates | None = None,
     ) -> None:
         self.config = config
         self.inventory = inventory
         self.scheduler = scheduler
+        # DRA mode: claims sized per GPU model the cluster's ResourceSlices publish.
+        self.dra = config.allocation == "dra"
+        self.claim_models = claim_models or inventory.models
+        self.templates = templates
         self.dialects = enabled(config.dialects)
         self.inputs = input_resources(self.dialects)
         self._memo: dict[tuple[Any, ...], tuple[CardChoice, ContainerResult]] = {}
@@ -128,15 +152,17 @@ class Mutator:
         reused while its entry lives. Results are shared between pods and never modified.
         """
         key = _memo_key(name, resources, self.inputs, id(choice))
-        max_cards = self.config.max_cards
+        max_cards, sized = self.config.max_cards, not self.dra
         if key is None:
-            return normalise_container(name, resources, self.dialects, choice, max_cards)
+            return normalise_container(
+                name, resources, self.dialects, choice, max_cards, sized=sized
+            )
         entry = self._memo.get(key)
         if entry is not None and entry[0] is choice:
             return entry[1]
         if len(self._memo) >= MEMO_SIZE:
             self._memo.clear()
-        result = normalise_container(name, resources, self.dialects, choice, max_cards)
+        result = normalise_container(name, resources, self.dialects, choice, max_cards, sized=sized)
         self._memo[key] = (choice, result)
         return result
 
@@ -158,6 +184,13 @@ class Mutator:
             # Container resources of a pod are immutable; what was admitted at CREATE stands.
             return AdmissionResponse.allow(req.uid, label="not-applicable")
         outcome = self.mutate(req.object, req.kind.group, req.kind.kind)
+        if outcome.allowed and outcome.templates and self.templates is not None:
+            namespace = req.namespace or "default"
+            try:
+                for plan in outcome.templates:
+                    await self.templates.ensure(namespace, plan, dry_run=req.dry_run)
+            except TemplateError as exc:
+                outcome.errors.append(str(exc))
         return respond(req.uid, outcome)
 
     def _ephemeral(self, req: AdmissionRequest) -> AdmissionResponse:
@@ -206,9 +239,17 @@ class Mutator:
                     if warning not in outcome.warnings:
                         outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
-        outcome.gpu = any(r.grant is not None for *_, r in results)
+        plans = self._plan_claims(results, outcome) if self.dra else {}
+        claimed = _claimed_env(spec)
+        outcome.gpu = any(r.grant is not None for *_, r in results) or bool(plans)
         checked = results + self._ephemeral_containers(spec, outcome.errors)
-        outcome.errors.extend(forbidden(self._view(spec, meta, checked, outcome.gpu), self.config))
+        envs = {
+            (list_name, index): self._env_of(result, plans.get((list_name, index)))
+            or claimed.get((list_name, index), {})
+            for list_name, index, _, result in checked
+        }
+        checks = self._view(spec, meta, checked, outcome.gpu or bool(claimed), envs)
+        outcome.errors.extend(forbidden(checks, self.config))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome
@@ -218,8 +259,16 @@ class Mutator:
         root = pointer(*base) if base else ""
         for list_name, index, container, result in results:
             where = f"{root}/spec/{list_name}/{index}"
-            if result.mentions_gpu or result.grant is not None:
+            plan = plans.get((list_name, index))
+            if plan is not None:
+                claim = pod_claim_name(list_name, index)
+                env = envs[list_name, index]
+                self._container_ops(ops, where, container, result, claim=claim, claim_env=env)
+            elif result.mentions_gpu or result.grant is not None:
                 self._container_ops(ops, where, container, result)
+        if plans:
+            self._claim_ops(ops, root, spec, plans)
+            outcome.templates = list({plan.name: plan for plan in plans.values()}.values())
         if outcome.gpu:
             view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
             self._pod_ops(ops, view)
@@ -250,14 +299,70 @@ class Mutator:
             found.append((EPHEMERAL_CONTAINERS, index, container, ContainerResult(name)))
         return found
 
+    def _plan_claims(
+        self, results: list[Located], outcome: Outcome
+    ) -> dict[tuple[str, int], ClaimPlan]:
+        """DRA mode: the claim template each GPU container's claim is made from."""
+        models = self.claim_models()
+        plans: dict[tuple[str, int], ClaimPlan] = {}
+        for list_name, index, _, result in results:
+            if result.ask is None:
+                continue
+            try:
+                plan = plan_claim(result.name, result.ask, models, max_cards=self.config.max_cards)
+            except RequestError as exc:
+                outcome.errors.append(str(exc))
+                continue
+            plans[list_name, index] = plan
+            outcome.warnings.extend(w for w in plan.warnings if w not in outcome.warnings)
+        return plans
+
+    def _env_of(self, result: ContainerResult, plan: ClaimPlan | None) -> dict[str, str]:
+        """The variables fracgpu puts in a container, configured extras included."""
+        if plan is not None:
+            return {**plan.env, **self.config.env}
+        return self._granted_env(result.grant) if result.grant is not None else {}
+
     def _view(
-        self, spec: Mapping[str, Any], meta: Mapping[str, Any], results: list[Located], gpu: bool
+        self,
+        spec: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        results: list[Located],
+        gpu: bool,
+        envs: Mapping[tuple[str, int], Mapping[str, str]],
     ) -> PodView:
-        granted = self._granted_env
         containers = tuple(
-            [Container.of(c, r, granted(r.grant) if r.grant else {}) for *_, c, r in results]
+            Container.of(c, r, envs[list_name, index]) for list_name, index, c, r in results
         )
         return PodView.of(spec, meta, containers, gpu)
+
+    @staticmethod
+    def _claim_ops(
+        ops: list[dict[str, Any]],
+        root: str,
+        spec: Mapping[str, Any],
+        plans: Mapping[tuple[str, int], ClaimPlan],
+    ) -> None:
+        """The pod-level claims, one per GPU container, each made from its shared template."""
+        present = spec.get("resourceClaims")
+        have = (
+            {str(c.get("name")) for c in present if isinstance(c, dict)}
+            if isinstance(present, list)
+            else set()
+        )
+        wanted = [
+            {"name": pod_claim_name(list_name, index), "resourceClaimTemplateName": plan.name}
+            for (list_name, index), plan in sorted(plans.items())
+        ]
+        missing = [claim for claim in wanted if claim["name"] not in have]
+        if not missing:
+            return
+        if not isinstance(present, list):
+            ops.append({"op": "add", "path": f"{root}/spec/resourceClaims", "value": missing})
+        else:
+            ops.extend(
+                {"op": "add", "path": f"{root}/spec/resourceClaims/-", "value": c} for c in missing
+            )
 
     def _container_ops(
         self,
@@ -265,13 +370,24 @@ class Mutator:
         where: str,
         container: Mapping[str, Any],
         result: ContainerResult,
+        *,
+        claim: str | None = None,
+        claim_env: Mapping[str, str] | None = None,
     ) -> None:
+        """The container's resources in the canonical form, or (DRA mode, ``claim``) with the
+        request language removed and the container naming its pod claim; and its variables."""
         resources = container.get("resources")
         assert isinstance(resources, dict)  # it named a GPU resource
         wanted = result.grant.resources() if result.grant else {}
         new: dict[str, Any] = {
             k: v for k, v in resources.items() if k not in ("limits", "requests")
         }
+        if claim is not None:
+            held = new.get("claims")
+            claims = [c for c in held if isinstance(c, dict)] if isinstance(held, list) else []
+            if all(c.get("name") != claim for c in claims):
+                claims.append({"name": claim})
+            new["claims"] = claims
         for part in ("limits", "requests"):
             current = resources.get(part)
             kept = {k: v for k, v in (current or {}).items() if k not in self.inputs}
@@ -280,9 +396,12 @@ class Mutator:
                 new[part] = merged
         if new != resources:
             ops.append({"op": "replace", "path": f"{where}/resources", "value": new})
-        if result.grant is None:
+        if claim_env is not None:
+            desired: Mapping[str, str] = claim_env
+        elif result.grant is not None:
+            desired = self._granted_env(result.grant)
+        else:
             return
-        desired = self._granted_env(result.grant)
         env = container.get("env")
         have = (
             {str(v.get("name")) for v in env if isinstance(v, dict)}
@@ -340,7 +459,9 @@ class Mutator:
         root = pod.root
         annotations = pod.meta.get("annotations")
         existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, dict) else None
-        asked = {r.name: r.request for *_, r in pod.results if r.grant is not None}
+        asked = {
+            r.name: r.request for *_, r in pod.results if r.grant is not None or r.ask is not None
+        }
         already_canonical = all(req.keys() <= _CANONICAL for req in asked.values())
         if existing is not None and already_canonical:
             return  # our own earlier output (reinvocation, or a pod made from a mutated template)
@@ -405,3 +526,26 @@ def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:
         ):
             return True
     return False
+
+
+def _claimed_env(spec: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, str]]:
+    """Containers already holding a claim from one of our templates (reinvocation, or a pod
+    made from a workload admitted in DRA mode), with the variables that claim implies."""
+    claims = spec.get("resourceClaims")
+    templates = {
+        str(c.get("name")): str(c.get("resourceClaimTemplateName") or "")
+        for c in (claims if isinstance(claims, list) else ())
+        if isinstance(c, dict)
+    }
+    found: dict[tuple[str, int], dict[str, str]] = {}
+    for list_name in CONTAINER_LISTS:
+        containers = spec.get(list_name)
+        for index, container in enumerate(containers if isinstance(containers, list) else ()):
+            resources = container.get("resources") if isinstance(container, dict) else None
+            held = resources.get("claims") if isinstance(resources, dict) else None
+            for claim in held if isinstance(held, list) else ():
+                name = claim.get("name") if isinstance(claim, dict) else None
+                env = env_of_template(templates.get(str(name), ""))
+                if env is not None:
+                    found[list_name, index] = env
+    return found

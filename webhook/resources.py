@@ -146,6 +146,7 @@ class ContainerResult:
     errors: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     zero: bool = False  # asked for 0 cards: no GPU, but the input resources must be removed
+    ask: Ask | None = None  # what was asked, before sizing (DRA mode sizes it per card model)
 
     @property
     def mentions_gpu(self) -> bool:
@@ -153,7 +154,7 @@ class ContainerResult:
 
 
 @dataclass(frozen=True, slots=True)
-class _Ask:
+class Ask:
     """What one container asked, in one vocabulary, before card sizes are applied."""
 
     core: int | None = None  # None: derive from memory
@@ -200,11 +201,14 @@ def normalise_container(
     dialects: Iterable[Dialect],
     card: CardChoice,
     max_cards: int = DEFAULT_MAX_CARDS,
+    *,
+    sized: bool = True,
 ) -> ContainerResult:
     """Validate one container's GPU request and compute its canonical grant.
 
     Never raises: every problem becomes a message in ``errors`` that names the container, the
-    resource, the value and the rule.
+    resource, the value and the rule. With ``sized=False`` (DRA mode) only ``ask`` is set: the
+    claim, not the grant, is sized for each card model (``webhook.claims``).
     """
     result = ContainerResult(name)
     active = enabled(dialects)
@@ -246,7 +250,9 @@ def normalise_container(
             result.request = {}
             result.zero = True
             return result
-        result.grant = _resolve(name, ask, card, max_cards, result.warnings)
+        result.ask = ask
+        if sized:
+            result.grant = resolve(name, ask, card, max_cards, result.warnings)
     except RequestError as exc:
         result.errors.append(str(exc))
     return result
@@ -347,32 +353,32 @@ def _count(name: str, key: str, raw: object, what: str) -> int:
     return int(q.value)
 
 
-def _memory(name: str, asked: Mapping[str, Any], mib_key: str, pct_key: str) -> _Ask:
+def _memory(name: str, asked: Mapping[str, Any], mib_key: str, pct_key: str) -> Ask:
     if mib_key in asked and pct_key in asked:
         raise RequestError(
             f"{container_ref(name)}: {mib_key} and {pct_key} are both set; "
             f"give GPU memory one way, either in MiB or as a percentage"
         )
     if mib_key in asked:
-        return _Ask(memory_mib=_mib(name, mib_key, asked[mib_key]))
+        return Ask(memory_mib=_mib(name, mib_key, asked[mib_key]))
     if pct_key in asked:
-        return _Ask(memory_percent=_percent(name, pct_key, asked[pct_key]))
-    return _Ask()
+        return Ask(memory_percent=_percent(name, pct_key, asked[pct_key]))
+    return Ask()
 
 
-def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> Ask | None:
     memory = _memory(name, asked, GPUMEM, GPUMEM_PERCENTAGE)
     if GPU not in asked:
         return memory
     core = _cards(name, GPU, asked[GPU])
     if core is None:
-        if memory != _Ask():
+        if memory != Ask():
             raise RequestError(
                 f"{container_ref(name)}: {GPU} is 0 but GPU memory is requested; "
                 f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the memory request"
             )
         return None
-    return _Ask(
+    return Ask(
         core,
         memory.memory_mib,
         None,
@@ -382,7 +388,7 @@ def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> _Ask | None:
     )
 
 
-def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+def _parse_canonical(name: str, asked: Mapping[str, Any]) -> Ask | None:
     core = None
     if CORE in asked:
         core = _count(name, CORE, asked[CORE], "hundredths of a card")
@@ -403,7 +409,7 @@ def _parse_canonical(name: str, asked: Mapping[str, Any]) -> _Ask | None:
                 f"{container_ref(name)}: {MEMORY} must be at least 1 block of {BLOCK_MIB} MiB"
             )
     shown = _show(asked[CORE]) if CORE in asked else ""
-    return _Ask(
+    return Ask(
         core=core,
         memory_blocks=_per_card(core, blocks),
         exact=True,
@@ -421,7 +427,7 @@ def _per_card(core: int | None, blocks: int | None) -> int | None:
     return ceil_div(blocks, cards)
 
 
-def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+def _parse_hami(name: str, asked: Mapping[str, Any]) -> Ask | None:
     memory = _memory(name, asked, HAMI_MEM, HAMI_MEM_PERCENTAGE)
     count = _count(name, HAMI_GPU, asked.get(HAMI_GPU, 1), "cards")
     cores = _count(name, HAMI_CORES, asked.get(HAMI_CORES, 0), "percent")
@@ -439,13 +445,13 @@ def _parse_hami(name: str, asked: Mapping[str, Any]) -> _Ask | None:
                 f"granted; fracgpu gives a container a share of one card or whole cards "
                 f"(use {HAMI_GPU}: 1 with a share, or drop {HAMI_CORES} and the memory limit)"
             )
-        return _Ask(core=count * CORE_PER_CARD, core_key=HAMI_GPU, core_shown=str(count))
-    if cores == 0 and memory == _Ask():
-        return _Ask(core=CORE_PER_CARD)  # HAMi's default: one whole card
-    return _Ask(cores or None, memory.memory_mib, None, memory.memory_percent)
+        return Ask(core=count * CORE_PER_CARD, core_key=HAMI_GPU, core_shown=str(count))
+    if cores == 0 and memory == Ask():
+        return Ask(core=CORE_PER_CARD)  # HAMi's default: one whole card
+    return Ask(cores or None, memory.memory_mib, None, memory.memory_percent)
 
 
-def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
+def _parse_tke(name: str, asked: Mapping[str, Any]) -> Ask | None:
     core = None
     if TKE_CORE in asked:
         core = _count(name, TKE_CORE, asked[TKE_CORE], "hundredths of a card")
@@ -463,7 +469,7 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> _Ask | None:
     if blocks == 0:
         raise RequestError(f"{container_ref(name)}: {TKE_MEMORY} must be at least 1 (256 MiB)")
     shown = _show(asked[TKE_CORE]) if TKE_CORE in asked else ""
-    return _Ask(
+    return Ask(
         core=core, memory_blocks=_per_card(core, blocks), core_key=TKE_CORE, core_shown=shown
     )
 
@@ -489,9 +495,7 @@ def _need_card(name: str, choice: CardChoice, why: str) -> Card:
     return choice.card
 
 
-def _resolve(
-    name: str, ask: _Ask, choice: CardChoice, max_cards: int, warnings: list[str]
-) -> Grant:
+def resolve(name: str, ask: Ask, choice: CardChoice, max_cards: int, warnings: list[str]) -> Grant:
     """Apply card sizes and defaults to what was asked; the only place defaults live."""
     blocks = ask.memory_blocks
     if ask.memory_mib is not None:
@@ -533,7 +537,7 @@ def _resolve(
 
 
 def _whole_cards(
-    name: str, ask: _Ask, blocks: int | None, max_cards: int, warnings: list[str]
+    name: str, ask: Ask, blocks: int | None, max_cards: int, warnings: list[str]
 ) -> Grant:
     """Whole cards need no card model: they get all of each card, which the node knows."""
     assert ask.core is not None
@@ -560,7 +564,7 @@ MAX_CARD_MIB = 2**20
 """No GPU has a TiB of memory: more is a typo (bytes written as MiB), known models or not."""
 
 
-def _check_fits(name: str, ask: _Ask, blocks: int, choice: CardChoice) -> None:
+def _check_fits(name: str, ask: Ask, blocks: int, choice: CardChoice) -> None:
     """Deny memory that no candidate card has: it would only fail later, on the node.
 
     The canonical form is held only to what any card could have: it was sized against the

@@ -181,6 +181,18 @@ RESOURCE_CLAIM_TEMPLATE = Kind(
     namespaced=True,
     top_fields=frozenset({"spec"}),
 )
+DEPLOYMENT = Kind(
+    "apps", "v1", "Deployment", "deployments", namespaced=True, status_subresource=True
+)
+REPLICASET = Kind(
+    "apps", "v1", "ReplicaSet", "replicasets", namespaced=True, status_subresource=True
+)
+STATEFULSET = Kind(
+    "apps", "v1", "StatefulSet", "statefulsets", namespaced=True, status_subresource=True
+)
+DAEMONSET = Kind("apps", "v1", "DaemonSet", "daemonsets", namespaced=True, status_subresource=True)
+JOB = Kind("batch", "v1", "Job", "jobs", namespaced=True, status_subresource=True)
+CRONJOB = Kind("batch", "v1", "CronJob", "cronjobs", namespaced=True, status_subresource=True)
 RESOURCE_CLAIM = Kind(
     "resource.k8s.io",
     "v1",
@@ -213,4 +225,10 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     RESOURCE_CLAIM_TEMPLATE,
     RESOURCE_CLAIM,
     RESOURCE_SLICE,
+    DEPLOYMENT,
+    REPLICASET,
+    STATEFULSET,
+    DAEMONSET,
+    JOB,
+    CRONJOB,
 )

@@ -1,0 +1,180 @@
+"""Admission in DRA mode: GPU containers get claims from shared templates instead of extended
+resources; the patch applies, reinvocation and pods made from mutated workloads are no-ops,
+templates are made sure of before the reply (never on dry-run), and what cannot be sized is
+denied with a reason."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import jsonpatch
+import kubernetes_validate
+import pytest
+
+from core.admission import AdmissionRequest
+from webhook.claims import ClaimPlan, TemplateError
+from webhook.config import AdmissionConfig
+from webhook.inventory import Inventory
+from webhook.mutation import Mutator
+from webhook.resources import Card
+
+SLICE_MODELS = {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
+
+
+class Templates:
+    """Records what the mutator asked to exist; fails when told to."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+        self.ensured: list[tuple[str, str, bool]] = []
+
+    async def ensure(self, namespace: str, plan: ClaimPlan, *, dry_run: bool) -> None:
+        if self.fail:
+            raise TemplateError(f"ResourceClaimTemplate {plan.name}: forbidden")
+        self.ensured.append((namespace, plan.name, dry_run))
+
+
+def mutator(models: dict[str, Card] | None = None, templates: Templates | None = None) -> Mutator:
+    known = SLICE_MODELS if models is None else models
+    return Mutator(
+        AdmissionConfig(allocation="dra"),
+        Inventory(),
+        claim_models=lambda: known,
+        templates=templates,
+    )
+
+
+def pod(limits: dict[str, Any], **spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "team-a"},
+        "spec": {
+            "containers": [{"name": "train", "image": "x", "resources": {"limits": limits}}],
+            **spec,
+        },
+    }
+
+
+def apply(m: Mutator, obj: dict[str, Any], group: str = "", kind: str = "Pod") -> dict[str, Any]:
+    outcome = m.mutate(obj, group, kind)
+    assert outcome.errors == []
+    patched: dict[str, Any] = jsonpatch.apply_patch(obj, outcome.patch)
+    again = m.mutate(patched, group, kind)
+    assert again.errors == []
+    assert again.patch == []
+    return patched
+
+
+def test_a_share_becomes_a_claim_from_a_shared_template() -> None:
+    out = apply(mutator(), pod({"fracgpu.io/gpu": "300m", "fracgpu.io/gpumem": "8Gi", "cpu": "1"}))
+    spec = out["spec"]
+    container = spec["containers"][0]
+    assert spec["resourceClaims"] == [
+        {"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-c30-m8192"}
+    ]
+    assert container["resources"] == {"limits": {"cpu": "1"}, "claims": [{"name": "gpu-0"}]}
+    assert container["env"] == [
+        {"name": "FRACGPU_GPU", "value": "0.3"},
+        {"name": "FRACGPU_MEMORY_MIB", "value": "8192"},
+    ]
+    assert "fracgpu.io/request" in out["metadata"]["annotations"]
+
+
+def test_the_mutated_pod_is_a_valid_kubernetes_1_36_pod() -> None:
+    out = apply(mutator(), pod({"fracgpu.io/gpu": "0.5"}))
+    kubernetes_validate.validate(out, "1.36.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("limits", "models", "template"),
+    [
+        pytest.param({"fracgpu.io/gpu": "1"}, {}, "fracgpu-cards-1", id="whole card, no model"),
+        pytest.param({"fracgpu.io/gpu": "2"}, {}, "fracgpu-cards-2", id="two whole cards"),
+        pytest.param(
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "4Gi"},
+            {},
+            "fracgpu-c50-m4096",
+            id="a share with memory needs no model",
+        ),
+    ],
+)
+def test_what_needs_no_model_is_admitted_with_none_known(
+    limits: dict[str, str], models: dict[str, Card], template: str
+) -> None:
+    out = apply(mutator(models), pod(limits))
+    assert out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == template
+
+
+def test_a_fraction_alone_is_sized_per_published_model() -> None:
+    outcome = mutator().mutate(pod({"fracgpu.io/gpu": "0.5"}), "", "Pod")
+    [plan] = outcome.templates
+    assert plan.name.startswith("fracgpu-c50-h")
+    assert "firstAvailable" in plan.template["spec"]["spec"]["devices"]["requests"][0]
+
+
+def test_what_cannot_be_sized_is_denied_with_the_reason() -> None:
+    outcome = mutator({}).mutate(pod({"fracgpu.io/gpumem-percentage": "25"}), "", "Pod")
+    assert outcome.errors == [
+        'container "train": cannot size this request: no GPU models are published in the '
+        "cluster's ResourceSlices yet; give both fracgpu.io/gpu and fracgpu.io/gpumem (for "
+        "example 0.5 and 8Gi), or ask for whole cards"
+    ]
+
+
+def test_a_pod_made_from_a_mutated_deployment_passes_as_it_is() -> None:
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "team-a"},
+        "spec": {"template": pod({"fracgpu.io/gpu": "0.25", "fracgpu.io/gpumem": "2Gi"})},
+    }
+    mutated = apply(mutator(), deployment, "apps", "Deployment")
+    made = copy.deepcopy(mutated["spec"]["template"])
+    outcome = mutator().mutate(made, "", "Pod")
+    assert outcome.errors == []
+    assert outcome.patch == []
+
+
+def test_variables_that_differ_from_the_claim_are_still_the_users_and_denied() -> None:
+    out = apply(mutator(), pod({"fracgpu.io/gpu": "1"}))
+    out["spec"]["containers"][0]["env"] = [{"name": "FRACGPU_GPU", "value": "8"}]
+    outcome = mutator().mutate(out, "", "Pod")
+    assert len(outcome.errors) == 1
+    assert "FRACGPU_GPU is set by fracgpu" in outcome.errors[0]
+
+
+def _review(obj: dict[str, Any], *, dry_run: bool) -> AdmissionRequest:
+    return AdmissionRequest.model_validate(
+        {
+            "uid": "u",
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "team-a",
+            "operation": "CREATE",
+            "object": obj,
+            "dryRun": dry_run,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    "dry_run", [pytest.param(False, id="create"), pytest.param(True, id="dry")]
+)
+async def test_templates_are_made_sure_of_before_the_reply(dry_run: bool) -> None:
+    templates = Templates()
+    reply = await mutator(templates=templates)(
+        _review(pod({"fracgpu.io/gpu": "1"}), dry_run=dry_run)
+    )
+    assert reply.allowed
+    assert templates.ensured == [("team-a", "fracgpu-cards-1", dry_run)]
+
+
+async def test_a_template_that_cannot_be_made_denies_the_pod() -> None:
+    reply = await mutator(templates=Templates(fail=True))(
+        _review(pod({"fracgpu.io/gpu": "1"}), dry_run=False)
+    )
+    assert not reply.allowed
+    assert reply.status is not None
+    assert reply.status.message == "ResourceClaimTemplate fracgpu-cards-1: forbidden"
