@@ -34,6 +34,7 @@ from typing import Any
 import aiohttp
 
 from core.kube import GPUQUOTAS, PODS, Api, Informer, KubeError, KubeNotFound, call_json
+from quota.claims import ClaimSpecs, claim_refs
 from quota.demand import CardMemory, Demand, is_terminal, pod_demand
 from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Pending, Scoped
 from quota.metrics import QuotaMetrics
@@ -63,9 +64,11 @@ class UsageController:
         pending_limit: int = DEFAULT_PENDING_LIMIT,
         clock: Callable[[], datetime] = now,
         card_memory: CardMemory | None = None,
+        claims: ClaimSpecs | None = None,
     ) -> None:
         self.api = api
         self.card_memory = card_memory
+        self.claims = claims
         self.store = store
         self.metrics = metrics or QuotaMetrics()
         self.resync_s = resync_s
@@ -107,9 +110,10 @@ class UsageController:
         meta = pod.get("metadata") or {}
         namespace = meta.get("namespace")
         uid = str(meta.get("uid") or "")
-        demand = pod_demand(pod, self.card_memory)
-        # Each recount reads every pod of the namespace: computed once per change, here.
-        if kind == "DELETED":
+        demand = pod_demand(pod, self.card_memory, self.claims)
+        # Each recount reads every pod of the namespace: computed once per change, here. A
+        # pod whose claims are not read yet is computed at the recount, which reads them.
+        if kind == "DELETED" or (demand is not None and demand.missing_claims):
             self._demands.pop(uid, None)
         else:
             self._demands[uid] = demand
@@ -281,6 +285,8 @@ class UsageController:
             cached = False
         else:
             pods, cached = self.pods.objects(namespace), True
+        if self.claims is not None:
+            await self.claims.load(ref for pod in pods for ref in claim_refs(pod))
         live: dict[str, Demand] = {}
         ended: set[str] = set()
         for pod in pods:
@@ -288,7 +294,7 @@ class UsageController:
             demand = (
                 self._demands[uid]
                 if cached and uid in self._demands
-                else pod_demand(pod, self.card_memory)
+                else pod_demand(pod, self.card_memory, self.claims)
             )
             if demand is None:
                 continue

@@ -28,6 +28,7 @@ from typing import Any
 
 from core.labels import pinned_products
 from core.units import BLOCK_MIB, Grant, card_blocks
+from quota.claims import ClaimSpecs
 
 CardMemory = Callable[[frozenset[str] | None], int | None]
 """MiB of the largest card a pod pinned to these models (None: unpinned) may land on, if known."""
@@ -45,6 +46,7 @@ class Demand:
     models: frozenset[str] | None = None
     pods: int = 1
     unsized_cards: int = 0  # whole cards whose memory no known card could size
+    missing_claims: tuple[str, ...] = ()  # DRA claims the pod names that could not be read
 
     def on(self, model: str) -> bool:
         """Whether this demand counts against a per-model limit of ``model``."""
@@ -73,8 +75,15 @@ def _containers(spec: Mapping[str, Any], key: str) -> Iterable[Mapping[str, Any]
     return [c for c in items if isinstance(c, Mapping)] if isinstance(items, list) else []
 
 
-def pod_demand(pod: Mapping[str, Any], card_memory: CardMemory | None = None) -> Demand | None:
-    """The pod's GPU demand, or None when the pod holds no GPU (quota never affects it)."""
+def pod_demand(
+    pod: Mapping[str, Any],
+    card_memory: CardMemory | None = None,
+    claims: ClaimSpecs | None = None,
+) -> Demand | None:
+    """The pod's GPU demand, or None when the pod holds no GPU (quota never affects it).
+
+    ``claims`` (DRA mode): the specs of the claims the pod names, already loaded; what claims
+    of the fracgpu class request is added (:mod:`quota.claims`)."""
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return None
@@ -116,9 +125,14 @@ def pod_demand(pod: Mapping[str, Any], card_memory: CardMemory | None = None) ->
         init_blocks = max(init_blocks, step_blocks)
     core = max(core, init_core)
     blocks = max(blocks, init_blocks)
-    if core == 0 and blocks == 0:
+    missing: tuple[str, ...] = ()
+    charge = claims.charge(pod, card_mib) if claims is not None else None
+    if charge is not None:
+        core, blocks = core + charge.core, blocks + charge.blocks
+        unsized, missing = unsized + charge.unsized_cards, charge.missing
+    if core == 0 and blocks == 0 and not missing:
         return None
-    return Demand(core, blocks * BLOCK_MIB, models, unsized_cards=unsized)
+    return Demand(core, blocks * BLOCK_MIB, models, unsized_cards=unsized, missing_claims=missing)
 
 
 def is_terminal(pod: Mapping[str, Any], at: datetime | None = None) -> bool:

@@ -231,7 +231,8 @@ class Ledger:
                 continue
             charged = self.charged(model)
             unsized = bool(demand.unsized_cards) and limit.gpumem is not None
-            if unsized or not (charged + Usage.of(demand)).within(limit):
+            unknown = bool(demand.missing_claims)
+            if unsized or unknown or not (charged + Usage.of(demand)).within(limit):
                 return Violation(self.namespace, self.name, model, limit, charged, demand)
         return None
 

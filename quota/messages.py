@@ -28,6 +28,8 @@ def demand_phrase(demand: Demand) -> str:
 
 def exceeded(violation: Violation) -> str:
     limit, charged, demand = violation.limit, violation.charged, violation.demand
+    if demand.missing_claims:
+        return unreadable_claims(violation)
     if demand.unsized_cards and limit.gpumem is not None:
         return unsized(violation)
     of = f" of {violation.model}" if violation.model else ""
@@ -50,6 +52,16 @@ def exceeded(violation: Violation) -> str:
             f"limit (pin it with nodeSelector {PRODUCT_LABEL} to count it against one model)"
         )
     return message
+
+
+def unreadable_claims(violation: Violation) -> str:
+    names = ", ".join(violation.demand.missing_claims)
+    return (
+        f'GPU quota cannot count this pod in namespace "{violation.namespace}": it uses '
+        f"{names}, which does not exist (yet), so what it holds of a GPU is unknown while quota "
+        f'"{violation.quota}" applies here; create the ResourceClaim before the pod, or name '
+        f"fracgpu.io/gpu in the pod and let admission make the claim"
+    )
 
 
 def unsized(violation: Violation) -> str:

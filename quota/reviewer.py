@@ -13,18 +13,26 @@ import time
 from typing import Any
 
 from core.admission import AdmissionRequest, AdmissionResponse
-from quota.demand import CardMemory, pod_demand
+from core.kube import KubeError
+from quota.claims import ClaimSpecs, claim_refs
+from quota.demand import CardMemory, Demand, pod_demand
+from quota.messages import unverifiable
 from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
 
 
 class QuotaReviewer:
     def __init__(
-        self, reserver: Reserver, metrics: QuotaMetrics, card_memory: CardMemory | None = None
+        self,
+        reserver: Reserver,
+        metrics: QuotaMetrics,
+        card_memory: CardMemory | None = None,
+        claims: ClaimSpecs | None = None,
     ) -> None:
         self.reserver = reserver
         self.metrics = metrics
         self.card_memory = card_memory
+        self.claims = claims
 
     async def __call__(self, request: AdmissionRequest) -> AdmissionResponse:
         if (
@@ -35,7 +43,16 @@ class QuotaReviewer:
         ):
             return AdmissionResponse.allow(request.uid, label="not-pod-create")
         pod: dict[str, Any] = request.object or {}
-        demand = pod_demand(pod, self.card_memory)
+        refs = claim_refs(pod) if self.claims is not None else []
+        if refs:
+            assert self.claims is not None
+            try:
+                await self.claims.load(refs)
+            except (KubeError, OSError, TimeoutError) as exc:
+                why = f"the pod's ResourceClaims could not be read ({exc})"
+                message = unverifiable(request.namespace or "default", Demand(0, 0), why)
+                return AdmissionResponse.deny(request.uid, message, label="quota-unverifiable")
+        demand = pod_demand(pod, self.card_memory, self.claims)
         if demand is None:
             return AdmissionResponse.allow(request.uid, label="no-gpu")
         meta = pod.get("metadata") if isinstance(pod.get("metadata"), dict) else {}

@@ -17,6 +17,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from core.kube import Api
+from quota.claims import ClaimSpecs
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.demand import CardMemory
@@ -57,7 +58,9 @@ class QuotaService:
             stale_after_s=config.stale_after_s,
             count_wait_s=config.count_wait_s,
         )
-        self.reviewer = QuotaReviewer(self.reserver, metrics, card_memory)
+        # DRA mode: what pods' claims of the fracgpu class request (read, then remembered).
+        self.claims = ClaimSpecs(api, request_timeout_s=config.request_timeout_s)
+        self.reviewer = QuotaReviewer(self.reserver, metrics, card_memory, self.claims)
         self._problem: str | None = None
         self.probe_interval_s = 5.0
 
@@ -96,6 +99,7 @@ class QuotaService:
             grace_s=self.config.reservation_grace_s,
             pending_limit=self.config.pending_limit,
             card_memory=self.card_memory,
+            claims=self.claims,
         )
 
     async def run(self) -> None:

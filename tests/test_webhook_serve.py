@@ -207,6 +207,14 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
                 },
             }
         )
+        fake.put(
+            {
+                "apiVersion": "fracgpu.io/v1",
+                "kind": "GPUQuota",
+                "metadata": {"name": "team-a", "namespace": "team-a"},
+                "spec": {"gpu": "0.25"},
+            }
+        )
         port = free_port()
         config = ServeConfig(
             server=ServerConfig(host="127.0.0.1", port=port),
@@ -218,7 +226,6 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
                 ips=["127.0.0.1"],
                 inject=False,
             ),
-            quota=QuotaConfig(require_quota=False),
             kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
             shutdown_delay_seconds=0,
         )
@@ -246,6 +253,16 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
             review["request"]["namespace"] = "team-a"
             async with http.post(url + "/mutate", json=review) as resp:
                 reply = (await resp.json())["response"]
+            # Quota counts the claim the mutated pod holds: half a card, over a 0.25 quota.
+            await eventually(lambda: _counted(fake.get("gpuquotas", "team-a", "team-a")))
+            validate = copy.deepcopy(review)
+            pod = jsonpatch.apply_patch(
+                review["request"]["object"], json.loads(base64.b64decode(reply["patch"]))
+            )
+            pod["metadata"].update(uid="pod-uid-dra", namespace="team-a")
+            validate["request"]["object"] = pod
+            async with http.post(url + "/validate", json=validate) as resp:
+                verdict = (await resp.json())["response"]
         stop.set()
         assert await server == 0
     assert reply["allowed"] is True
@@ -257,3 +274,7 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
     [alternative] = request["firstAvailable"]
     # Half of the L4 the slice publishes: 89 blocks, floor(89 / 2) = 44.
     assert alternative["capacity"]["requests"] == {"cores": "50", "memory": "11264Mi"}
+    assert verdict["allowed"] is False
+    assert verdict["status"]["message"].startswith(
+        'GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 11264 MiB'
+    )
