@@ -176,7 +176,8 @@ async def test_initial_sync_then_live_events(api: Any, fake: FakeApiServer) -> N
         assert events[2:] == [("ADDED", "c"), ("MODIFIED", "a"), ("DELETED", "b")]
         assert sorted(o["metadata"]["name"] for o in inf.objects()) == ["a", "c"]
         got = inf.get("a")
-        assert got is not None and got["metadata"]["labels"] == {"gpu": "y"}
+        assert got is not None
+        assert got["metadata"]["labels"] == {"gpu": "y"}
         assert inf.resource_version == str(fake.resource_version)
         assert inf.stats.lists == 1
 
@@ -198,7 +199,8 @@ async def test_bookmarks_advance_the_version_without_events(api: Any, fake: Fake
         fake.drop_watches()
         await call_json(api, "POST", NODES.path(), body=node("b"))
         await recorder.wait_for(2)
-        assert inf.stats.relists_410 == 0 and inf.stats.lists == 1
+        assert inf.stats.relists_410 == 0
+        assert inf.stats.lists == 1
 
 
 async def test_410_relists_with_synthetic_deletes(api: Any, fake: FakeApiServer) -> None:
@@ -221,7 +223,8 @@ async def test_410_relists_with_synthetic_deletes(api: Any, fake: FakeApiServer)
         assert events[:3] == [("ADDED", "a"), ("ADDED", "b"), ("ADDED", "c")]
         assert sorted(events[3:]) == [("ADDED", "d"), ("DELETED", "a"), ("MODIFIED", "b")]
         assert events[3] == ("DELETED", "a")  # deletes come first
-        assert inf.stats.relists_410 == 1 and inf.stats.lists == 2
+        assert inf.stats.relists_410 == 1
+        assert inf.stats.lists == 2
         assert sorted(o["metadata"]["name"] for o in inf.objects()) == ["b", "c", "d"]
         assert inf.resource_version == str(fake.resource_version)
         # and it keeps watching afterwards
@@ -241,7 +244,8 @@ async def test_connection_drop_recovers_by_rewatching_from_its_version(
         fake.put(node("a"))  # lands while no watch is open; replayed on reconnect
         assert await recorder.wait_for(1) == [("ADDED", "a")]
         assert inf.stats.errors >= 1
-        assert inf.stats.lists == 1 and inf.stats.relists_410 == 0
+        assert inf.stats.lists == 1
+        assert inf.stats.relists_410 == 0
         fake.down("drop", seconds=0.3)
         fake.put(node("b"))
         assert (await recorder.wait_for(2))[1] == ("ADDED", "b")
@@ -257,7 +261,8 @@ async def test_clean_watch_end_rewatches_without_relisting(api: Any, fake: FakeA
             fake.drop_watches()
             fake.put(node(f"n{i}"))
             await recorder.wait_for(i + 1)  # delivered by the next watch, which is now open
-        assert inf.stats.lists == 1 and inf.stats.errors == 0
+        assert inf.stats.lists == 1
+        assert inf.stats.errors == 0
         assert inf.stats.watches == 4
         last = [r for r in fake.requests if r.query.get("watch") == "true"][-1]
         assert last.query["allowWatchBookmarks"] == "true"
@@ -290,7 +295,9 @@ async def test_an_expired_continue_token_restarts_the_list(api: Any, fake: FakeA
     fake.on_request = expire_between_pages
     async with informer(api, page_size=2) as inf:
         await inf.wait_synced(5)
-        assert expired and inf.stats.relists_410 == 1 and inf.stats.lists == 1
+        assert expired
+        assert inf.stats.relists_410 == 1
+        assert inf.stats.lists == 1
         assert sorted(o["metadata"]["name"] for o in inf.objects()) == [
             "late",
             "n0",

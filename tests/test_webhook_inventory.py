@@ -149,7 +149,8 @@ def test_not_pinned(affinity: Any) -> None:
 
 def test_nothing_known() -> None:
     choice = Inventory().choose({})
-    assert choice.card is None and choice.unknown == "no GPU models are known to fracgpu"
+    assert choice.card is None
+    assert choice.unknown == "no GPU models are known to fracgpu"
 
 
 def test_choice_is_kept_until_gpu_labels_change() -> None:
@@ -180,7 +181,8 @@ def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
     assert inv.choose(pin) is inv.choose(copy.deepcopy(pin))
     for i in range(_MAX_CHOICES + 10):  # pins are user input
         choice = inv.choose({"nodeSelector": {"fracgpu.io/gpu.product": f"model-{i}"}})
-        assert choice.card is None and f"model-{i}" in choice.unknown
+        assert choice.card is None
+        assert f"model-{i}" in choice.unknown
     assert len(inv._choices) <= _MAX_CHOICES
     assert inv.choose(pin).card == Card("NVIDIA-H100-80GB-HBM3", 81559)
 

@@ -47,7 +47,8 @@ def apply(m: Mutator, obj: dict[str, Any], group: str = "", kind: str = "Pod") -
     patched: dict[str, Any] = jsonpatch.apply_patch(obj, outcome.patch)
     # Reinvocation on our own output changes nothing and warns nothing.
     again = m.mutate(patched, group, kind)
-    assert again.allowed and again.patch == [], again.patch
+    assert again.allowed, again.patch
+    assert again.patch == [], again.patch
     return patched
 
 
@@ -75,7 +76,9 @@ def test_fraction_is_rewritten_with_everything_design_3_adds() -> None:
 
 def test_no_gpu_pod_is_untouched() -> None:
     outcome = mutator().mutate(pod(container("web", {"cpu": "1"})), "", "Pod")
-    assert outcome.allowed and outcome.patch == [] and not outcome.gpu
+    assert outcome.allowed
+    assert outcome.patch == []
+    assert not outcome.gpu
 
 
 def test_zero_gpu_is_stripped_without_gpu_additions() -> None:
@@ -157,7 +160,8 @@ def test_denial_names_every_problem() -> None:
         container("b", {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "120"}),
     )
     outcome = mutator().mutate(obj, "", "Pod")
-    assert not outcome.allowed and outcome.patch == []
+    assert not outcome.allowed
+    assert outcome.patch == []
     assert outcome.message == (
         'container "a": fracgpu.io/gpu must be a fraction between 0.01 and 1 with at most two '
         "decimals, or a whole number of cards; got 1.5; "
@@ -357,7 +361,9 @@ async def test_reviewer_answers_admission_requests() -> None:
         {**base, "operation": "CREATE", "object": pod(container("a", {"fracgpu.io/gpu": "0.5"}))}
     )
     response = await m(req)
-    assert response.allowed and response.patch_type == "JSONPatch" and response.decoded_patch()
+    assert response.allowed
+    assert response.patch_type == "JSONPatch"
+    assert response.decoded_patch()
     upd = AdmissionRequest.model_validate({**base, "operation": "UPDATE", "object": {}})
     assert (await m(upd)).patch is None
     delete = AdmissionRequest.model_validate({**base, "operation": "DELETE", "object": None})
@@ -463,7 +469,8 @@ def test_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     m = mutator()
     for i in range(50):
         apply(m, pod(container(f"c{i}", {"fracgpu.io/gpu": "0.25"})))
-        assert len(m._memo) <= 8 and len(m._env) <= 8
+        assert len(m._memo) <= 8
+        assert len(m._env) <= 8
 
 
 # A small vocabulary, so that a long-lived mutator mostly answers from what it remembers.

@@ -270,12 +270,15 @@ def test_requests_without_limits() -> None:
 
 def test_zero_means_no_gpu() -> None:
     result = normalise_container("t", {"limits": {"fracgpu.io/gpu": "0"}}, (), KNOWN)
-    assert result.grant is None and not result.errors and result.zero
+    assert result.grant is None
+    assert not result.errors
+    assert result.zero
 
 
 def test_dialects_off_by_default() -> None:
     result = normalise_container("t", {"limits": {"nvidia.com/gpu": "1"}}, (), KNOWN)
-    assert result.grant is None and not result.mentions_gpu
+    assert result.grant is None
+    assert not result.mentions_gpu
 
 
 @pytest.mark.parametrize(
@@ -439,7 +442,8 @@ def test_proportional_shares_always_fit_one_card() -> None:
         for other in range(1, 101 - core):
             a = grant_of({GPU: str(Decimal(core) / 100)})
             b = grant_of({GPU: str(Decimal(other) / 100)})
-            assert a is not None and b is not None
+            assert a is not None
+            assert b is not None
             assert a.memory_blocks + b.memory_blocks <= card_blocks(H100.memory_mib)
 
 
@@ -526,13 +530,15 @@ def test_every_valid_input_normalises_to_kubernetes_legal_integers(
     canonical = result.grant.resources()
     for value in canonical.values():
         q = parse_quantity(value)
-        assert q.is_integer and q.value >= 1  # Kubernetes: extended resources are integers
+        assert q.is_integer
+        assert q.value >= 1
     core = result.grant.core
     assert 1 <= core <= 100 or core % 100 == 0
     assert result.grant.memory_blocks <= max(core // 100, 1) * card_blocks(H100.memory_mib)
     # Re-admitting the canonical output gives the same grant (idempotence).
     again = normalise_container("c", {"limits": canonical}, (), KNOWN)
-    assert again.grant == result.grant and not again.errors
+    assert again.grant == result.grant
+    assert not again.errors
 
 
 json_values = st.recursive(
@@ -588,7 +594,8 @@ def test_invalid_gpu_values_are_denied(value: Any) -> None:
     elif zero:
         assert result.zero
     else:
-        assert result.errors and result.grant is None
+        assert result.errors
+        assert result.grant is None
 
 
 @pytest.mark.parametrize("value", [0, 17], ids=["none", "more-than-a-limits-file-names"])
