@@ -30,6 +30,18 @@ def test_round_trip(tmp_path: Path, durable: bool) -> None:
         "version=1\ndevices=GPU-1\nmemory_bytes=1\ncompute_percent=5\nextra=1\n",
         "x" * 5000,
     ],
+    ids=[
+        "empty",
+        "no compute_percent",
+        "version 2",
+        "compute over 100",
+        "zero memory",
+        "no devices",
+        "a key twice",
+        "memory not a number",
+        "an unknown key",
+        "over the size bound",
+    ],
 )
 def test_rejects(text: str) -> None:
     with pytest.raises(LimitsError):

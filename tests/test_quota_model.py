@@ -23,6 +23,14 @@ def test_spec_in_canonical_units() -> None:
         ({}, "spec limits nothing; set at least one of gpu, gpumem, pods or models"),
         ({"pods": -1}, "spec.pods must be a whole number of pods"),
     ],
+    ids=[
+        "three decimals",
+        "decimal giga memory",
+        "a misspelt field",
+        "a model's cards not a number",
+        "limits nothing",
+        "negative pods",
+    ],
 )
 def test_invalid_spec(spec: dict[str, object], expected: str) -> None:
     with pytest.raises(QuotaError, match=expected.replace(".", r"\.")):

@@ -118,6 +118,7 @@ def test_review_config_file_and_dialects(
         (["review", "/nonexistent.yaml"], "fracgpu: /nonexistent.yaml: No such file or directory"),
         (["review", "--gpu-model", "H100", "x"], "expected PRODUCT=MIB"),
     ],
+    ids=["a file that does not exist", "a model without its memory"],
 )
 def test_usage_errors_exit_2(
     capsys: pytest.CaptureFixture[str], argv: list[str], expected: str

@@ -87,6 +87,7 @@ def test_unpinned_mixed_cluster_offers_every_model_smallest_first() -> None:
             "NVIDIA-L4",
         ),
     ],
+    ids=["fracgpu label", "GPU feature discovery label", "node name", "required affinity"],
 )
 def test_pinned(spec: dict[str, Any], product: str) -> None:
     choice = inventory().choose(spec)
@@ -142,6 +143,7 @@ def test_pinned_to_unknown_model() -> None:
             }
         },
     ],
+    ids=["none", "no node affinity", "no required terms", "one term unpinned", "malformed terms"],
 )
 def test_not_pinned(affinity: Any) -> None:
     assert pinned_products({"affinity": affinity}) is None

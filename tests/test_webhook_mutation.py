@@ -173,7 +173,7 @@ def test_denial_names_every_problem() -> None:
 @pytest.mark.parametrize(
     ("obj", "expected"),
     [
-        (
+        pytest.param(
             pod(
                 container(
                     "a", {"fracgpu.io/gpu": "0.5"}, env=[{"name": "FRACGPU_GPU", "value": "1"}]
@@ -181,16 +181,18 @@ def test_denial_names_every_problem() -> None:
             ),
             'container "a": environment variable FRACGPU_GPU is set by fracgpu and cannot be '
             'set in the pod spec (got "1"); remove it',
+            id="fracgpu variable that differs from the grant",
         ),
-        (
+        pytest.param(
             pod(
                 container(
                     "a", {"fracgpu.io/gpu": "0.5"}, env=[{"name": "FRACGPU_DISABLE", "value": "1"}]
                 )
             ),
             "FRACGPU_DISABLE is set by fracgpu",
+            id="a FRACGPU_ variable fracgpu never sets",
         ),
-        (
+        pytest.param(
             pod(
                 container(
                     "a", {"cpu": "1"}, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
@@ -198,8 +200,9 @@ def test_denial_names_every_problem() -> None:
             ),
             'container "a": environment variable NVIDIA_VISIBLE_DEVICES selects GPUs and is set '
             "only by the fracgpu device plugin; remove it and request fracgpu.io/gpu instead",
+            id="NVIDIA_VISIBLE_DEVICES on a plain pod",
         ),
-        (
+        pytest.param(
             pod(
                 container("a", {"fracgpu.io/gpu": "0.5"}),
                 container(
@@ -208,8 +211,9 @@ def test_denial_names_every_problem() -> None:
                 ),
             ),
             'container "b": environment variable NVIDIA_VISIBLE_DEVICES',
+            id="NVIDIA_VISIBLE_DEVICES from a field",
         ),
-        (
+        pytest.param(
             pod(
                 container(
                     "a",
@@ -218,8 +222,9 @@ def test_denial_names_every_problem() -> None:
                 )
             ),
             'container "a": volume mount at /etc/ld.so.preload covers a path the fracgpu device',
+            id="a mount over ld.so.preload",
         ),
-        (
+        pytest.param(
             pod(
                 container(
                     "a",
@@ -228,13 +233,15 @@ def test_denial_names_every_problem() -> None:
                 )
             ),
             "volume mount at /run/fracgpu/limits/../limits/ covers",
+            id="a mount over the limits through dots",
         ),
-        (
+        pytest.param(
             pod(
                 container("a", {"fracgpu.io/gpu": "0.5"}),
                 volumes=[{"name": "state", "hostPath": {"path": "/var/lib/fracgpu/containers"}}],
             ),
             'volume "state": hostPath /var/lib/fracgpu/containers holds fracgpu\'s node state',
+            id="host state by path",
         ),
         pytest.param(
             pod(
@@ -451,6 +458,14 @@ def test_remembered_containers_follow_the_inventory() -> None:
 @pytest.mark.parametrize(
     ("first", "second"),
     [(True, 1), (1, True), ("1", 1.0), (1.0, "1"), ("1", True), (0.5, "0.5")],
+    ids=[
+        "bool then int",
+        "int then bool",
+        "text then float",
+        "float then text",
+        "text then bool",
+        "float then its text",
+    ],
 )
 def test_values_that_hash_alike_are_not_confused(first: Any, second: Any) -> None:
     m = mutator()
