@@ -18,7 +18,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,7 +32,7 @@ from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
-from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
+from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app, listen
 
 log = logging.getLogger(__name__)
 
@@ -126,14 +125,14 @@ async def run_server(
             await stack.enter_async_context(informer)
             waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
 
-        app = build_app(reviewers, metrics=AdmissionMetrics(registry), readiness=readiness)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(
-            runner, config.server.host, config.server.port, ssl_context=certificates.context
+        app = build_app(
+            reviewers,
+            metrics=AdmissionMetrics(registry),
+            readiness=readiness,
+            limits=config.server.limits,
         )
-        await site.start()
+        listener = await listen(app, config.server.host, config.server.port, certificates.context)
+        stack.push_async_callback(listener.close)
         log.info(
             "serving admission",
             extra={
