@@ -478,7 +478,8 @@ async def test_bodies_beyond_the_limits_are_refused_with_a_status_that_says_whic
 
 
 async def test_the_connection_cap_keeps_the_api_servers_connections(tmp_path: Path) -> None:
-    limits = FAST.model_copy(update={"max_connections": 4, "header_timeout_seconds": 30.0})
+    # Only the cap applies here: no timeout may close a connection while the flood connects.
+    limits = ServerLimits(max_connections=4)
     async with running(tmp_path, limits) as server:
         pooled = await tls(server)  # an API server's connection: used, then idle in its pool
         pooled[1].write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
@@ -524,6 +525,26 @@ async def test_large_bodies_cannot_take_the_room_of_ordinary_reviews(tmp_path: P
     assert second_status == 503
     assert "max_inflight_body_bytes" in json.loads(second_body)["error"]
     assert holder_status == 200
+
+
+async def test_large_bodies_are_let_in_at_their_rate(tmp_path: Path) -> None:
+    limits = ServerLimits(
+        max_body_bytes=2 * 2**20,
+        max_inflight_body_bytes=64 * 2**20,
+        large_body_bytes_per_second=2**20,
+        body_timeout_seconds=0.5,
+    )
+    large = json.dumps(EXAMPLE).encode().ljust(2 * 2**20)
+    async with running(tmp_path, limits) as server:
+        statuses = []
+        for _ in range(2):  # the second would have to wait 2 s for its turn
+            reader, writer = await tls(server)
+            writer.write(head(len(large)) + large)
+            statuses.append((await response(reader))[0])
+            writer.close()
+        ordinary = await server.review(EXAMPLE)
+    assert statuses == [200, 503]
+    assert ordinary["allowed"] is True
 
 
 async def test_an_abandoned_body_logs_one_line_and_no_traceback(

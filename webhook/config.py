@@ -130,6 +130,14 @@ class ServerLimits(_Section):
         "always find room",
     )
 
+    large_body_bytes_per_second: int = Field(
+        8 * MIB,
+        ge=MIB,
+        description="bodies over 1 MiB are let in one at a time at this rate (a burst of one "
+        "largest body): each costs milliseconds of parsing in one piece, which every review "
+        "waiting then shares",
+    )
+
     @model_validator(mode="after")
     def _room_for_one_large_body(self) -> ServerLimits:
         if self.max_inflight_body_bytes < 2 * self.max_body_bytes:

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import gc
 import logging
 import ssl
 import time
@@ -45,6 +48,8 @@ Reviewer = Callable[[AdmissionRequest], Awaitable[AdmissionResponse]]
 Readiness = Callable[[], str | None]  # None when ready, else why not
 # Bodies above this share the in-flight budget's first half only; below it are ordinary pods.
 LARGE_BODY_BYTES = MIB
+# After the last large body is answered, wait this long for another before giving memory back.
+TRIM_DELAY_S = 1.0
 # After an early answer (413, 408), how long to read and discard what the client still sends,
 # so that it sees the answer instead of a reset (never longer than the body timeout).
 LINGER_S = 2.0
@@ -60,7 +65,7 @@ def build_app(
     metrics = metrics or AdmissionMetrics()
     limits = limits or ServerLimits()
     guard = ConnectionGuard(limits, metrics)
-    budget = BodyBudget(limits.max_inflight_body_bytes, metrics)
+    budget = BodyBudget(limits, metrics)
     # Large pods (many env vars, volumes) exceed aiohttp's 1 MiB default; controller-runtime
     # and pod-security-admission accept 3 MiB and more.
     app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[guard.middleware])
@@ -123,13 +128,16 @@ def _endpoint(
                 return refused(
                     "busy",
                     503,
-                    f"too many large request bodies in flight (server.limits."
-                    f"max_inflight_body_bytes = {limits.max_inflight_body_bytes}); retry",
+                    f"no room for a {size}-byte body within "
+                    f"{limits.body_timeout_seconds:g} s: large bodies share half of "
+                    f"server.limits.max_inflight_body_bytes ({limits.max_inflight_body_bytes}) "
+                    "and are let in at server.limits.large_body_bytes_per_second "
+                    f"({limits.large_body_bytes_per_second}); retry later",
                 )
             try:
                 async with asyncio.timeout_at(deadline):
-                    body = await request.read()
-            except web.HTTPRequestEntityTooLarge:
+                    body = await _read_body(request, limits.max_body_bytes)
+            except _BodyTooLarge:
                 return refused("too-large", 413, too_large)
             except TimeoutError:
                 return refused(
@@ -202,30 +210,97 @@ def _bad_request(message: str, *, status: int = 400) -> web.Response:
     return web.json_response({"error": message}, status=status)
 
 
+def _glibc(function: str) -> Callable[..., int] | None:
+    """A glibc memory-tuning function (other C libraries, such as musl, have none)."""
+    try:
+        found: Callable[..., int] = getattr(ctypes.CDLL(ctypes.util.find_library("c")), function)
+    except (OSError, AttributeError):
+        return None
+    return found
+
+
+_malloc_trim = _glibc("malloc_trim")
+_mallopt = _glibc("mallopt")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def _return_large_blocks_at_once() -> None:
+    """Makes every allocation of 128 KiB or more (TLS buffers, 256 KiB per connection; bodies)
+    its own mapping, unmapped when freed. glibc's default raises that threshold to the largest
+    block freed so far, so after one large body such blocks stay in its heap, and resident
+    memory never comes back down after a flood of connections or bodies."""
+    if _mallopt is not None:
+        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused as soon as it grows past ``limit``. Joined once from the chunks as they
+    arrived: ``Request.read`` grows a bytearray and copies it again, which for a large body
+    costs the event loop several milliseconds more in one piece."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
 class BodyBudget:
     """Bytes of request bodies being read or reviewed at once, by declared size.
 
     A body holds its share from before it is read until its answer is built (the parsed pod is
     several times the size of its JSON). Bodies over ``LARGE_BODY_BYTES`` may hold only half of
-    the budget together, so a flood of them never makes an ordinary review wait.
+    the budget together, so a flood of them never makes an ordinary review wait for room; and
+    they are let in one at a time at ``large_body_bytes_per_second``, because each costs the
+    event loop milliseconds in one piece (parsing), which every review waiting then shares. No
+    ordinary pod comes near that size: only an exceptional pod or an abuser waits here.
     """
 
-    def __init__(self, total: int, metrics: AdmissionMetrics) -> None:
-        self.total = total
-        self.large_total = total // 2
+    def __init__(self, limits: ServerLimits, metrics: AdmissionMetrics) -> None:
+        self.total = limits.max_inflight_body_bytes
+        self.large_total = self.total // 2
         self.used = 0
         self.large_used = 0
         self._metrics = metrics
         self._changed = asyncio.Condition()
+        self._trim: asyncio.TimerHandle | None = None
+        self._trimming: asyncio.Future[None] | None = None  # held: an unreferenced task may vanish
+        self._rate = limits.large_body_bytes_per_second
+        self._burst = max(limits.max_body_bytes, self._rate)
+        self._tokens = float(self._burst)
+        self._stamp: float | None = None
+        self._pacing = asyncio.Lock()
 
     def _fits(self, size: int, large: bool) -> bool:
         if large and self.large_used + size > self.large_total:
             return False
         return self.used + size <= self.total
 
+    async def _pace(self, size: int) -> None:
+        async with self._pacing:
+            loop = asyncio.get_running_loop()
+            while True:
+                now = loop.time()
+                if self._stamp is not None:
+                    self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+                self._stamp = now
+                if self._tokens >= size:
+                    self._tokens -= size
+                    return
+                await asyncio.sleep((size - self._tokens) / self._rate)
+
     @contextlib.asynccontextmanager
     async def hold(self, size: int) -> AsyncIterator[None]:
         large = size > LARGE_BODY_BYTES
+        if large:
+            await self._pace(size)
         async with self._changed:
             await self._changed.wait_for(lambda: self._fits(size, large))
             self.used += size
@@ -237,8 +312,28 @@ class BodyBudget:
             self.used -= size
             self.large_used -= size if large else 0
             self._metrics.inflight_body_bytes.set(self.used)
+            if large and not self.large_used and self._trim is None:
+                self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._give_back)
             async with self._changed:
                 self._changed.notify_all()
+
+    def _give_back(self) -> None:
+        """Returns the memory large bodies used to the system once none is in flight. Their
+        bytes and parsed objects are freed, but the C allocator keeps freed pages inside its
+        heap for reuse, and a replica's resident memory would stay near its peak for good.
+        Trimming a fragmented heap takes tens of milliseconds: it runs on a thread (ctypes
+        releases the GIL), so only an allocation that needs the allocator's lock meanwhile
+        waits, not the event loop."""
+        self._trim = None
+        if self.large_used or _malloc_trim is None:
+            return
+        self._trimming = asyncio.ensure_future(asyncio.to_thread(_timed, _malloc_trim))
+
+
+def _timed(trim: Callable[[int], int]) -> None:
+    started = time.perf_counter()
+    trim(0)
+    log.debug("memory given back", extra={"ms": round((time.perf_counter() - started) * 1e3)})
 
 
 class _Connection(asyncio.Protocol):
@@ -420,6 +515,12 @@ async def listen(
     app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext
 ) -> Listener:
     """Serves ``app`` (from ``build_app``) over TLS with the limits it was built with."""
+    # What exists now (modules, configuration, clients) lives as long as the process: keep it
+    # out of the cyclic collector, whose full passes over it would stall the event loop for
+    # tens of milliseconds while large bodies churn allocations.
+    gc.collect()
+    gc.freeze()
+    _return_large_blocks_at_once()
     guard = app[GUARD]
     limits = guard.limits
     runner = web.AppRunner(
