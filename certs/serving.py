@@ -24,17 +24,22 @@ from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.inject import CaBundleInjector
-from certs.material import ServingState, fingerprint
+from certs.material import MaterialError, ServingState, fingerprint
 from certs.metrics import CertsMetrics
 from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
 from certs.tlspolicy import server_context
-from core.kube import kube_client
+from core.kube import KubeError, kube_client
 
 log = logging.getLogger(__name__)
 
 ERROR_BACKOFF_S = (1.0, 30.0)
+
+
+class ServingError(Exception):
+    """No certificate can be served at start; the message (one line) names the file, directory
+    or Secret, the problem and the fix."""
 
 
 class BundleConsumer(Protocol):
@@ -150,6 +155,24 @@ class ServingCertificates:
                 failures = 0
 
 
+def _start_failure(config: CertsConfig, exc: OSError | MaterialError | KubeError) -> str:
+    if isinstance(exc, MaterialError):  # files mode: the message names the file and the fix
+        problem = str(exc)
+    elif isinstance(exc, KubeError):
+        problem = (
+            f"Secret {config.namespace}/{config.secret_name} (certs.secret_name): {exc}; check "
+            "that the webhook's ServiceAccount may get, create and update it "
+            "(deploy/base/webhook-rbac.yaml) and that certs.namespace is its namespace"
+        )
+    else:
+        where = f" ({exc.filename})" if exc.filename else ""
+        problem = (
+            f"certs.directory {config.directory}: {exc.strerror or exc}{where}; make it a "
+            "directory the webhook's user can read and write, or set certs.directory to one"
+        )
+    return " ".join(problem.split())  # one line, whatever the underlying library wrote
+
+
 async def open_serving(
     config: CertsConfig,
     *,
@@ -189,8 +212,10 @@ async def open_serving(
         if not standalone and config.injects:
             consumers = (CaBundleInjector(api, config, metrics),)
         initial = await source.refresh()
-    except BaseException:
+    except BaseException as exc:
         await resources.aclose()
+        if isinstance(exc, OSError | MaterialError | KubeError):
+            raise ServingError(_start_failure(config, exc)) from exc
         raise
     return ServingCertificates(
         source, initial, metrics=metrics, consumers=consumers, resources=resources

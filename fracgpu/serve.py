@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
-from certs.serving import open_serving
+from certs.serving import ServingError, open_serving
 from core.kube import kube_client
 from quota.config import QuotaConfig
 from quota.service import open_quota
@@ -88,7 +88,12 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
 
 def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
     config = load(args, admission)
-    return asyncio.run(run_server(config, standalone=args.standalone))
+    try:
+        return asyncio.run(run_server(config, standalone=args.standalone))
+    except ServingError as exc:
+        # Something for the operator to fix, not a bug: one line, no traceback.
+        log.error("cannot start: no usable serving certificate", extra={"error": str(exc)})
+        return 2
 
 
 async def run_server(
