@@ -89,9 +89,9 @@ MIB = 2**20
 
 
 class ServerLimits(_Section):
-    """What one client may hold on a replica. kube-apiserver opens a few pooled connections,
-    sends each request right after connecting, keeps idle ones for 90 s and posts bodies of a
-    few KiB (a large pod: a few MiB); anything beyond these bounds is not an API server."""
+    """What clients may hold on a replica. kube-apiserver keeps a pool of connections, sends a
+    request as soon as it connects, and posts bodies of a few KiB (a very large pod: a few MiB);
+    the defaults leave it ample room and bound everyone else."""
 
     max_connections: int = Field(
         256,
@@ -113,7 +113,8 @@ class ServerLimits(_Section):
         120.0,
         gt=0,
         description="an idle keep-alive connection is closed after this long; longer than "
-        "the API server's own 90 s, so that the client, not the server, closes first",
+        "the 90 s after which Go's HTTP client (the API server's) drops idle connections by "
+        "default, so that the client closes first and never sends on a closing connection",
     )
     body_timeout_seconds: float = Field(
         10.0, gt=0, description="the whole body must arrive this soon after its headers"
