@@ -29,15 +29,13 @@ import json
 import multiprocessing
 import os
 import ssl
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench._load import Result, free_port, open_loop
+from bench._load import Result, open_loop, server_process
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
@@ -192,12 +190,14 @@ def _abuser_main(port: int, ca: str, args: argparse.Namespace, stop: Any, report
 
 
 class Rss:
-    """Samples a process's resident memory every 50 ms; ``peak()`` since the last ``reset()``."""
+    """Samples a process's resident memory every 50 ms; its peak and CPU share since the last
+    ``reset()``."""
 
     def __init__(self, pid: int) -> None:
         self.path = Path(f"/proc/{pid}/status")
         self.now_kib = 0
         self._peak = 0
+        self._cpu_at, self._wall_at = self._cpu_s(), time.perf_counter()
         self._stop = threading.Event()
         threading.Thread(target=self._run, daemon=True).start()
 
@@ -211,6 +211,16 @@ class Rss:
 
     def reset(self) -> None:
         self._peak = self.now_kib
+        self._cpu_at, self._wall_at = self._cpu_s(), time.perf_counter()
+
+    def _cpu_s(self) -> float:
+        """The process's user + system CPU seconds so far."""
+        fields = self.path.with_name("stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def cpu_share(self) -> float:
+        """The share of one core the process used since the last ``reset()``."""
+        return (self._cpu_s() - self._cpu_at) / (time.perf_counter() - self._wall_at)
 
     def peak_mib(self) -> float:
         return self._peak / 1024
@@ -242,6 +252,7 @@ def _row(phase: str, result: Result, rss: Rss, stalls: dict[str, Any]) -> dict[s
         "max_ms": round(max(result.latencies) * 1000, 2) if result.latencies else float("nan"),
         "peak_rss_mib": round(rss.peak_mib(), 1),
         "rss_at_end_mib": round(rss.now_kib / 1024, 1),
+        "server_cpu": round(rss.cpu_share(), 2),
     }
 
 
@@ -316,7 +327,7 @@ async def _conduct(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.webhook_abuse", description=__doc__)
     parser.add_argument("--idle", type=int, default=2000, help="idle TLS connections to open")
-    parser.add_argument("--ramp-rate", type=float, default=400.0, help="idle opens per second")
+    parser.add_argument("--ramp-rate", type=float, default=200.0, help="idle opens per second")
     parser.add_argument("--bodies", type=int, default=40, help="concurrent large-body senders")
     parser.add_argument("--body-mib", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=10.0, help="per measured phase")
@@ -331,29 +342,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_serve(args.serve, args.dir))
         return 0
 
-    from certs.config import CertsConfig
-    from certs.serving import open_serving
-
-    with tempfile.TemporaryDirectory() as tmp:
-        certs = asyncio.run(
-            open_serving(CertsConfig(mode="directory", directory=Path(tmp)), standalone=True)
-        )
-        ca = certs.ca_bundle_pem().decode()
-        port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "bench.webhook_abuse", "--serve", str(port), "--dir", tmp],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        try:
-            assert server.stdout is not None
-            if server.stdout.readline().strip() != b"ready":
-                raise RuntimeError("benchmark server did not start")
-            rows, extra = asyncio.run(_conduct(args, port, ca, server.pid))
-        finally:
-            server.terminate()
-            server.wait(10)
+    with server_process("bench.webhook_abuse") as served:
+        rows, extra = asyncio.run(_conduct(args, served.port, served.ca_pem.decode(), served.pid))
     print(
         f"fracgpu webhook under abuse: {args.idle} idle TLS connections + {args.bodies} senders "
         f"of {args.body_mib} MiB bodies; ordinary GPU-pod reviews at {args.rate:g}/s, "
@@ -368,8 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['phase']:9} {r['requests']:6d} {r['errors']:6d} {r['p50_ms']:7.2f} "
             f"{r['p99_ms']:7.2f} {r['max_ms']:7.2f} {r['peak_rss_mib']:12.1f} "
-            f"{r['rss_at_end_mib']:10.1f}  {r['loop_stalls']['over_5ms']:5d} / "
-            f"{r['loop_stalls']['over_10ms']:5d} / {r['loop_stalls']['max_ms']:.1f} ms"
+            f"{r['rss_at_end_mib']:10.1f} {r['server_cpu']:5.2f}  "
+            f"{r['loop_stalls']['over_5ms']:5d} / {r['loop_stalls']['over_10ms']:5d} / "
+            f"{r['loop_stalls']['max_ms']:.1f} ms"
         )
     abuser = extra["abuser"]
     print(

@@ -132,7 +132,7 @@ class ServerLimits(_Section):
     )
 
     large_body_bytes_per_second: int = Field(
-        8 * MIB,
+        4 * MIB,
         ge=MIB,
         description="bodies over 1 MiB are let in one at a time at this rate (a burst of one "
         "largest body): each costs milliseconds of parsing in one piece, which every review "
