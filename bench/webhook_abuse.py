@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import multiprocessing
 import os
@@ -87,15 +88,30 @@ async def _serve(port: int, directory: Path) -> None:
             await asyncio.sleep(0.005)
             stalls.append(loop.time() - due)
 
+    collections: list[tuple[int, float]] = []  # (generation, seconds) of each GC pass
+    started: list[float] = [0.0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            collections.append((info["generation"], time.perf_counter() - started[0]))
+
+    gc.callbacks.append(on_gc)
+
     async def report_stalls(_: web.Request) -> web.Response:
         ms = sorted(x * 1000 for x in stalls)
+        full = [t * 1000 for gen, t in collections if gen == 2]
         stalls.clear()
+        collections.clear()
         summary = {
             "samples": len(ms),
             "over_5ms": sum(1 for x in ms if x > 5),
             "over_10ms": sum(1 for x in ms if x > 10),
             "p99_ms": round(ms[int(0.99 * (len(ms) - 1))], 2) if ms else 0.0,
             "max_ms": round(ms[-1], 2) if ms else 0.0,
+            "full_gcs": len(full),
+            "full_gc_max_ms": round(max(full), 1) if full else 0.0,
         }
         return web.json_response(summary)
 
@@ -360,7 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['p99_ms']:7.2f} {r['max_ms']:7.2f} {r['peak_rss_mib']:12.1f} "
             f"{r['rss_at_end_mib']:10.1f} {r['server_cpu']:5.2f}  "
             f"{r['loop_stalls']['over_5ms']:5d} / {r['loop_stalls']['over_10ms']:5d} / "
-            f"{r['loop_stalls']['max_ms']:.1f} ms"
+            f"{r['loop_stalls']['max_ms']:.1f} ms  {r['loop_stalls']['full_gcs']} "
+            f"({r['loop_stalls']['full_gc_max_ms']:.1f} ms)"
         )
     abuser = extra["abuser"]
     print(
