@@ -1,6 +1,6 @@
 """The admission server's TLS: one SSLContext that always serves the current certificate.
 
-aiohttp gets ``ServingCertificates.context`` once (``TCPSite(..., ssl_context=...)``). That
+The admission server gets ``ServingCertificates.context`` once, for its TLS site. That
 context never changes; its SNI callback, which OpenSSL runs for every ClientHello (with or
 without a server name), points the handshake at the newest context built from the newest
 certificate. A renewal therefore takes effect at the next handshake, connections already open

@@ -523,6 +523,9 @@ async def listen(
     _return_large_blocks_at_once()
     guard = app[GUARD]
     limits = guard.limits
+    # Handlers are not cancelled when their client goes away (aiohttp's handler_cancellation
+    # stays off): a quota reservation half made must finish, or be released, on its own terms.
+    # A client that leaves mid-body is noticed where the body is read.
     runner = web.AppRunner(
         app,
         access_log=None,
