@@ -504,6 +504,32 @@ async def test_the_connection_cap_keeps_the_api_servers_connections(tmp_path: Pa
     assert fresh["allowed"] is True
 
 
+async def test_at_the_cap_with_every_connection_busy_the_new_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, ServerLimits(max_connections=2)) as server:
+        raw = json.dumps(EXAMPLE).encode()
+        busy = [await tls(server) for _ in range(2)]
+        for _, writer in busy:
+            writer.write(head(len(raw)) + raw[:100])
+            await writer.drain()
+        # Both bodies are being read (each holds its share of the budget): both are busy.
+        both = 2 * len(raw)
+        await eventually(lambda: sample(server, "fracgpu_admission_inflight_body_bytes") == both)
+        late_reader, late_writer = await tls(server)
+        refused = await closed_within(late_reader, 3.0)
+        late_writer.close()
+        for _, writer in busy:
+            writer.write(raw[100:])
+        statuses = [(await response(reader))[0] for reader, _ in busy]
+        for _, writer in busy:
+            writer.close()
+        counted = sample(server, "fracgpu_admission_connections_closed_total", reason="refused")
+    assert refused
+    assert counted == 1
+    assert statuses == [200, 200]
+
+
 async def test_large_bodies_cannot_take_the_room_of_ordinary_reviews(tmp_path: Path) -> None:
     limits = ServerLimits(
         max_body_bytes=2 * 2**20, max_inflight_body_bytes=4 * 2**20, body_timeout_seconds=0.5
