@@ -63,7 +63,7 @@ class Server:
         resp = await self.post(path, body)
         assert resp.status == 200
         reply = await resp.json()
-        # What kube-apiserver verifies before it trusts a reply (reference §1.3).
+        # What kube-apiserver verifies before it trusts a reply.
         assert reply["apiVersion"] == body["apiVersion"]
         assert reply["kind"] == "AdmissionReview"
         response: dict[str, Any] = reply["response"]

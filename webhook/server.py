@@ -1,7 +1,7 @@
 """The admission HTTPS server: AdmissionReview in, AdmissionReview out, always HTTP 200.
 
 kube-apiserver treats any non-200 answer as a *call failure* (subject to failurePolicy) and
-only ``allowed: false`` as a denial (reference §1.4), so every decision, including our own
+only ``allowed: false`` as a denial, so every decision, including our own
 internal errors, is an HTTP 200 review; only bodies that are not AdmissionReviews get a 400.
 Reviewers are plain async functions, one per path: ``/mutate`` (webhook.mutation) and
 ``/validate`` (quota) plug in the same way.
@@ -46,7 +46,8 @@ METRICS_PATH = "/metrics"
 
 Reviewer = Callable[[AdmissionRequest], Awaitable[AdmissionResponse]]
 Readiness = Callable[[], str | None]  # None when ready, else why not
-# Bodies above this share the in-flight budget's first half only; below it are ordinary pods.
+# Bodies above this may hold only half of the in-flight budget together; ordinary pods are far
+# below it.
 LARGE_BODY_BYTES = MIB
 # After the last large body is answered, wait this long for another before giving memory back.
 TRIM_DELAY_S = 1.0
