@@ -9,11 +9,17 @@ every request scheduled behind it, and that shows in p99.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import socket
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 Send = Callable[[], Awaitable[None]]
 
@@ -97,3 +103,39 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Served:
+    port: int
+    ca_pem: bytes  # what clients must trust
+    pid: int
+
+
+@contextlib.contextmanager
+def server_process(module: str) -> Iterator[Served]:
+    """Runs a benchmark's server as ``python -m MODULE --serve PORT --dir DIR`` in its own
+    process, with a CA issued here into DIR, until the block ends. The server prints ``ready``
+    once it listens."""
+    from certs.config import CertsConfig
+    from certs.serving import open_serving
+
+    with tempfile.TemporaryDirectory() as tmp:
+        certs = asyncio.run(
+            open_serving(CertsConfig(mode="directory", directory=Path(tmp)), standalone=True)
+        )
+        port = free_port()
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+        server = subprocess.Popen(
+            [sys.executable, "-m", module, "--serve", str(port), "--dir", tmp],
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        try:
+            assert server.stdout is not None
+            if server.stdout.readline().strip() != b"ready":
+                raise RuntimeError(f"benchmark server {module} did not start")
+            yield Served(port, certs.ca_bundle_pem(), server.pid)
+        finally:
+            server.terminate()
+            server.wait(10)

@@ -22,16 +22,14 @@ import json
 import os
 import ssl
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from bench._load import Result, closed_loop, free_port, open_loop
+from bench._load import Result, closed_loop, open_loop, server_process
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
@@ -61,15 +59,13 @@ def bodies() -> dict[str, bytes]:
 
 
 async def _server(port: int, directory: Path) -> None:
-    from aiohttp import web
-
     from certs.config import CertsConfig
     from certs.serving import open_serving
     from core.admission import AdmissionRequest, AdmissionResponse
     from webhook.config import AdmissionConfig
     from webhook.inventory import Inventory
     from webhook.mutation import Mutator
-    from webhook.server import build_app
+    from webhook.server import build_app, listen
 
     async def fixed_allow(req: AdmissionRequest) -> AdmissionResponse:
         return AdmissionResponse.allow(req.uid)
@@ -77,9 +73,7 @@ async def _server(port: int, directory: Path) -> None:
     certs = await open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
     mutator = Mutator(AdmissionConfig(), Inventory(MODELS))
     app = build_app({"/mutate": mutator, "/baseline": fixed_allow})
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=certs.context).start()
+    await listen(app, "127.0.0.1", port, certs.context)  # as fracgpu serve does, limits included
     print("ready", flush=True)
     await asyncio.Event().wait()
 
@@ -146,29 +140,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(_server(args.serve, args.dir))
         return 0
 
-    from certs.config import CertsConfig
-    from certs.serving import open_serving
-
-    with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
-        certs = asyncio.run(
-            open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
-        )
-        port = free_port()
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
-        server = subprocess.Popen(
-            [sys.executable, "-m", "bench.webhook", "--serve", str(port), "--dir", tmp],
-            stdout=subprocess.PIPE,
-            env=env,
-        )
-        try:
-            assert server.stdout is not None
-            if server.stdout.readline().strip() != b"ready":
-                raise RuntimeError("benchmark server did not start")
-            results = asyncio.run(_drive(args, port, certs.ca_bundle_pem()))
-        finally:
-            server.terminate()
-            server.wait(10)
+    with server_process("bench.webhook") as served:
+        results = asyncio.run(_drive(args, served.port, served.ca_pem))
     base = results["baseline"]
     print(
         f"fracgpu webhook /mutate over HTTPS, {args.connections} connections, "

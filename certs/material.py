@@ -88,16 +88,25 @@ class ServingState:
         return h.hexdigest()
 
     @classmethod
-    def from_pem(cls, *, chain: bytes, key: bytes, trusted: bytes) -> ServingState:
-        """Parses externally issued files (cert-manager: tls.crt, tls.key, ca.crt)."""
-        certs = parse_certs(TLS_CERT, chain)
-        private = parse_key(TLS_KEY, key)
+    def from_pem(
+        cls,
+        *,
+        chain: bytes,
+        key: bytes,
+        trusted: bytes,
+        names: tuple[str, str, str] = (TLS_CERT, TLS_KEY, CA_CERT),
+    ) -> ServingState:
+        """Parses externally issued files (cert-manager: tls.crt, tls.key, ca.crt); errors
+        name them by ``names`` (chain, key, trusted), such as the paths they were read from."""
+        chain_name, key_name, trusted_name = names
+        certs = parse_certs(chain_name, chain)
+        private = parse_key(key_name, key)
         if not key_matches(certs[0], private):
             raise MaterialError(
-                f"{TLS_KEY} does not belong to the first certificate of {TLS_CERT}; "
+                f"{key_name} does not belong to the first certificate of {chain_name}; "
                 "the files were probably read in the middle of an update"
             )
-        return cls(certs, key_to_pem(private), parse_certs(CA_CERT, trusted))
+        return cls(certs, key_to_pem(private), parse_certs(trusted_name, trusted))
 
 
 @dataclass(frozen=True, slots=True)

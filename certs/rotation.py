@@ -126,6 +126,10 @@ def plan(
         return _fresh(
             config, standalone, now, f"the CA expired at {current.ca.cert.not_valid_after_utc}"
         )
+    if current.ca.cert.not_valid_before_utc > now:
+        # Issued by a clock that runs ahead (or this one was stepped back): nothing it signed
+        # is valid yet, so the CA and everything under it start over, from this clock.
+        return _fresh(config, standalone, now, _not_yet_valid("the CA", current.ca, now))
     reasons: list[str] = []
     ca = current.ca
     trusted = tuple(c for c in current.trusted if c.not_valid_after_utc > now)
@@ -188,6 +192,8 @@ def _urgent_serving_reason(
 ) -> str | None:
     """Why the stored serving certificate cannot wait for the CA to propagate, if it cannot."""
     cert = serving.cert
+    if cert.not_valid_before_utc > now:
+        return _not_yet_valid("the serving certificate", serving, now)
     if cert.not_valid_after_utc - now <= config.ca_propagation:
         return f"serving certificate expires at {cert.not_valid_after_utc}"
     hosts, ips = config.subject_alt_names(standalone=standalone)
@@ -200,6 +206,16 @@ def _urgent_serving_reason(
     if not any(signed_by(cert, ca) for ca in trusted):
         return "serving certificate is signed by no CA in the bundle"
     return None
+
+
+def _not_yet_valid(what: str, issued: Issued, now: datetime) -> str:
+    start = issued.cert.not_valid_before_utc
+    return (
+        f"{what} is not valid until {start:%Y-%m-%dT%H:%M:%SZ}, {start - now} after this "
+        f"replica's clock ({now:%Y-%m-%dT%H:%M:%SZ}): it was issued by a clock running ahead "
+        "by more than certs.backdate, or this clock was set back; every TLS handshake would "
+        "fail, so it is re-issued now (check NTP on the nodes)"
+    )
 
 
 def next_due(material: Material, config: CertsConfig, now: datetime) -> datetime:

@@ -1,6 +1,6 @@
 """The admission server's TLS: one SSLContext that always serves the current certificate.
 
-aiohttp gets ``ServingCertificates.context`` once (``TCPSite(..., ssl_context=...)``). That
+The admission server gets ``ServingCertificates.context`` once, for its TLS site. That
 context never changes; its SNI callback, which OpenSSL runs for every ClientHello (with or
 without a server name), points the handshake at the newest context built from the newest
 certificate. A renewal therefore takes effect at the next handshake, connections already open
@@ -30,11 +30,16 @@ from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
 from certs.tlspolicy import server_context
-from core.kube import Api, kube_client
+from core.kube import Api, KubeError, kube_client
 
 log = logging.getLogger(__name__)
 
 ERROR_BACKOFF_S = (1.0, 30.0)
+
+
+class ServingError(Exception):
+    """No certificate can be served at start; the message (one line) names the file, directory
+    or Secret, the problem and the fix."""
 
 
 class BundleConsumer(Protocol):
@@ -150,6 +155,24 @@ class ServingCertificates:
                 failures = 0
 
 
+def _start_failure(config: CertsConfig, exc: OSError | MaterialError | KubeError) -> str:
+    if isinstance(exc, MaterialError):  # files mode: the message names the file and the fix
+        problem = str(exc)
+    elif isinstance(exc, KubeError):
+        problem = (
+            f"Secret {config.namespace}/{config.secret_name} (certs.secret_name): {exc}; check "
+            "that the webhook's ServiceAccount may get, create and update it "
+            "(deploy/base/webhook-rbac.yaml) and that certs.namespace is its namespace"
+        )
+    else:
+        where = f" ({exc.filename})" if exc.filename else ""
+        problem = (
+            f"certs.directory {config.directory}: {exc.strerror or exc}{where}; make it a "
+            "directory the webhook's user can read and write, or set certs.directory to one"
+        )
+    return " ".join(problem.split())  # one line, whatever the underlying library wrote
+
+
 async def open_serving(
     config: CertsConfig,
     *,
@@ -189,8 +212,10 @@ async def open_serving(
         if not standalone and config.injects:
             consumers = (CaBundleInjector(_cluster(api), config, metrics),)
         initial = await source.refresh()
-    except BaseException:
+    except BaseException as exc:
         await resources.aclose()
+        if isinstance(exc, OSError | MaterialError | KubeError):
+            raise ServingError(_start_failure(config, exc)) from exc
         raise
     return ServingCertificates(
         source, initial, metrics=metrics, consumers=consumers, resources=resources

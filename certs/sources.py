@@ -12,6 +12,7 @@ import hashlib
 import logging
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Protocol
 
 from certs.config import CertsConfig
@@ -24,6 +25,8 @@ log = logging.getLogger(__name__)
 
 Clock = Callable[[], datetime]
 MAX_CONFLICTS = 10
+# The configuration keys of the mounted files, in the order chain, key, trusted CAs.
+FILE_KEYS = ("cert_file", "key_file", "ca_file")
 
 
 def utcnow() -> datetime:
@@ -137,20 +140,28 @@ class FileSource:
         self._digest: str | None = None
         self._state: ServingState | None = None
 
+    def _paths(self) -> tuple[Path, Path, Path]:
+        return self.config.cert_file, self.config.key_file, self.config.ca_file
+
     def _read(self) -> tuple[bytes, bytes, bytes]:
-        c = self.config
-        return c.cert_file.read_bytes(), c.key_file.read_bytes(), c.ca_file.read_bytes()
+        contents = []
+        for path, key in zip(self._paths(), FILE_KEYS, strict=True):
+            try:
+                contents.append(path.read_bytes())
+            except OSError as exc:
+                raise MaterialError(
+                    f"{path} (certs.{key}): cannot read it: {exc.strerror or exc}; check that "
+                    "the Secret named in the deployment exists and is mounted there, readable "
+                    f"by the webhook's user, or set certs.{key} to where it is mounted"
+                ) from exc
+        return contents[0], contents[1], contents[2]
 
     async def refresh(self) -> ServingState:
         try:
             chain, key, ca = await asyncio.to_thread(self._read)
-        except OSError as exc:
+        except MaterialError as exc:
             if self._state is None:
-                raise MaterialError(
-                    f"cannot read the mounted certificate files ({exc}); check that the Secret "
-                    "named in the deployment exists and is mounted at certs.cert_file, "
-                    "certs.key_file and certs.ca_file"
-                ) from exc
+                raise
             log.warning(
                 "mounted certificate files unreadable; serving the previous ones",
                 extra={"problem": str(exc)},
@@ -159,11 +170,20 @@ class FileSource:
         digest = hashlib.sha256(chain + b"\0" + key + b"\0" + ca).hexdigest()
         if digest == self._digest and self._state is not None:
             return self._state
+        cert_name, key_name, ca_name = (
+            f"{path} (certs.{k})" for path, k in zip(self._paths(), FILE_KEYS, strict=True)
+        )
         try:
-            state = ServingState.from_pem(chain=chain, key=key, trusted=ca)
+            state = ServingState.from_pem(
+                chain=chain, key=key, trusted=ca, names=(cert_name, key_name, ca_name)
+            )
         except MaterialError as exc:
             if self._state is None:
-                raise
+                raise MaterialError(
+                    f"{exc}; re-issue the Secret (for cert-manager: `cmctl renew` the "
+                    "Certificate, or delete the Secret) or point certs.cert_file, "
+                    "certs.key_file and certs.ca_file at a matching certificate and key"
+                ) from exc
             # Mid-update or broken: keep serving the last good certificate and look again.
             log.warning(
                 "mounted certificate files unusable; serving the previous ones",
@@ -171,6 +191,18 @@ class FileSource:
             )
             return self._state
         self._digest, self._state = digest, state
+        leaf = state.leaf
+        if not leaf.not_valid_before_utc <= utcnow() < leaf.not_valid_after_utc:
+            # Someone else issues these: all fracgpu can do is say so, loudly, every time the
+            # files change (the readiness probe fails meanwhile).
+            log.error(
+                "mounted serving certificate is not valid now; its issuer must renew it",
+                extra={
+                    "file": str(self.config.cert_file),
+                    "not_before": leaf.not_valid_before_utc.isoformat(),
+                    "not_after": leaf.not_valid_after_utc.isoformat(),
+                },
+            )
         return state
 
     def next_check(self) -> float:

@@ -18,13 +18,12 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
-from certs.serving import open_serving
+from certs.serving import ServingError, open_serving
 from core.kube import Api, kube_client
 from quota.config import QuotaConfig
 from quota.service import open_quota
@@ -36,7 +35,7 @@ from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
 from webhook.schedwatch import SchedulerPresence, scheduler_informer
-from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
+from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app, listen
 from webhook.waitwatch import WaitExplainer
 
 log = logging.getLogger(__name__)
@@ -95,7 +94,12 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
 
 def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
     config = load(args, admission)
-    return asyncio.run(run_server(config, standalone=args.standalone))
+    try:
+        return asyncio.run(run_server(config, standalone=args.standalone))
+    except ServingError as exc:
+        # Something for the operator to fix, not a bug: one line, no traceback.
+        log.error("cannot start: no usable serving certificate", extra={"error": str(exc)})
+        return 2
 
 
 async def run_server(
@@ -129,18 +133,26 @@ async def run_server(
         stack.push_async_callback(certificates.close)
         waiting["serving certificate"] = certificates.ready
         background: list[Awaitable[Any]] = [certificates.run()]
-        quota = await open_quota(
-            config.quota, api, registry=registry, card_memory=inventory.largest_card_mib
-        )
+        # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
+        models = SliceModels() if admission.allocation == "dra" else None
+        card_memory = models.largest_card_mib if models else inventory.largest_card_mib
+        quota = await open_quota(config.quota, api, registry=registry, card_memory=card_memory)
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
         # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
         # the quota service logs it once and denies GPU pods with the command that installs it.
         background.append(quota.run())
         reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
-        if api is not None and admission.allocation == "dra":
+        if api is not None and models is not None:
             reviewers[MUTATE_PATH] = await _dra_admission(
-                stack, api, admission, inventory, presence, waiting=waiting, background=background
+                stack,
+                api,
+                models=models,
+                admission=admission,
+                inventory=inventory,
+                presence=presence,
+                waiting=waiting,
+                background=background,
             )
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory)
@@ -151,14 +163,14 @@ async def run_server(
             await stack.enter_async_context(lease)
             waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
 
-        app = build_app(reviewers, metrics=AdmissionMetrics(registry), readiness=readiness)
-        runner = web.AppRunner(app, access_log=None, handle_signals=False)
-        await runner.setup()
-        stack.push_async_callback(runner.cleanup)
-        site = web.TCPSite(
-            runner, config.server.host, config.server.port, ssl_context=certificates.context
+        app = build_app(
+            reviewers,
+            metrics=AdmissionMetrics(registry),
+            readiness=readiness,
+            limits=config.server.limits,
         )
-        await site.start()
+        listener = await listen(app, config.server.host, config.server.port, certificates.context)
+        stack.push_async_callback(listener.close)
         log.info(
             "serving admission",
             extra={
@@ -182,16 +194,16 @@ async def run_server(
 async def _dra_admission(
     stack: contextlib.AsyncExitStack,
     api: Api,
+    *,
+    models: SliceModels,
     admission: AdmissionConfig,
     inventory: Inventory,
     presence: SchedulerPresence | None,
-    *,
     waiting: dict[str, Callable[[], bool]],
     background: list[Awaitable[Any]],
 ) -> Mutator:
     """DRA mode: GPU models from the driver's ResourceSlices, claim templates made on demand
     and collected when unused, and an Event on each pod that waits because no card fits it."""
-    models = SliceModels()
     slices = slice_informer(api, models)
     await stack.enter_async_context(slices)
     waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced

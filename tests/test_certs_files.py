@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from certs.config import CertsConfig
-from certs.material import CA_KEY, TLS_CERT, TLS_KEY, Material, MaterialError
+from certs.material import CA_KEY, TLS_CERT, TLS_KEY, Material
 from certs.rotation import Request, plan
-from certs.serving import open_serving
+from certs.serving import ServingError, open_serving
 from certs.sources import ManagedSource, utcnow
 from certs.stores import DirectoryStore, StoreConflict
 
@@ -86,7 +86,7 @@ async def test_files_mode_keeps_serving_through_a_torn_update(tmp_path: Path) ->
 
 
 async def test_files_mode_refuses_to_start_without_files(tmp_path: Path) -> None:
-    with pytest.raises(MaterialError, match=r"certs\.cert_file"):
+    with pytest.raises(ServingError, match=r"certs\.cert_file"):
         await open_serving(files_config(tmp_path), standalone=False)
 
 

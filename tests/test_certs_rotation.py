@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+
+import pytest
 
 from certs.config import CertsConfig
 from certs.issuance import signed_by
@@ -155,3 +158,61 @@ def test_changing_the_key_algorithm_rotates_with_overlap() -> None:
     later = plan(result.material, rsa_config, standalone=False, now=T0 + timedelta(days=1, hours=1))
     assert later.reasons == ("serving certificate moves to the new CA",)
     assert later.material.serving.key.key_size == 2048
+
+
+def _ca_from_a_clock_ahead() -> Material:
+    return step(None, T0 + timedelta(hours=2))[0]
+
+
+def _serving_from_a_clock_ahead() -> Material:
+    first, _ = step(None, T0 - timedelta(days=5))
+    return step(first, T0 + timedelta(hours=2), serving=True)[0]
+
+
+def _serving_in_its_renewal_window() -> Material:
+    return step(None, T0 - timedelta(days=21))[0]
+
+
+def _ca_in_its_renewal_window() -> Material:
+    return step(None, T0 - timedelta(days=306))[0]
+
+
+@pytest.mark.parametrize(
+    ("stored", "reason", "same_ca"),
+    [
+        pytest.param(_ca_from_a_clock_ahead, "the CA is not valid until", False, id="ca-not-yet"),
+        pytest.param(
+            _serving_from_a_clock_ahead,
+            "the serving certificate is not valid until",
+            True,
+            id="serving-not-yet",
+        ),
+        pytest.param(
+            _serving_in_its_renewal_window,
+            "serving certificate renewal due",
+            True,
+            id="serving-renewal-window",
+        ),
+        pytest.param(_ca_in_its_renewal_window, "CA renewal due", False, id="ca-renewal-window"),
+    ],
+)
+def test_what_cannot_serve_now_or_soon_is_reissued_with_the_reason(
+    stored: Callable[[], Material], reason: str, same_ca: bool
+) -> None:
+    current = stored()
+    renewed, reasons = step(current, T0)
+    serving = renewed.serving.cert
+    assert reason in reasons[0]
+    assert serving.not_valid_before_utc <= T0 < serving.not_valid_after_utc
+    assert verifies(renewed, renewed)
+    assert (renewed.ca == current.ca) == same_ca
+
+
+def test_the_not_yet_valid_reason_says_by_how_much_and_what_to_check() -> None:
+    _, reasons = step(_serving_from_a_clock_ahead(), T0)
+    assert reasons[0] == (
+        "the serving certificate is not valid until 2026-01-01T01:00:00Z, 1:00:00 after this "
+        "replica's clock (2026-01-01T00:00:00Z): it was issued by a clock running ahead by "
+        "more than certs.backdate, or this clock was set back; every TLS handshake would "
+        "fail, so it is re-issued now (check NTP on the nodes)"
+    )

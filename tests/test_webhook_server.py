@@ -7,11 +7,14 @@ and every patch is applied to the object that was sent.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import copy
 import json
+import logging
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,18 +22,18 @@ from typing import Any
 import aiohttp
 import jsonpatch
 import pytest
-from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from certs.config import CertsConfig
 from certs.serving import open_serving
 from core.admission import AdmissionRequest, AdmissionResponse
-from webhook.config import AdmissionConfig
+from tests.support import eventually
+from webhook.config import AdmissionConfig, ServerLimits
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
-from webhook.server import build_app
+from webhook.server import build_app, listen
 
 EXAMPLE = json.loads(
     (Path(__file__).parent.parent / "examples" / "admissionreview-pod.json").read_text()
@@ -42,6 +45,9 @@ class Server:
     url: str
     session: aiohttp.ClientSession
     metrics: AdmissionMetrics
+    port: int
+    client_ctx: ssl.SSLContext
+    release: asyncio.Event  # lets reviews on /hold finish
 
     async def post(
         self, path: str, body: Any, *, raw: bytes | None = None
@@ -72,24 +78,35 @@ async def boom(req: AdmissionRequest) -> AdmissionResponse:
     raise RuntimeError("reviewer bug")
 
 
-@pytest.fixture
-async def server(tmp_path: Path) -> AsyncIterator[Server]:
-    certs = await open_serving(CertsConfig(mode="directory", directory=tmp_path), standalone=True)
+@contextlib.asynccontextmanager
+async def running(directory: Path, limits: ServerLimits | None = None) -> AsyncIterator[Server]:
+    """The admission app served by ``listen`` (the production path) on a free loopback port."""
+    certs = await open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
     metrics = AdmissionMetrics()
     mutator = Mutator(AdmissionConfig(), Inventory({"NVIDIA-H100-80GB-HBM3": 81559}))
-    app = build_app({"/mutate": mutator, "/boom": boom}, metrics=metrics)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=certs.context)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    release = asyncio.Event()
+
+    async def hold(req: AdmissionRequest) -> AdmissionResponse:
+        await release.wait()
+        return AdmissionResponse.allow(req.uid)
+
+    reviewers = {"/mutate": mutator, "/boom": boom, "/hold": hold}
+    app = build_app(reviewers, metrics=metrics, limits=limits)
+    listener = await listen(app, "127.0.0.1", 0, certs.context)
     client_ctx = ssl.create_default_context(cadata=certs.ca_bundle_pem().decode())
     session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=client_ctx))
     try:
-        yield Server(f"https://127.0.0.1:{port}", session, metrics)
+        url = f"https://127.0.0.1:{listener.port}"
+        yield Server(url, session, metrics, listener.port, client_ctx, release)
     finally:
         await session.close()
-        await runner.cleanup()
+        await listener.close()
+
+
+@pytest.fixture
+async def server(tmp_path: Path) -> AsyncIterator[Server]:
+    async with running(tmp_path) as s:
+        yield s
 
 
 def patched(body: dict[str, Any], response: dict[str, Any], key: str = "object") -> Any:
@@ -308,3 +325,283 @@ async def test_fuzzed_bodies_never_get_a_500(
     for raw in (json.dumps(body).encode(), junk):
         resp = await server.post("/mutate", None, raw=raw)
         assert resp.status in (200, 400), resp.status
+
+
+# --- What a client can hold -------------------------------------------------------------------
+#
+# Small limits and counts: the rules are the same at 4 connections as at 256, and this machine
+# is shared. The 2,000-connection figures come from ``python -m bench.webhook_abuse``.
+
+FAST = ServerLimits(
+    handshake_timeout_seconds=0.2,
+    header_timeout_seconds=0.2,
+    idle_timeout_seconds=0.3,
+    body_timeout_seconds=0.3,
+    max_body_bytes=64 * 1024,
+    max_inflight_body_bytes=128 * 1024,
+)
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def tls(server: Server) -> Stream:
+    return await asyncio.open_connection(
+        "127.0.0.1", server.port, ssl=server.client_ctx, server_hostname="localhost"
+    )
+
+
+def head(length: int | None, path: str = "/mutate") -> bytes:
+    size = f"Content-Length: {length}" if length is not None else "Transfer-Encoding: chunked"
+    return f"POST {path} HTTP/1.1\r\nHost: localhost\r\n{size}\r\n\r\n".encode()
+
+
+async def closed_within(reader: asyncio.StreamReader, seconds: float) -> bool:
+    """Whether the server closes the connection within ``seconds`` (anything it sends first,
+    such as an error response, is read and dropped)."""
+    try:
+        async with asyncio.timeout(seconds):
+            while await reader.read(65536):
+                pass
+    except TimeoutError:
+        return False
+    except (ConnectionError, ssl.SSLError):
+        pass
+    return True
+
+
+async def response(reader: asyncio.StreamReader) -> tuple[int, bytes]:
+    """One HTTP/1.1 response with a Content-Length body: its status and body."""
+    async with asyncio.timeout(5):
+        header = await reader.readuntil(b"\r\n\r\n")
+        lines = header.decode().split("\r\n")
+        fields = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+        return int(lines[0].split()[1]), await reader.readexactly(int(fields["Content-Length"]))
+
+
+def sample(server: Server, name: str, **labels: str) -> float:
+    return server.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def never_handshakes(server: Server) -> Stream:
+    return await asyncio.open_connection("127.0.0.1", server.port)
+
+
+async def never_sends_a_request(server: Server) -> Stream:
+    return await tls(server)
+
+
+async def trickles_headers(server: Server) -> Stream:
+    reader, writer = await tls(server)
+
+    async def trickle() -> None:
+        writer.write(b"POST /mutate HTTP/1.1\r\n")
+        with contextlib.suppress(ConnectionError, RuntimeError):
+            for i in range(200):
+                writer.write(f"X-Slow-{i}: x\r\n".encode())
+                await writer.drain()
+                await asyncio.sleep(0.02)
+
+    asyncio.get_running_loop().create_task(trickle())
+    return reader, writer
+
+
+async def idles_after_a_request(server: Server) -> Stream:
+    reader, writer = await tls(server)
+    writer.write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    assert (await response(reader))[0] == 200
+    return reader, writer
+
+
+@pytest.mark.parametrize(
+    "client",
+    [
+        pytest.param(never_handshakes, id="tcp-without-tls-handshake"),
+        pytest.param(never_sends_a_request, id="tls-without-request"),
+        pytest.param(trickles_headers, id="headers-trickled"),
+        pytest.param(idles_after_a_request, id="idle-keep-alive"),
+    ],
+)
+async def test_connections_that_send_nothing_useful_are_closed(
+    tmp_path: Path, client: Callable[[Server], Awaitable[Stream]]
+) -> None:
+    async with running(tmp_path, FAST) as server:
+        reader, writer = await client(server)
+        try:
+            assert await closed_within(reader, 3.0)
+        finally:
+            writer.close()
+
+
+async def send_chunked_beyond_the_limit(writer: asyncio.StreamWriter) -> None:
+    writer.write(head(None))
+    chunk = b"x" * 16384
+    for _ in range(6):
+        writer.write(f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n")
+    writer.write(b"0\r\n\r\n")
+
+
+async def send_a_slow_body(writer: asyncio.StreamWriter) -> None:
+    writer.write(head(1000) + b'{"apiVersion":')
+
+
+async def declare_too_much(writer: asyncio.StreamWriter) -> None:
+    writer.write(head(64 * 1024 + 1))
+
+
+@pytest.mark.parametrize(
+    ("send", "status", "message"),
+    [
+        pytest.param(
+            declare_too_much, 413, "server.limits.max_body_bytes", id="declared-too-large"
+        ),
+        pytest.param(
+            send_chunked_beyond_the_limit,
+            413,
+            "server.limits.max_body_bytes",
+            id="chunked-too-large",
+        ),
+        pytest.param(send_a_slow_body, 408, "server.limits.body_timeout_seconds", id="slow-body"),
+    ],
+)
+async def test_bodies_beyond_the_limits_are_refused_with_a_status_that_says_which(
+    tmp_path: Path,
+    send: Callable[[asyncio.StreamWriter], Awaitable[None]],
+    status: int,
+    message: str,
+) -> None:
+    async with running(tmp_path, FAST) as server:
+        reader, writer = await tls(server)
+        try:
+            await send(writer)
+            got_status, body = await response(reader)
+        finally:
+            writer.close()
+    assert (got_status, message in json.loads(body)["error"]) == (status, True)
+
+
+async def test_the_connection_cap_keeps_the_api_servers_connections(tmp_path: Path) -> None:
+    # Only the cap applies here: no timeout may close a connection while the flood connects.
+    limits = ServerLimits(max_connections=4)
+    async with running(tmp_path, limits) as server:
+        pooled = await tls(server)  # an API server's connection: used, then idle in its pool
+        pooled[1].write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        await response(pooled[0])
+        mid_body = await tls(server)  # a request in progress when the flood comes
+        raw = json.dumps(EXAMPLE).encode()
+        mid_body[1].write(head(len(raw)) + raw[:100])
+        await mid_body[1].drain()
+        flood = [await tls(server) for _ in range(50)]
+        await asyncio.sleep(0.05)
+        open_now = sample(server, "fracgpu_admission_connections")
+        mid_body[1].write(raw[100:])
+        mid_status, _ = await response(mid_body[0])
+        pooled[1].write(b"GET /healthz HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        pooled_status, _ = await response(pooled[0])
+        fresh = await server.review(EXAMPLE)  # a new connection still gets in
+        for _, writer in [pooled, mid_body, *flood]:
+            writer.close()
+    assert open_now == 4
+    assert mid_status == 200
+    assert pooled_status == 200
+    assert fresh["allowed"] is True
+
+
+async def test_at_the_cap_with_every_connection_busy_the_new_one_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with running(tmp_path, ServerLimits(max_connections=2)) as server:
+        raw = json.dumps(EXAMPLE).encode()
+        busy = [await tls(server) for _ in range(2)]
+        for _, writer in busy:
+            writer.write(head(len(raw)) + raw[:100])
+            await writer.drain()
+        # Both bodies are being read (each holds its share of the budget): both are busy.
+        both = 2 * len(raw)
+        await eventually(lambda: sample(server, "fracgpu_admission_inflight_body_bytes") == both)
+        late_reader, late_writer = await tls(server)
+        refused = await closed_within(late_reader, 3.0)
+        late_writer.close()
+        for _, writer in busy:
+            writer.write(raw[100:])
+        statuses = [(await response(reader))[0] for reader, _ in busy]
+        for _, writer in busy:
+            writer.close()
+        counted = sample(server, "fracgpu_admission_connections_closed_total", reason="refused")
+    assert refused
+    assert counted == 1
+    assert statuses == [200, 200]
+
+
+async def test_large_bodies_cannot_take_the_room_of_ordinary_reviews(tmp_path: Path) -> None:
+    limits = ServerLimits(
+        max_body_bytes=2 * 2**20, max_inflight_body_bytes=4 * 2**20, body_timeout_seconds=0.5
+    )
+    large = json.dumps(EXAMPLE).encode().ljust(2 * 2**20)
+    async with running(tmp_path, limits) as server:
+        holder = await tls(server)  # a 2 MiB review still being answered: all the large share
+        holder[1].write(head(len(large), "/hold") + large)
+        await eventually(lambda: sample(server, "fracgpu_admission_inflight_body_bytes") > 0)
+        second = await tls(server)  # a second large body waits for room, then gives up
+        second[1].write(head(len(large)) + large)
+        ordinary = await server.review(EXAMPLE)
+        second_status, second_body = await response(second[0])
+        server.release.set()
+        holder_status, _ = await response(holder[0])
+        for _, writer in (holder, second):
+            writer.close()
+    assert ordinary["allowed"] is True
+    assert second_status == 503
+    assert "max_inflight_body_bytes" in json.loads(second_body)["error"]
+    assert holder_status == 200
+
+
+async def test_large_bodies_are_let_in_at_their_rate(tmp_path: Path) -> None:
+    limits = ServerLimits(
+        max_body_bytes=2 * 2**20,
+        max_inflight_body_bytes=64 * 2**20,
+        large_body_bytes_per_second=2**20,
+        body_timeout_seconds=0.5,
+    )
+    large = json.dumps(EXAMPLE).encode().ljust(2 * 2**20)
+    async with running(tmp_path, limits) as server:
+        statuses = []
+        for _ in range(2):  # the second would have to wait 2 s for its turn
+            reader, writer = await tls(server)
+            writer.write(head(len(large)) + large)
+            statuses.append((await response(reader))[0])
+            writer.close()
+        ordinary = await server.review(EXAMPLE)
+    assert statuses == [200, 503]
+    assert ordinary["allowed"] is True
+
+
+async def test_an_abandoned_body_logs_one_line_and_no_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with running(tmp_path) as server:
+        caplog.clear()
+        _, writer = await tls(server)
+        writer.write(head(100_000) + b"{" * 1000)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.transport.abort()
+        await eventually(
+            lambda: (
+                sample(
+                    server,
+                    "fracgpu_admission_bodies_refused_total",
+                    endpoint="/mutate",
+                    reason="abandoned",
+                )
+                == 1
+            )
+        )
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO] == [
+        "client abandoned its request body"
+    ]
+    assert [r for r in caplog.records if r.exc_info] == []
+
+
+def test_the_body_budget_must_fit_a_largest_body() -> None:
+    with pytest.raises(ValueError, match=r"at least twice server\.limits\.max_body_bytes"):
+        ServerLimits(max_body_bytes=8 * 2**20, max_inflight_body_bytes=8 * 2**20)

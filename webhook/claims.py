@@ -226,6 +226,16 @@ class SliceModels:
     def remove_slice(self, name: str) -> None:
         self._slices.pop(name, None)
 
+    def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
+        """Memory of the largest card of these models (None: any), for quota's whole cards."""
+        sizes = [
+            mib
+            for cards in self._slices.values()
+            for product, mib in cards.items()
+            if products is None or product in products
+        ]
+        return max(sizes, default=None)
+
     def models(self) -> dict[str, Card]:
         smallest: dict[str, int] = {}
         for products in self._slices.values():

@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from core.contract import MAX_DEVICES, VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
@@ -108,9 +115,75 @@ class AdmissionConfig(_Section):
         return env
 
 
+MIB = 2**20
+
+
+class ServerLimits(_Section):
+    """What clients may hold on a replica. kube-apiserver keeps a pool of connections, sends a
+    request as soon as it connects, and posts bodies of a few KiB (a very large pod: a few MiB);
+    the defaults leave it ample room and bound everyone else."""
+
+    max_connections: int = Field(
+        256,
+        ge=1,
+        description="open connections per replica; a new one above it closes the connection "
+        "that has been idle longest (one that never sent a request first), or is itself "
+        "closed when every connection has a request in progress",
+    )
+    handshake_timeout_seconds: float = Field(
+        10.0, gt=0, description="a TLS handshake not finished by then is dropped"
+    )
+    header_timeout_seconds: float = Field(
+        10.0,
+        gt=0,
+        description="complete request headers must arrive this soon after connecting or "
+        "after the first byte of a request",
+    )
+    idle_timeout_seconds: float = Field(
+        120.0,
+        gt=0,
+        description="an idle keep-alive connection is closed after this long; longer than "
+        "the 90 s after which Go's HTTP client (the API server's) drops idle connections by "
+        "default, so that the client closes first and never sends on a closing connection",
+    )
+    body_timeout_seconds: float = Field(
+        10.0, gt=0, description="the whole body must arrive this soon after its headers"
+    )
+    max_body_bytes: int = Field(
+        8 * MIB,
+        ge=64 * 1024,
+        description="larger bodies are refused with HTTP 413 before they are read",
+    )
+    max_inflight_body_bytes: int = Field(
+        64 * MIB,
+        description="bytes of request bodies being read or reviewed at once, by their "
+        "Content-Length; bodies over 1 MiB may hold at most half of it, so ordinary reviews "
+        "always find room",
+    )
+
+    large_body_bytes_per_second: int = Field(
+        4 * MIB,
+        ge=MIB,
+        description="bodies over 1 MiB are let in one at a time at this rate (a burst of one "
+        "largest body): each costs milliseconds of parsing in one piece, which every review "
+        "waiting then shares",
+    )
+
+    @model_validator(mode="after")
+    def _room_for_one_large_body(self) -> ServerLimits:
+        if self.max_inflight_body_bytes < 2 * self.max_body_bytes:
+            raise ValueError(
+                f"server.limits.max_inflight_body_bytes ({self.max_inflight_body_bytes}) must "
+                f"be at least twice server.limits.max_body_bytes ({self.max_body_bytes}): "
+                "large bodies may use only half of it, and one must always fit"
+            )
+        return self
+
+
 class ServerConfig(_Section):
     host: str = "0.0.0.0"
     port: int = Field(8443, ge=1, le=65535)
+    limits: ServerLimits = Field(default_factory=ServerLimits)
 
 
 class ConfigError(ValueError):

@@ -5,18 +5,33 @@ only ``allowed: false`` as a denial (design K2), so every decision, including ou
 internal errors, is an HTTP 200 review; only bodies that are not AdmissionReviews get a 400.
 Reviewers are plain async functions, one per path: ``/mutate`` (webhook.mutation) and
 ``/validate`` (quota) plug in the same way.
+
+What a client can hold is bounded (``ServerLimits``): ``listen`` puts a thin protocol in front
+of aiohttp's for each connection, which caps the number of connections and enforces the
+header timeout; aiohttp closes idle keep-alive connections; asyncio drops slow TLS handshakes;
+the endpoint bounds each body's size and read time, and all bodies together by a byte budget.
+An abuser therefore costs a bounded amount of memory, and the API server's own connections,
+which send a request as soon as they connect, keep being served.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import gc
 import logging
+import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from dataclasses import dataclass
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from core.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, ReviewError
+from webhook.config import MIB, ServerLimits
 from webhook.metrics import AdmissionMetrics
 
 log = logging.getLogger(__name__)
@@ -31,9 +46,14 @@ METRICS_PATH = "/metrics"
 
 Reviewer = Callable[[AdmissionRequest], Awaitable[AdmissionResponse]]
 Readiness = Callable[[], str | None]  # None when ready, else why not
-# Large pods (many env vars, volumes) exceed aiohttp's 1 MiB default; controller-runtime and
-# pod-security-admission accept 3 MiB and more (design K3).
-MAX_BODY_BYTES = 8 * 2**20
+# Bodies above this may hold only half of the in-flight budget together; ordinary pods are far
+# below it.
+LARGE_BODY_BYTES = MIB
+# After the last large body is answered, wait this long for another before giving memory back.
+TRIM_DELAY_S = 1.0
+# After an early answer (413, 408), how long to read and discard what the client still sends,
+# so that it sees the answer instead of a reset (never longer than the body timeout).
+LINGER_S = 2.0
 
 
 def build_app(
@@ -41,11 +61,18 @@ def build_app(
     *,
     metrics: AdmissionMetrics | None = None,
     readiness: Readiness | None = None,
+    limits: ServerLimits | None = None,
 ) -> web.Application:
     metrics = metrics or AdmissionMetrics()
-    app = web.Application(client_max_size=MAX_BODY_BYTES)
+    limits = limits or ServerLimits()
+    guard = ConnectionGuard(limits, metrics)
+    budget = BodyBudget(limits, metrics)
+    # Large pods (many env vars, volumes) exceed aiohttp's 1 MiB default; controller-runtime
+    # and pod-security-admission accept 3 MiB and more.
+    app = web.Application(client_max_size=limits.max_body_bytes, middlewares=[guard.middleware])
+    app[GUARD] = guard
     for path, reviewer in reviewers.items():
-        app.router.add_post(path, _endpoint(path, reviewer, metrics))
+        app.router.add_post(path, _endpoint(path, reviewer, metrics, limits, budget))
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
@@ -67,15 +94,70 @@ def build_app(
 
 
 def _endpoint(
-    path: str, reviewer: Reviewer, metrics: AdmissionMetrics
+    path: str,
+    reviewer: Reviewer,
+    metrics: AdmissionMetrics,
+    limits: ServerLimits,
+    budget: BodyBudget,
 ) -> Callable[[web.Request], Awaitable[web.Response]]:
+    too_large = (
+        f"request body larger than {limits.max_body_bytes} bytes (server.limits.max_body_bytes); "
+        "an AdmissionReview of a pod is a few KiB, a very large pod a few MiB"
+    )
+
+    def refused(reason: str, status: int, message: str) -> web.Response:
+        metrics.bodies_refused.labels(path, reason).inc()
+        log.warning(
+            "request body refused",
+            extra={"path": path, "reason": reason, "status": status, "error": message},
+        )
+        return _bad_request(message, status=status)
+
     async def handle(request: web.Request) -> web.Response:
         started = time.perf_counter()
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            metrics.bad_requests.labels(path).inc()
-            return _bad_request(f"body larger than {MAX_BODY_BYTES} bytes", status=413)
+        declared = request.content_length
+        if declared is not None and declared > limits.max_body_bytes:
+            return refused("too-large", 413, too_large)
+        # A chunked body has no declared size: it is charged the most it may grow to.
+        size = declared if declared is not None else limits.max_body_bytes
+        async with contextlib.AsyncExitStack() as held:
+            deadline = asyncio.get_running_loop().time() + limits.body_timeout_seconds
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await held.enter_async_context(budget.hold(size))
+            except TimeoutError:
+                return refused(
+                    "busy",
+                    503,
+                    f"no room for a {size}-byte body within "
+                    f"{limits.body_timeout_seconds:g} s: large bodies share half of "
+                    f"server.limits.max_inflight_body_bytes ({limits.max_inflight_body_bytes}) "
+                    "and are let in at server.limits.large_body_bytes_per_second "
+                    f"({limits.large_body_bytes_per_second}); retry later",
+                )
+            try:
+                async with asyncio.timeout_at(deadline):
+                    body = await _read_body(request, limits.max_body_bytes)
+            except _BodyTooLarge:
+                return refused("too-large", 413, too_large)
+            except TimeoutError:
+                return refused(
+                    "timeout",
+                    408,
+                    f"request body not received within {limits.body_timeout_seconds:g} s "
+                    "(server.limits.body_timeout_seconds)",
+                )
+            except (ConnectionError, web.RequestPayloadError) as exc:
+                # The client went away mid-body: nothing to answer, nothing to fix here.
+                metrics.bodies_refused.labels(path, "abandoned").inc()
+                log.info(
+                    "client abandoned its request body",
+                    extra={"path": path, "declared_bytes": declared, "error": str(exc)},
+                )
+                return web.Response(status=400)
+            return await review_body(body, started)
+
+    async def review_body(body: bytes, started: float) -> web.Response:
         try:
             review = AdmissionReview.parse(body)
         except ReviewError as exc:
@@ -127,3 +209,345 @@ def _endpoint(
 
 def _bad_request(message: str, *, status: int = 400) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+def _glibc(function: str) -> Callable[..., int] | None:
+    """A glibc memory-tuning function (other C libraries, such as musl, have none)."""
+    try:
+        found: Callable[..., int] = getattr(ctypes.CDLL(ctypes.util.find_library("c")), function)
+    except (OSError, AttributeError):
+        return None
+    return found
+
+
+_malloc_trim = _glibc("malloc_trim")
+_mallopt = _glibc("mallopt")
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+MMAP_THRESHOLD_BYTES = 128 * 1024
+
+
+def _return_large_blocks_at_once() -> None:
+    """Makes every allocation of 128 KiB or more (TLS buffers, 256 KiB per connection; bodies)
+    its own mapping, unmapped when freed. glibc's default raises that threshold to the largest
+    block freed so far, so after one large body such blocks stay in its heap, and resident
+    memory never comes back down after a flood of connections or bodies."""
+    if _mallopt is not None:
+        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The body, refused as soon as it grows past ``limit``. Joined once from the chunks as they
+    arrived: ``Request.read`` grows a bytearray and copies it again, which for a large body
+    costs the event loop several milliseconds more in one piece."""
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class BodyBudget:
+    """Bytes of request bodies being read or reviewed at once, by declared size.
+
+    A body holds its share from before it is read until its answer is built (the parsed pod is
+    several times the size of its JSON). Bodies over ``LARGE_BODY_BYTES`` may hold only half of
+    the budget together, so a flood of them never makes an ordinary review wait for room; and
+    they are let in one at a time at ``large_body_bytes_per_second``, because each costs the
+    event loop milliseconds in one piece (parsing), which every review waiting then shares. No
+    ordinary pod comes near that size: only an exceptional pod or an abuser waits here.
+    """
+
+    def __init__(self, limits: ServerLimits, metrics: AdmissionMetrics) -> None:
+        self.total = limits.max_inflight_body_bytes
+        self.large_total = self.total // 2
+        self.used = 0
+        self.large_used = 0
+        self._metrics = metrics
+        self._changed = asyncio.Condition()
+        self._trim: asyncio.TimerHandle | None = None
+        self._trimming: asyncio.Future[None] | None = None  # held: an unreferenced task may vanish
+        self._rate = limits.large_body_bytes_per_second
+        self._burst = max(limits.max_body_bytes, self._rate)
+        self._tokens = float(self._burst)
+        self._stamp: float | None = None
+        self._pacing = asyncio.Lock()
+
+    def _fits(self, size: int, large: bool) -> bool:
+        if large and self.large_used + size > self.large_total:
+            return False
+        return self.used + size <= self.total
+
+    async def _pace(self, size: int) -> None:
+        async with self._pacing:
+            loop = asyncio.get_running_loop()
+            while True:
+                now = loop.time()
+                if self._stamp is not None:
+                    self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
+                self._stamp = now
+                if self._tokens >= size:
+                    self._tokens -= size
+                    return
+                await asyncio.sleep((size - self._tokens) / self._rate)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        large = size > LARGE_BODY_BYTES
+        if large:
+            await self._pace(size)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._fits(size, large))
+            self.used += size
+            self.large_used += size if large else 0
+            self._metrics.inflight_body_bytes.set(self.used)
+        try:
+            yield
+        finally:
+            self.used -= size
+            self.large_used -= size if large else 0
+            self._metrics.inflight_body_bytes.set(self.used)
+            if large and not self.large_used and self._trim is None:
+                self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._give_back)
+            async with self._changed:
+                self._changed.notify_all()
+
+    def _give_back(self) -> None:
+        """Returns the memory large bodies used to the system once none is in flight. Their
+        bytes and parsed objects are freed, but the C allocator keeps freed pages inside its
+        heap for reuse, and a replica's resident memory would stay near its peak for good.
+        Trimming a fragmented heap takes tens of milliseconds: it runs on a thread (ctypes
+        releases the GIL), so only an allocation that needs the allocator's lock meanwhile
+        waits, not the event loop."""
+        self._trim = None
+        if self.large_used or _malloc_trim is None:
+            return
+        self._trimming = asyncio.ensure_future(asyncio.to_thread(_timed, _malloc_trim))
+
+
+def _timed(trim: Callable[[int], int]) -> None:
+    started = time.perf_counter()
+    trim(0)
+    log.debug("memory given back", extra={"ms": round((time.perf_counter() - started) * 1e3)})
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection: forwards everything to aiohttp's protocol, and keeps what the
+    guard needs (in progress or idle since when, served before or not, header deadline)."""
+
+    def __init__(self, inner: asyncio.Protocol, guard: ConnectionGuard) -> None:
+        self.inner = inner
+        self.guard = guard
+        self.transport: asyncio.Transport | None = None
+        self.busy = 0  # requests whose headers arrived and whose answer is not sent yet
+        self.served = 0
+        self.last_active = 0.0
+        self._header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.inner.connection_made(transport)
+        self.guard.opened(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.last_active = self.guard.now()
+        if not self.busy and self._header_timer is None and self.transport is not None:
+            self._header_timer = self.guard.header_deadline(self)
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return self.inner.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.cancel_header_timer()
+        self.guard.closed(self)
+        self.inner.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def start_header_timer(self) -> None:
+        self._header_timer = self.guard.header_deadline(self)
+
+    def abort(self) -> None:
+        self.cancel_header_timer()
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class ConnectionGuard:
+    """The cap on connections and the header timeout, shared by the site and the app."""
+
+    def __init__(self, limits: ServerLimits, metrics: AdmissionMetrics) -> None:
+        self.limits = limits
+        self.metrics = metrics
+        self.open: dict[asyncio.BaseTransport, _Connection] = {}
+
+    def now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def opened(self, conn: _Connection) -> None:
+        assert conn.transport is not None
+        conn.last_active = self.now()
+        self.open[conn.transport] = conn
+        self.metrics.connections.set(len(self.open))
+        conn.start_header_timer()
+        if len(self.open) <= self.limits.max_connections:
+            return
+        idle = [c for c in self.open.values() if not c.busy and c is not conn]
+        if idle:
+            # Never-used connections go first: an API server sends a request right after it
+            # connects, so one that never did is the likeliest abuser.
+            victim = min(idle, key=lambda c: (c.served > 0, c.last_active))
+            self._close(victim, "evicted")
+        else:
+            self._close(conn, "refused")
+
+    def closed(self, conn: _Connection) -> None:
+        if conn.transport is not None and self.open.pop(conn.transport, None) is not None:
+            self.metrics.connections.set(len(self.open))
+
+    def header_deadline(self, conn: _Connection) -> asyncio.TimerHandle:
+        return asyncio.get_running_loop().call_later(
+            self.limits.header_timeout_seconds, self._close, conn, "header-timeout"
+        )
+
+    def _close(self, conn: _Connection, reason: str) -> None:
+        self.metrics.connections_closed.labels(reason).inc()
+        log.info(
+            "closing a client connection",
+            extra={
+                "reason": reason,
+                "open": len(self.open),
+                "max_connections": self.limits.max_connections,
+            },
+        )
+        self.closed(conn)
+        conn.abort()
+
+    def protocol_factory(self, server: web.Server) -> Callable[[], asyncio.Protocol]:
+        return lambda: _Connection(server(), self)
+
+    @web.middleware
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        conn = self.open.get(request.transport) if request.transport is not None else None
+        if conn is None:  # served through a site other than ``listen``'s (tests of the app)
+            return await handler(request)
+        conn.cancel_header_timer()
+        conn.busy += 1
+        try:
+            return await handler(request)
+        finally:
+            conn.busy -= 1
+            conn.served += 1
+            conn.last_active = self.now()
+
+
+GUARD = web.AppKey("connection_guard", ConnectionGuard)
+
+
+class _GuardedSite(web.BaseSite):
+    """A TLS site whose connections pass through the guard, with a TLS handshake timeout
+    (``TCPSite`` takes neither a protocol wrapper nor the handshake timeout)."""
+
+    def __init__(
+        self,
+        runner: web.AppRunner,
+        host: str,
+        port: int,
+        *,
+        ssl_context: ssl.SSLContext,
+        guard: ConnectionGuard,
+        backlog: int,
+    ) -> None:
+        super().__init__(runner, ssl_context=ssl_context, backlog=backlog)
+        self.host, self.port = host, port
+        self.guard = guard
+
+    @property
+    def name(self) -> str:
+        return f"https://{self.host}:{self.port}"
+
+    async def start(self) -> None:
+        await super().start()
+        server = self._runner.server
+        assert server is not None
+        self._server = await asyncio.get_running_loop().create_server(
+            self.guard.protocol_factory(server),
+            self.host,
+            self.port,
+            ssl=self._ssl_context,
+            backlog=self._backlog,
+            reuse_address=True,
+            ssl_handshake_timeout=self.guard.limits.handshake_timeout_seconds,
+        )
+        self.port = self._server.sockets[0].getsockname()[1]
+
+
+@dataclass
+class Listener:
+    """A started admission server; ``port`` is the bound one (useful when 0 was asked)."""
+
+    runner: web.AppRunner
+    port: int
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def listen(
+    app: web.Application, host: str, port: int, ssl_context: ssl.SSLContext
+) -> Listener:
+    """Serves ``app`` (from ``build_app``) over TLS with the limits it was built with."""
+    # What exists now (modules, configuration, clients) lives as long as the process: keep it
+    # out of the cyclic collector, whose full passes over it would stall the event loop for
+    # tens of milliseconds while large bodies churn allocations.
+    gc.collect()
+    gc.freeze()
+    _return_large_blocks_at_once()
+    guard = app[GUARD]
+    limits = guard.limits
+    # Handlers are not cancelled when their client goes away (aiohttp's handler_cancellation
+    # stays off): a quota reservation half made must finish, or be released, on its own terms.
+    # A client that leaves mid-body is noticed where the body is read.
+    runner = web.AppRunner(
+        app,
+        access_log=None,
+        handle_signals=False,
+        keepalive_timeout=limits.idle_timeout_seconds,
+        lingering_time=min(LINGER_S, limits.body_timeout_seconds),
+    )
+    await runner.setup()
+    try:
+        site = _GuardedSite(
+            runner,
+            host,
+            port,
+            ssl_context=ssl_context,
+            guard=guard,
+            # Connections not yet accepted wait in the kernel; a burst beyond this is dropped
+            # there and retried by the client's TCP stack.
+            backlog=min(limits.max_connections, 1024),
+        )
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return Listener(runner, site.port)

@@ -1,0 +1,64 @@
+"""deploy/overlays/network-policy: the default overlay plus a NetworkPolicy that admits only the
+API servers' addresses to the webhook's port, and nothing else changed."""
+
+from __future__ import annotations
+
+import ipaddress
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from tests.deploy_render import find, of_kind, render
+
+OVERLAY = "network-policy"
+
+
+def policy() -> dict[str, Any]:
+    (only,) = of_kind(render(OVERLAY), "NetworkPolicy")
+    return only
+
+
+def webhook_pod_labels() -> dict[str, str]:
+    labels: dict[str, str] = find(render(OVERLAY), "Deployment", "fracgpu-webhook")["spec"][
+        "template"
+    ]["metadata"]["labels"]
+    return labels
+
+
+@pytest.mark.parametrize("version", ["1.30.0", "1.36.0"])
+def test_the_policy_validates(version: str) -> None:
+    kubernetes_validate.validate(policy(), version, strict=True)
+
+
+def test_it_selects_the_webhook_pods() -> None:
+    selector = policy()["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= webhook_pod_labels().items()
+
+
+def test_it_restricts_ingress_only() -> None:
+    assert policy()["spec"]["policyTypes"] == ["Ingress"]
+
+
+def test_only_ip_blocks_may_reach_only_the_https_port() -> None:
+    (rule,) = policy()["spec"]["ingress"]
+    container = find(render(OVERLAY), "Deployment", "fracgpu-webhook")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    https = next(p["containerPort"] for p in container["ports"] if p["name"] == "https")
+    assert rule["ports"] == [{"protocol": "TCP", "port": https}]
+    assert [sorted(peer) for peer in rule["from"]] == [["ipBlock"]] * len(rule["from"])
+
+
+def test_the_shipped_range_matches_no_real_address() -> None:
+    """Until an operator sets the API servers' range the policy must fail closed, never open:
+    the placeholder is a documentation-only range (RFC 5737)."""
+    (rule,) = policy()["spec"]["ingress"]
+    (peer,) = rule["from"]
+    network = ipaddress.ip_network(peer["ipBlock"]["cidr"])
+    assert network.subnet_of(ipaddress.ip_network("192.0.2.0/24"))
+
+
+def test_everything_else_is_the_default_overlay() -> None:
+    others = [o for o in render(OVERLAY) if o["kind"] != "NetworkPolicy"]
+    assert others == render("default")
