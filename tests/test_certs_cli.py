@@ -52,8 +52,10 @@ def test_issue_show_rotate_on_a_directory(
     assert "after 0:10:00" in capsys.readouterr().out
     assert run("certs", "show", *store) == 0
     text = capsys.readouterr().out
-    assert "[1] current signer" in text and "[2] signs the serving cert" in text
-    assert "sha256" in text and "expires in 29d" in text
+    assert "[1] current signer" in text
+    assert "[2] signs the serving cert" in text
+    assert "sha256" in text
+    assert "expires in 29d" in text
 
 
 def test_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

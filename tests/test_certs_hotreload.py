@@ -175,7 +175,8 @@ async def test_the_harness_detects_a_rotation_without_overlap(
     await certs.refresh()
     tally = Tally()
     await admission_call(port, stale_bundle, 1, tally)
-    assert len(tally.failures) == 1 and "CERTIFICATE_VERIFY_FAILED" in tally.failures[0]
+    assert len(tally.failures) == 1
+    assert "CERTIFICATE_VERIFY_FAILED" in tally.failures[0]
     await admission_call(port, certs.ca_bundle_pem(), 2, tally)
     assert tally.ok == 1
 

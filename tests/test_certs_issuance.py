@@ -47,12 +47,16 @@ def test_usages_and_constraints() -> None:
     material = plan(None, CertsConfig(), standalone=False, now=NOW).material
     ca, serving = material.ca.cert, material.serving.cert
     ca_basic = ca.extensions.get_extension_for_class(x509.BasicConstraints)
-    assert ca_basic.critical and ca_basic.value.ca and ca_basic.value.path_length == 0
+    assert ca_basic.critical
+    assert ca_basic.value.ca
+    assert ca_basic.value.path_length == 0
     assert ca.extensions.get_extension_for_class(x509.KeyUsage).value.key_cert_sign
     basic = serving.extensions.get_extension_for_class(x509.BasicConstraints)
-    assert basic.critical and not basic.value.ca
+    assert basic.critical
+    assert not basic.value.ca
     usage = serving.extensions.get_extension_for_class(x509.KeyUsage).value
-    assert usage.digital_signature and not usage.key_cert_sign
+    assert usage.digital_signature
+    assert not usage.key_cert_sign
     eku = serving.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     assert list(eku) == [ExtendedKeyUsageOID.SERVER_AUTH]
     assert signed_by(serving, ca)
@@ -95,6 +99,7 @@ def test_serving_certificate_never_outlives_its_ca() -> None:
 @pytest.mark.parametrize(
     ("algorithm", "kind", "size"),
     [("ecdsa-p256", ec.EllipticCurvePrivateKey, 256), ("rsa-2048", rsa.RSAPrivateKey, 2048)],
+    ids=["ECDSA P-256", "RSA 2048"],
 )
 def test_key_algorithms(algorithm: str, kind: type, size: int) -> None:
     config = CertsConfig.model_validate({"key_algorithm": algorithm})
@@ -115,6 +120,14 @@ def test_key_algorithms(algorithm: str, kind: type, size: int) -> None:
         ({"serving_lifetime": "P900D"}, "must not exceed certs.ca_lifetime"),
         ({"serving_renew_at": 1.0}, "less than 1"),
         ({"unknown": 1}, "Extra inputs are not permitted"),
+    ],
+    ids=[
+        "an IP that is not one",
+        "CA renewal longer than its life",
+        "propagation longer than CA renewal",
+        "serving outlives the CA",
+        "renew at 100%",
+        "an unknown field",
     ],
 )
 def test_configuration_errors_name_the_rule(fields: dict[str, object], message: str) -> None:

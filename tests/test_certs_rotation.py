@@ -46,7 +46,8 @@ def test_nothing_changes_before_the_renew_point() -> None:
 def test_serving_certificate_is_renewed_at_its_renew_point() -> None:
     first, _ = step(None, T0)
     renewed, reasons = step(first, T0 + timedelta(days=20, hours=1))
-    assert reasons and "serving certificate renewal due" in reasons[0]
+    assert reasons
+    assert "serving certificate renewal due" in reasons[0]
     assert renewed.ca == first.ca
     assert renewed.serving != first.serving
     assert renewed.serving.cert.not_valid_after_utc == T0 + timedelta(days=50, hours=1)
@@ -90,7 +91,8 @@ def test_ca_rotation_overlaps_then_moves_the_serving_certificate() -> None:
     assert rotated.trusted == (rotated.ca.cert, first.ca.cert)
     # Not yet: the serving certificate waits until the new CA has propagated.
     same, reasons = step(rotated, renew_at + timedelta(minutes=9))
-    assert reasons == () and same.serving == first.serving
+    assert reasons == ()
+    assert same.serving == first.serving
     moved, reasons = step(rotated, renew_at + timedelta(minutes=11))
     assert reasons == ("serving certificate moves to the new CA",)
     assert signed_by(moved.serving.cert, rotated.ca.cert)
@@ -105,10 +107,12 @@ def test_requested_rotations() -> None:
     first, _ = step(None, T0)
     serving, reasons = step(first, T0 + timedelta(days=1), serving=True)
     assert reasons == ("serving certificate rotation requested",)
-    assert serving.ca == first.ca and serving.serving != first.serving
+    assert serving.ca == first.ca
+    assert serving.serving != first.serving
     ca, reasons = step(first, T0 + timedelta(days=1), ca=True)
     assert reasons == ("CA rotation requested",)
-    assert ca.trusted == (ca.ca.cert, first.ca.cert) and ca.serving == first.serving
+    assert ca.trusted == (ca.ca.cert, first.ca.cert)
+    assert ca.serving == first.serving
     # A leaked key: replace everything at once, trusting only the new CA.
     now_ca, _ = step(first, T0 + timedelta(days=1), ca=True, immediate=True)
     assert now_ca.trusted == (now_ca.ca.cert,)
@@ -128,7 +132,8 @@ def test_unusable_serving_certificates_are_replaced_at_once() -> None:
     # Configuration gained a host name.
     wider = CONFIG.model_copy(update={"hosts": ["webhook.example.com"]})
     result = plan(first, wider, standalone=False, now=T0 + timedelta(days=1))
-    assert result.changed and "configuration wants" in result.reasons[0]
+    assert result.changed
+    assert "configuration wants" in result.reasons[0]
     # The process was down past the serving certificate's expiry.
     late, reasons = step(first, T0 + timedelta(days=31))
     assert "serving certificate expires" in reasons[0]
@@ -136,7 +141,8 @@ def test_unusable_serving_certificates_are_replaced_at_once() -> None:
     # ... or past the CA's: a fresh start.
     fresh, reasons = step(first, T0 + timedelta(days=400))
     assert reasons[0].startswith("the CA expired")
-    assert fresh.ca != first.ca and fresh.trusted == (fresh.ca.cert,)
+    assert fresh.ca != first.ca
+    assert fresh.trusted == (fresh.ca.cert,)
 
 
 def test_next_due_is_the_earliest_renew_point() -> None:

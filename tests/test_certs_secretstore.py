@@ -117,7 +117,8 @@ async def test_a_lost_write_rereads_and_applies_the_request_to_the_winners_state
         fake.fail_writes("secrets", NAME, NS, times=2, code=409)
         after = await source.ensure(Request(serving=True))
     assert after == _stored(fake)
-    assert after.ca == first.ca and after.serving != first.serving
+    assert after.ca == first.ca
+    assert after.serving != first.serving
     puts = [r for r in fake.requests if r.method == "PUT"]
     assert len(puts) == 3  # two lost to the forced conflicts, the third written
 

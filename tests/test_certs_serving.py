@@ -126,7 +126,9 @@ def _raw_handshake(port: int, context: ssl.SSLContext) -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1])
+@pytest.mark.parametrize(
+    "version", [ssl.TLSVersion.TLSv1, ssl.TLSVersion.TLSv1_1], ids=["TLS 1.0", "TLS 1.1"]
+)
 async def test_old_tls_versions_are_refused(
     served: tuple[ServingCertificates, int], version: ssl.TLSVersion
 ) -> None:
@@ -174,4 +176,5 @@ async def test_tls12_with_forward_secret_aead_is_accepted(
 
     version, name = await asyncio.to_thread(handshake)
     assert version == "TLSv1.2"
-    assert name.startswith("ECDHE-") and ("GCM" in name or "CHACHA20" in name)
+    assert name.startswith("ECDHE-")
+    assert "GCM" in name or "CHACHA20" in name

@@ -120,8 +120,10 @@ async def test_get_missing_is_a_404_status_naming_the_object(core: Any, custom: 
 
 async def test_create_sets_identity_and_defaults(core: Any, fake: FakeApiServer) -> None:
     made = await core.create_namespaced_pod(NS, pod(generate="train-"))
-    assert made.metadata.name.startswith("train-") and len(made.metadata.name) == 11
-    assert made.metadata.uid and made.metadata.creation_timestamp
+    assert made.metadata.name.startswith("train-")
+    assert len(made.metadata.name) == 11
+    assert made.metadata.uid
+    assert made.metadata.creation_timestamp
     assert made.metadata.namespace == NS
     assert made.metadata.resource_version == str(fake.resource_version)
     assert made.status.phase == "Pending"
@@ -158,7 +160,8 @@ async def test_one_resource_version_counter_across_kinds(core: Any, custom: Any)
             ]
         ),
     ]
-    assert versions == sorted(versions) and len(set(versions)) == 3
+    assert versions == sorted(versions)
+    assert len(set(versions)) == 3
     listed = await core.list_namespaced_pod(NS)
     assert int(listed.metadata.resource_version) == versions[-1]
 
@@ -220,7 +223,8 @@ async def test_list_items_carry_kind_only_for_custom_resources(
     await custom.create_namespaced_custom_object(*GQ, quota("q"))
     raw = await core.list_namespaced_pod(NS, _preload_content=False)
     item = json.loads(await raw.read())["items"][0]
-    assert "kind" not in item and "apiVersion" not in item
+    assert "kind" not in item
+    assert "apiVersion" not in item
     listed = await custom.list_namespaced_custom_object(*GQ)
     assert listed["kind"] == "GPUQuotaList"
     assert listed["items"][0]["kind"] == "GPUQuota"
@@ -403,7 +407,8 @@ async def test_status_subresource_splits_spec_and_status(custom: Any) -> None:
         {"spec": {"gpu": "8"}, "status": {"used": "1"}},
         _content_type="application/merge-patch+json",
     )
-    assert main["spec"]["gpu"] == "8" and "status" not in main
+    assert main["spec"]["gpu"] == "8"
+    assert "status" not in main
     assert main["metadata"]["generation"] == 2
     sub = await custom.patch_namespaced_custom_object_status(
         *GQ,
@@ -411,7 +416,8 @@ async def test_status_subresource_splits_spec_and_status(custom: Any) -> None:
         {"spec": {"gpu": "1"}, "status": {"used": "0.5"}},
         _content_type="application/merge-patch+json",
     )
-    assert sub["spec"]["gpu"] == "8" and sub["status"] == {"used": "0.5"}
+    assert sub["spec"]["gpu"] == "8"
+    assert sub["status"] == {"used": "0.5"}
     assert sub["metadata"]["generation"] == 2
     sub["status"]["used"] = "0.7"
     replaced = await custom.replace_namespaced_custom_object_status(*GQ, "q", sub)
@@ -522,8 +528,10 @@ async def test_deleting_a_namespace_deletes_its_contents(core: Any, fake: FakeAp
 async def test_dry_run_validates_without_persisting(core: Any, fake: FakeApiServer) -> None:
     before = fake.resource_version
     made = await core.create_namespaced_pod(NS, pod(generate="p-"), dry_run="All")
-    assert made.metadata.name.startswith("p-") and made.metadata.uid
-    assert fake.objects("pods") == [] and fake.resource_version == before
+    assert made.metadata.name.startswith("p-")
+    assert made.metadata.uid
+    assert fake.objects("pods") == []
+    assert fake.resource_version == before
     with pytest.raises(ApiException) as err:
         await core.create_namespaced_pod(NS, pod("Bad_Name"), dry_run="All")
     assert err.value.status == 422
@@ -531,7 +539,8 @@ async def test_dry_run_validates_without_persisting(core: Any, fake: FakeApiServ
     await core.patch_namespaced_pod("p", NS, {"metadata": {"labels": {"a": "b"}}}, dry_run="All")
     await core.delete_namespaced_pod("p", NS, dry_run="All")
     stored = fake.get("pods", "p", NS)
-    assert stored is not None and "labels" not in stored["metadata"]
+    assert stored is not None
+    assert "labels" not in stored["metadata"]
 
 
 # --- strictness ----------------------------------------------------------------------------
@@ -565,7 +574,8 @@ async def test_malformed_and_mismatched_bodies_are_400(fake: FakeApiServer) -> N
     code, _, _ = await raw(fake, "POST", pods, json.dumps(good).encode())
     assert code == 201
     code, _, status = await raw(fake, "PUT", pods + "/other", json.dumps(good).encode())
-    assert code == 400 and "does not match the name on the URL" in status["message"]
+    assert code == 400
+    assert "does not match the name on the URL" in status["message"]
     code, _, status = await raw(fake, "POST", pods, json.dumps(good).encode(), "text/plain")
     assert code == 415
     yaml_pod = b"metadata: {name: y}\nspec: {containers: [{name: c, image: i}]}\n"
@@ -573,7 +583,8 @@ async def test_malformed_and_mismatched_bodies_are_400(fake: FakeApiServer) -> N
     assert (code, made["metadata"]["name"]) == (201, "y")
     apply = b"metadata: {name: y}\n"
     code, _, status = await raw(fake, "PATCH", pods + "/y", apply, "application/apply-patch+yaml")
-    assert code == 415 and "server-side apply is not modelled" in status["message"]
+    assert code == 415
+    assert "server-side apply is not modelled" in status["message"]
 
 
 @pytest.mark.parametrize(
@@ -584,6 +595,13 @@ async def test_malformed_and_mismatched_bodies_are_400(fake: FakeApiServer) -> N
         {"name": "p", "labels": {"bad key!": "v"}},
         {"name": "p", "annotations": {"/x": "v"}},
         {"generateName": ""},
+    ],
+    ids=[
+        "upper-case name",
+        "label value with a space",
+        "label key with a bang",
+        "annotation key with an empty prefix",
+        "empty generateName",
     ],
 )
 async def test_invalid_objects_are_422(core: Any, metadata: dict[str, Any]) -> None:
@@ -599,7 +617,8 @@ async def test_unknown_top_level_fields_are_dropped_with_a_warning(fake: FakeApi
     code, headers, made = await raw(
         fake, "POST", "/api/v1/namespaces/default/secrets", json.dumps(body).encode()
     )
-    assert code == 201 and "bogus" not in made
+    assert code == 201
+    assert "bogus" not in made
     assert 'unknown field \\"bogus\\"' in headers["Warning"]
     code, _, status = await raw(
         fake,
@@ -607,19 +626,23 @@ async def test_unknown_top_level_fields_are_dropped_with_a_warning(fake: FakeApi
         "/api/v1/namespaces/default/secrets?fieldValidation=Strict",
         json.dumps({**body, "metadata": {"name": "t"}}).encode(),
     )
-    assert code == 400 and "strict decoding error" in status["message"]
+    assert code == 400
+    assert "strict decoding error" in status["message"]
     code, headers, _ = await raw(
         fake,
         "POST",
         "/api/v1/namespaces/default/secrets?fieldValidation=Ignore",
         json.dumps({**body, "metadata": {"name": "u"}}).encode(),
     )
-    assert code == 201 and "Warning" not in headers
+    assert code == 201
+    assert "Warning" not in headers
 
 
 async def test_secrets_fold_string_data_and_respect_immutable(core: Any) -> None:
     made = await core.create_namespaced_secret(NS, secret("s"))
-    assert made.data == {"k": "dg=="} and made.string_data is None and made.type == "Opaque"
+    assert made.data == {"k": "dg=="}
+    assert made.string_data is None
+    assert made.type == "Opaque"
     await core.create_namespaced_secret(
         NS,
         client.V1Secret(metadata=client.V1ObjectMeta(name="i"), data={"a": "YQ=="}, immutable=True),
@@ -664,7 +687,8 @@ async def test_watch_streams_changes_in_order_with_typed_objects(core: Any) -> N
     await asyncio.wait_for(task, 5)
     assert [t for t, _, _ in seen] == ["ADDED", "MODIFIED", "DELETED"]
     versions = [int(v) for _, v, _ in seen]
-    assert versions == sorted(versions) and len(set(versions)) == 3
+    assert versions == sorted(versions)
+    assert len(set(versions)) == 3
     assert isinstance(seen[0][2], client.V1Pod)
 
 
@@ -895,7 +919,8 @@ async def test_leader_election_elects_exactly_one(fake: FakeApiServer, api: Any)
         await asyncio.gather(*tasks, return_exceptions=True)
     assert len(leaders) == 1
     lease = fake.get("leases", "fracgpu-quota", "kube-system")
-    assert lease is not None and lease["spec"]["holderIdentity"] == leaders[0]
+    assert lease is not None
+    assert lease["spec"]["holderIdentity"] == leaders[0]
 
 
 async def test_webhook_configurations(api: Any) -> None:
@@ -960,7 +985,8 @@ async def test_direct_access_emits_watch_events(core: Any, fake: FakeApiServer) 
     stored["status"]["phase"] = "Succeeded"
     fake.put(stored)
     events = await asyncio.wait_for(task, 5)
-    assert events[0][0] == "MODIFIED" and events[0][1]["status"]["phase"] == "Succeeded"
+    assert events[0][0] == "MODIFIED"
+    assert events[0][1]["status"]["phase"] == "Succeeded"
 
 
 async def test_discovery(fake: FakeApiServer) -> None:

@@ -202,7 +202,8 @@ async def test_v1beta1_is_answered_in_v1beta1(server: Server) -> None:
     body = copy.deepcopy(EXAMPLE)
     body["apiVersion"] = "admission.k8s.io/v1beta1"
     response = await server.review(body)
-    assert response["allowed"] is True and "patch" in response
+    assert response["allowed"] is True
+    assert "patch" in response
 
 
 async def test_denial_message_and_status(server: Server) -> None:
@@ -244,6 +245,7 @@ async def test_internal_error_fails_closed_with_http_200(server: Server) -> None
             "request.uid",
         ),
     ],
+    ids=["empty body", "not JSON", "a JSON array", "admission v2", "no request", "an empty uid"],
 )
 async def test_malformed_bodies_get_400(server: Server, raw: bytes, expected: str) -> None:
     resp = await server.post("/mutate", None, raw=raw)
