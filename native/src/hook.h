@@ -10,6 +10,12 @@
 #include "limits.h"
 
 #define FG_EXPORT __attribute__((visibility("default")))
+
+/* Where the device plugin mounts the hook in a container (the test build names a directory of
+ * its own). */
+#ifndef FG_INSTALLED_HOOK
+#define FG_INSTALLED_HOOK FRACGPU_HOOK_LIBRARY
+#endif
 #define FG_LIKELY(x) __builtin_expect(!!(x), 1)
 #define FG_UNLIKELY(x) __builtin_expect(!!(x), 0)
 
@@ -68,6 +74,10 @@ static inline void fg_init(void) {
 }
 /* Same for NVML (loaded only by processes that call it, or by the throttle's sampler). */
 void fg_init_nvml(void);
+
+/* libc's dlsym (the hook exports its own). */
+typedef void *(*fg_dlsym_fn)(void *, const char *);
+fg_dlsym_fn fg_real_dlsym(void);
 
 /* One line on stderr, prefixed "fracgpu: ". */
 void fg_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

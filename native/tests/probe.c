@@ -198,13 +198,36 @@ static CUresult launch_one(const char *kind, CUgraphExec exec) {
     return api.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
 }
 
+/* Load the user library next to this program (tests/deep_lib.c) and run one of its fills. */
+static long long deep(const char *how, unsigned long long chunk) {
+    char path[4096];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 16);
+    if (n <= 0) die("readlink");
+    path[n] = '\0';
+    strcpy(strrchr(path, '/') + 1, "libdeep.so");
+    void *h;
+    const char *fn = "deep_fill";
+    if (strcmp(how, "deepbind") == 0) {
+        h = dlopen(path, RTLD_NOW | RTLD_DEEPBIND);
+    } else if (strcmp(how, "dlmopen") == 0) {
+        h = dlmopen(LM_ID_NEWLM, path, RTLD_NOW);
+    } else {
+        h = dlopen(path, RTLD_NOW);
+        fn = "deep_next_fill";
+    }
+    if (!h) return -1;
+    unsigned long long (*fill)(unsigned long long) =
+        (unsigned long long (*)(unsigned long long))dlsym(h, fn);
+    return fill ? (long long)fill(chunk) : -2;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: probe {proc|proc-ptds|proc-v1|dlsym} OP...   (probe_direct OP...)\n"
             "OP: init alloc:N alloc1:N pitch:W:H managed:N async:N pool:N vmm:N array:W:H\n"
             "    array3d:W:H:D mipmap:W:H:L free freeall trim pooldestroy info info1 total\n"
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
-            "    bench-launch:N bench-alloc:N:SIZE\n");
+            "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N\n");
     exit(2);
 }
 
@@ -405,6 +428,11 @@ int main(int argc, char **argv) {
             int status = 0;
             waitpid(pid, &status, 0);
             printf("fork-alloc %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        } else if (sscanf(op, "deepbind:%llu", &a) == 1 || sscanf(op, "dlmopen:%llu", &a) == 1 ||
+                   sscanf(op, "next:%llu", &a) == 1) {
+            char how[16];
+            snprintf(how, sizeof how, "%.*s", (int)(strchr(op, ':') - op), op);
+            printf("%s %lld\n", how, deep(how, a));
         } else if (sscanf(op, "sleep:%llu", &a) == 1) {
             usleep((useconds_t)(a * 1000));
             printf("sleep 0\n");

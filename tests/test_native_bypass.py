@@ -1,0 +1,155 @@
+"""The share holds against programs that try to get around the hook: one test per route, each
+run against the fake driver (a 16 GiB card) with a small limit, and each also run without the
+hook where that shows the program really can take more than its share there."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from deviceplugin.contract import LIMITS_FILE
+from tests.fakes.native_kit import (
+    CUDA_ERROR_OUT_OF_MEMORY,
+    MIB,
+    Kit,
+    Probe,
+    asan_runtime,
+    release_kit,
+    sanitized_kit,
+)
+
+LIMIT = 128 * MIB
+CHUNK = 32 * MIB
+CARD = 16384 * MIB
+MODES = ["proc", "proc-ptds", "proc-v1", "dlsym", "direct"]
+
+
+@pytest.fixture
+def kit() -> Iterator[Kit]:
+    k = sanitized_kit()
+    k.reset()
+    k.write_limits(LIMIT)
+    yield k
+    k.reset()
+
+
+@pytest.fixture
+def plain() -> Iterator[Kit]:
+    """The release build: the sanitizer runtime refuses RTLD_DEEPBIND and other namespaces."""
+    k = release_kit()
+    k.reset()
+    k.write_limits(LIMIT)
+    yield k
+    k.reset()
+
+
+def got(out: Probe, op: str) -> int:
+    (total,) = out.one(op)
+    return total
+
+
+# ---- the order of preloaded libraries ----------------------------------------------------------
+
+
+def driver_first(kit: Kit, hooked: bool) -> dict[str, str]:
+    """LD_PRELOAD naming the driver, as a pod may set it, ahead of the hook (which the container
+    preloads through /etc/ld.so.preload, after every LD_PRELOAD library)."""
+    libs = [asan_runtime(), str(kit.build / "fake" / "libcuda.so.1")]
+    return {"LD_PRELOAD": " ".join([*libs, str(kit.hook)] if hooked else libs)}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_driver_preloaded_ahead_of_the_hook_is_still_held(kit: Kit, mode: str) -> None:
+    out = kit.probe("init", f"fill:{CHUNK}", "info", mode=mode, env=driver_first(kit, True))
+    assert out.one("fill") == [LIMIT // CHUNK, CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.one("info") == [0, 0, LIMIT]
+
+
+def test_without_the_hook_that_order_gets_the_whole_card(kit: Kit) -> None:
+    out = kit.probe("init", f"fill:{CHUNK}", mode="direct", env=driver_first(kit, False))
+    assert out.one("fill") == [CARD // CHUNK, CUDA_ERROR_OUT_OF_MEMORY]
+
+
+# ---- libraries that bind on their own --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("op", "fixture"),
+    [
+        pytest.param("deepbind", "plain", id="dlopen-RTLD_DEEPBIND"),
+        pytest.param("dlmopen", "plain", id="dlmopen-LM_ID_NEWLM"),
+        pytest.param("next", "kit", id="dlsym-RTLD_NEXT-after-the-hook"),
+    ],
+)
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+def test_a_library_that_binds_the_driver_itself_is_held(
+    request: pytest.FixtureRequest, op: str, fixture: str, hooked: bool
+) -> None:
+    k: Kit = request.getfixturevalue(fixture)
+    out = k.probe(f"{op}:{CHUNK}", mode="dlsym", hooked=hooked)
+    assert got(out, op) == (LIMIT if hooked else CARD)
+
+
+# ---- no valid limits inside a fracgpu container ------------------------------------------------
+
+
+def in_new_mount_namespace(kit: Kit, ops: Sequence[str], mount: str) -> Probe:
+    """Run the probe as an unprivileged user can: a user + mount namespace of its own, with a
+    tmpfs mounted over the given directory."""
+    proc = subprocess.run(
+        ["unshare", "-Urm", "sh", "-c", f'mount -t tmpfs none {mount} && exec "$@"', "sh",
+         *kit.command(ops)],
+        env=kit.env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )  # fmt: skip
+    result = Probe(proc.returncode, proc.stdout, proc.stderr)
+    result.check_clean()
+    return result
+
+
+def dangling(kit: Kit) -> None:
+    path = kit.limits_dir / LIMITS_FILE
+    path.unlink()
+    path.symlink_to(kit.root / "nowhere")
+
+
+def installed_only(kit: Kit) -> None:
+    shutil.rmtree(kit.limits_dir)
+    shutil.rmtree(kit.shared_dir)
+
+
+FAIL_CLOSED = [
+    pytest.param(lambda k: (k.limits_dir / LIMITS_FILE).unlink(), "missing", id="missing-file"),
+    pytest.param(dangling, "missing", id="dangling-symlink"),
+    pytest.param(installed_only, "missing", id="no-directories-hook-at-installed-path"),
+]
+
+
+@pytest.mark.parametrize(("spoil", "word"), FAIL_CLOSED)
+def test_a_container_without_valid_limits_gets_no_device_memory(
+    kit: Kit, spoil: object, word: str
+) -> None:
+    assert callable(spoil)
+    spoil(kit)
+    installed = kit.root / "installed" / "libfracgpu.so"
+    installed.parent.mkdir(exist_ok=True)
+    shutil.copy(kit.hook, installed)
+    env = {"LD_PRELOAD": f"{asan_runtime()} {installed}"}
+    out = kit.probe("init", "alloc:1", f"vmm:{2 * MIB}", "info", env=env)
+    assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.rcs("vmm") == [CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.one("info") == [0, 0, 0]
+    (message,) = out.hook_messages
+    assert word in message
+
+
+def test_a_tmpfs_over_the_limits_directory_gets_no_device_memory(kit: Kit) -> None:
+    out = in_new_mount_namespace(kit, ["init", "alloc:1", "info"], str(kit.limits_dir))
+    assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.one("info") == [0, 0, 0]
