@@ -153,3 +153,49 @@ def test_a_tmpfs_over_the_limits_directory_gets_no_device_memory(kit: Kit) -> No
     out = in_new_mount_namespace(kit, ["init", "alloc:1", "info"], str(kit.limits_dir))
     assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
     assert out.one("info") == [0, 0, 0]
+
+
+# ---- the legacy v1 allocators ---------------------------------------------------------------
+
+# (op, bytes it takes): rows padded to 512 bytes, arrays of FLOAT texels.
+LEGACY = [
+    pytest.param("pitch1:1000:1024", 1024 * 1024, id="cuMemAllocPitch"),
+    pytest.param("array1:1024:1024", 4 * MIB, id="cuArrayCreate"),
+    pytest.param("array3d1:256:256:16", 4 * MIB, id="cuArray3DCreate"),
+]
+
+
+@pytest.mark.parametrize("mode", ["proc", "proc-v1", "dlsym", "direct"])
+@pytest.mark.parametrize(("op", "charged"), LEGACY)
+def test_the_legacy_allocators_are_counted(kit: Kit, mode: str, op: str, charged: int) -> None:
+    name = op.split(":", maxsplit=1)[0]
+    out = kit.probe("init", op, "info", "free", "info", mode=mode)
+    assert out.rcs(name) == [0]
+    assert [v[1] for v in out.values("info")] == [LIMIT - charged, LIMIT]
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+@pytest.mark.parametrize(("op", "charged"), LEGACY)
+def test_the_legacy_allocators_are_refused_beyond_the_limit(
+    kit: Kit, op: str, charged: int, hooked: bool
+) -> None:
+    kit.write_limits(charged - 1)
+    out = kit.probe("init", op, mode="proc-v1", hooked=hooked)
+    assert out.rcs(op.split(":", maxsplit=1)[0]) == [CUDA_ERROR_OUT_OF_MEMORY if hooked else 0]
+
+
+# ---- virtual memory management ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+def test_released_but_still_mapped_memory_stays_charged(kit: Kit, hooked: bool) -> None:
+    # cuMemRelease of a mapped handle frees nothing: the memory lives until it is unmapped.
+    out = kit.probe("init", f"vmmleak:{CHUNK}:10", "info", hooked=hooked)
+    assert got(out, "vmmleak") == (LIMIT // CHUNK if hooked else 10)
+
+
+def test_memory_released_and_unmapped_is_returned(kit: Kit) -> None:
+    out = kit.probe("init", f"vmmcycle:{CHUNK}:10", "info", f"alloc:{LIMIT}")
+    assert got(out, "vmmcycle") == 10
+    assert out.one("info") == [0, LIMIT, LIMIT]
+    assert out.rcs("alloc") == [0]

@@ -39,8 +39,9 @@ extern fg_state fg;
     X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch_v2) X(cuMemAllocManaged) X(cuMemFree)     \
     X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)      \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
-    X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemCreate) X(cuMemRelease) X(cuArrayCreate_v2)  \
-    X(cuArray3DCreate_v2) X(cuArrayDestroy) X(cuMipmappedArrayCreate)                          \
+    X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemCreate) X(cuMemRelease) X(cuMemMap)          \
+    X(cuMemUnmap) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayCreate) X(cuArray3DCreate) \
+    X(cuMemAllocPitch) X(cuArrayDestroy) X(cuMipmappedArrayCreate)                             \
     X(cuMipmappedArrayDestroy) X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem)          \
     X(cuDeviceTotalMem_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx)        \
     X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)    \

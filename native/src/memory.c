@@ -230,6 +230,38 @@ FG_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     return alloc_charged(&pitch_v2_ops, &args, idx, pitch_worst(width, height));
 }
 
+/* The legacy 32-bit cuMemAllocPitch (also what cuGetProcAddress gives for versions before 3.2). */
+typedef struct {
+    CUdeviceptr_v1 *dptr;
+    unsigned *pitch;
+    unsigned width, height, elem;
+} pitch_v1_args;
+
+static CUresult call_pitch_v1(void *a, uint64_t *key) {
+    pitch_v1_args *p = a;
+    CUresult r = fg_real.cuMemAllocPitch(p->dptr, p->pitch, p->width, p->height, p->elem);
+    *key = r == CUDA_SUCCESS ? *p->dptr : 0;
+    return r;
+}
+static uint64_t pitch_v1_actual(const void *a) {
+    const pitch_v1_args *p = a;
+    return (uint64_t)*p->pitch * p->height;
+}
+static const fg_alloc_ops pitch_v1_ops = {FG_REC_PTR_V1, call_pitch_v1, undo_free_v1,
+                                          pitch_v1_actual};
+
+FG_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width,
+                                   unsigned int height, unsigned int elem) {
+    fg_init();
+    if (!fg_real.cuMemAllocPitch) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !dptr || !pitch || width == 0 || height == 0)
+        return fg_real.cuMemAllocPitch(dptr, pitch, width, height, elem);
+    int idx = current_index();
+    if (idx == FG_NO_CONTEXT) return fg_real.cuMemAllocPitch(dptr, pitch, width, height, elem);
+    pitch_v1_args args = {dptr, pitch, width, height, elem};
+    return alloc_charged(&pitch_v1_ops, &args, idx, pitch_worst(width, height));
+}
+
 /* Frees: forget the record first (so a racing allocation may reuse the address), then free;
  * if the driver refuses, the record goes back. */
 static CUresult free_recorded(fg_rec_kind kind, uint64_t key, CUresult (*do_free)(uint64_t)) {
@@ -280,9 +312,12 @@ static void pools_after_fork(void) {
     npools = 0;
 }
 
+static void vmm_after_fork(void);
+
 void fg_memory_after_fork(void) {
     /* The parent's allocations are not the child's to free: start from empty tables. */
     pools_after_fork();
+    vmm_after_fork();
     fg_rec_after_fork();
 }
 
@@ -488,10 +523,102 @@ FG_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
     return alloc_charged(&vmm_ops, &args, idx < 0 ? FG_NOT_GRANTED : idx, bytes);
 }
 
+/* Physical memory stays on the card while its handle is unreleased or any mapping of it is
+ * alive: cuMemRelease of a mapped handle frees nothing until the last cuMemUnmap. So a handle's
+ * record counts its live mappings (aux, with VMM_RELEASED once released) and its charge goes
+ * when both are gone. The mappings themselves are kept in a list: one cuMemUnmap may cover
+ * several of them. */
+#define VMM_RELEASED (1ull << 63)
+
+typedef struct {
+    CUdeviceptr va;
+    uint64_t size;
+    CUmemGenericAllocationHandle handle;
+} fg_mapping;
+
+static pthread_mutex_t vmm_mu = PTHREAD_MUTEX_INITIALIZER;
+static fg_mapping *mappings;
+static size_t nmappings, capmappings;
+
+static void vmm_after_fork(void) {
+    pthread_mutex_init(&vmm_mu, NULL);
+    free(mappings);
+    mappings = NULL;
+    nmappings = capmappings = 0;
+}
+
+/* With vmm_mu held: one reference fewer on handle h (a mapping or the handle itself). */
+static void vmm_drop_locked(CUmemGenericAllocationHandle h, bool release) {
+    fg_rec rec;
+    if (!fg_rec_take(FG_REC_VMM, h, &rec)) return;
+    uint64_t maps = rec.aux & ~VMM_RELEASED;
+    bool released = (rec.aux & VMM_RELEASED) || release;
+    if (!release && maps > 0) maps--;
+    if (released && maps == 0) {
+        fg_region_release(rec.dev, rec.bytes);
+        return;
+    }
+    rec.aux = maps | (released ? VMM_RELEASED : 0);
+    fg_rec_put(&rec);
+}
+
 FG_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
     fg_init();
     if (!fg_real.cuMemRelease) return CUDA_ERROR_NOT_INITIALIZED;
-    return free_recorded(FG_REC_VMM, h, undo_release);
+    CUresult r = fg_real.cuMemRelease(h);
+    if (r != CUDA_SUCCESS || !ENFORCED()) return r;
+    pthread_mutex_lock(&vmm_mu);
+    vmm_drop_locked(h, true);
+    pthread_mutex_unlock(&vmm_mu);
+    return r;
+}
+
+FG_EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset,
+                            CUmemGenericAllocationHandle h, unsigned long long flags) {
+    fg_init();
+    if (!fg_real.cuMemMap) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED()) return fg_real.cuMemMap(va, size, offset, h, flags);
+    pthread_mutex_lock(&vmm_mu);
+    CUresult r = fg_real.cuMemMap(va, size, offset, h, flags);
+    fg_rec rec;
+    if (r == CUDA_SUCCESS && fg_rec_get(FG_REC_VMM, h, &rec)) {
+        if (nmappings == capmappings) {
+            size_t ncap = capmappings ? capmappings * 2 : 64;
+            fg_mapping *n = realloc(mappings, ncap * sizeof *n);
+            if (!n) {
+                /* Without room to remember the mapping its memory could outlive the charge. */
+                fg_real.cuMemUnmap(va, size);
+                pthread_mutex_unlock(&vmm_mu);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            mappings = n;
+            capmappings = ncap;
+        }
+        mappings[nmappings++] = (fg_mapping){va, size, h};
+        rec.aux++;
+        fg_rec_put(&rec);
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return r;
+}
+
+FG_EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size) {
+    fg_init();
+    if (!fg_real.cuMemUnmap) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED()) return fg_real.cuMemUnmap(va, size);
+    pthread_mutex_lock(&vmm_mu);
+    CUresult r = fg_real.cuMemUnmap(va, size);
+    for (size_t i = 0; r == CUDA_SUCCESS && i < nmappings;) {
+        if (mappings[i].va >= va && mappings[i].va - va < size) {
+            CUmemGenericAllocationHandle h = mappings[i].handle;
+            mappings[i] = mappings[--nmappings];
+            vmm_drop_locked(h, false);
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&vmm_mu);
+    return r;
 }
 
 /* ---- arrays ------------------------------------------------------------------------------ */
@@ -583,6 +710,34 @@ FG_EXPORT CUresult cuArray3DCreate_v2(CUarray *out, const CUDA_ARRAY3D_DESCRIPTO
     if (!fg_real.cuArray3DCreate_v2) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || !out || !a) return fg_real.cuArray3DCreate_v2(out, a);
     array_args args = {(void **)out, a, 0, create_array3d_v2};
+    return array_create(&array_ops, &args,
+                        array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels));
+}
+
+/* The legacy 32-bit descriptors (before CUDA 3.2): the same charge from narrower fields. */
+static CUresult create_array_v1(void **out, const void *desc, unsigned levels) {
+    (void)levels;
+    return fg_real.cuArrayCreate((CUarray *)out, desc);
+}
+static CUresult create_array3d_v1(void **out, const void *desc, unsigned levels) {
+    (void)levels;
+    return fg_real.cuArray3DCreate((CUarray *)out, desc);
+}
+
+FG_EXPORT CUresult cuArrayCreate(CUarray *out, const CUDA_ARRAY_DESCRIPTOR_v1 *a) {
+    fg_init();
+    if (!fg_real.cuArrayCreate) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !out || !a) return fg_real.cuArrayCreate(out, a);
+    array_args args = {(void **)out, a, 0, create_array_v1};
+    return array_create(&array_ops, &args,
+                        array_bytes(a->Width, a->Height, 0, a->Format, a->NumChannels));
+}
+
+FG_EXPORT CUresult cuArray3DCreate(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR_v1 *a) {
+    fg_init();
+    if (!fg_real.cuArray3DCreate) return CUDA_ERROR_NOT_INITIALIZED;
+    if (!ENFORCED() || !out || !a) return fg_real.cuArray3DCreate(out, a);
+    array_args args = {(void **)out, a, 0, create_array3d_v1};
     return array_create(&array_ops, &args,
                         array_bytes(a->Width, a->Height, a->Depth, a->Format, a->NumChannels));
 }

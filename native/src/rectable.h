@@ -17,8 +17,7 @@ typedef enum {
     FG_REC_PTR = 1,   /* cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocPitch_v2 */
     FG_REC_PTR_V1,    /* the 32-bit legacy cuMemAlloc / cuMemAllocPitch */
     FG_REC_POOL,      /* stream-ordered allocation (charged through its pool) */
-    FG_REC_VMM,       /* cuMemCreate handle */
-    FG_REC_VMM_MAP,   /* a cuMemMap'd range: keyed by its address, holds its handle */
+    FG_REC_VMM,       /* cuMemCreate handle; aux counts its live mappings */
     FG_REC_ARRAY,     /* cuArrayCreate / cuArray3DCreate (v1 and v2) */
     FG_REC_MIPMAP,    /* cuMipmappedArrayCreate */
     FG_REC_MODULE,    /* a loaded module's device globals */
@@ -28,7 +27,7 @@ typedef enum {
 typedef struct {
     uint64_t key;   /* pointer or handle */
     uint64_t bytes; /* what was charged */
-    uint64_t aux;   /* kind-specific: the pool, the VMM handle of a mapping, a reference count */
+    uint64_t aux;   /* kind-specific: the pool, a reference count */
     int32_t dev;    /* card index in the limits file */
     int32_t kind;   /* fg_rec_kind; 0 marks an empty slot */
 } fg_rec;

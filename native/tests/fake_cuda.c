@@ -37,8 +37,13 @@ struct CUfunc_st { unsigned magic; };
 struct CUgraph_st { unsigned magic; };
 struct CUgraphExec_st { unsigned magic; unsigned kernels; };
 
-typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM } akind;
-typedef struct { uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool; } alloc_t;
+typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM, A_VA, A_MAP } akind;
+/* A_VMM: maps counts live mappings, released once cuMemRelease was called; A_MAP: a mapping
+ * at key of bytes, of handle; A_VA: a reserved address range. */
+typedef struct {
+    uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool;
+    uint64_t handle; int maps; bool released;
+} alloc_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool initialised;
@@ -192,7 +197,7 @@ static void add_locked(uint64_t key, akind kind, int dev, uint64_t bytes, CUmemo
         capallocs = capallocs ? capallocs * 2 : 64;
         allocs = realloc(allocs, capallocs * sizeof *allocs);
     }
-    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool};
+    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool, 0, 0, false};
 }
 
 static void remove_locked(alloc_t *a) { *a = allocs[--nallocs]; }
@@ -252,6 +257,21 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size
     size_t pt = (w + 511) & ~(size_t)511;
     CUresult r = alloc_ptr(p, (uint64_t)pt * h, A_PTR);
     if (r == CUDA_SUCCESS) *pitch = pt;
+    return r;
+}
+EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *p, unsigned int *pitch, unsigned int w,
+                                unsigned int h, unsigned int elem) {
+    NEED_CTX();
+    if (!p || !pitch || w == 0 || h == 0 || (elem != 4 && elem != 8 && elem != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t pt = ((uint64_t)w + 511) & ~511ull;
+    if (pt > 0xffffffffu) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr wide = 0;
+    CUresult r = alloc_ptr(&wide, pt * h, A_PTR_V1);
+    if (r == CUDA_SUCCESS) {
+        *p = (CUdeviceptr_v1)wide;
+        *pitch = (unsigned)pt;
+    }
     return r;
 }
 static CUresult free_pool_allocation(CUdeviceptr d);
@@ -436,8 +456,92 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
     pthread_mutex_unlock(&mu);
     return r;
 }
+/* As the driver documents: the physical memory of a handle is freed once the handle is released
+ * and no mapping of it is left, whichever comes last. */
+static void vmm_maybe_free_locked(alloc_t *h) {
+    if (!h->released || h->maps > 0) return;
+    dev_used[h->dev] -= h->bytes;
+    remove_locked(h);
+}
+
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
-    return free_key(h, A_VMM, CUDA_ERROR_INVALID_VALUE);
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (!a || a->released) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    a->released = true;
+    vmm_maybe_free_locked(a);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    NEED_INIT();
+    if (!ptr || size == 0 || size % (2u << 20) != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    next_addr = (next_addr + (2ull << 20) - 1) & ~((2ull << 20) - 1);
+    *ptr = next_addr;
+    next_addr += size;
+    add_locked(*ptr, A_VA, 0, size, NULL);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(ptr, A_VA);
+    CUresult r = a && a->bytes == size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) remove_locked(a);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                         CUmemGenericAllocationHandle h, unsigned long long flags) {
+    NEED_INIT();
+    if (size == 0 || flags != 0 || size % (2u << 20) != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    CUresult r = CUDA_SUCCESS;
+    if (!a || a->released || offset + size > a->bytes || find_locked(ptr, A_MAP))
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) {
+        a->maps++;
+        add_locked(ptr, A_MAP, a->dev, size, NULL);
+        allocs[nallocs - 1].handle = h;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Unmaps every mapping that starts in [ptr, ptr + size). */
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (size_t i = 0; i < nallocs;) {
+        alloc_t *m = &allocs[i];
+        if (m->kind != A_MAP || m->key < ptr || m->key - ptr >= size) {
+            i++;
+            continue;
+        }
+        uint64_t h = m->handle;
+        remove_locked(m);
+        found++;
+        alloc_t *a = find_locked(h, A_VMM);
+        if (a) {
+            a->maps--;
+            vmm_maybe_free_locked(a);
+        }
+        i = 0; /* removal moved entries around */
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- arrays ------------------------------------------------------------------------------- */
@@ -486,6 +590,17 @@ EXPORT CUresult cuArrayCreate_v2(CUarray *out, const CUDA_ARRAY_DESCRIPTOR *d) {
                       one(d->Width) * one(d->Height) * texel(d->Format, d->NumChannels));
 }
 EXPORT CUresult cuArray3DCreate_v2(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * one(d->Depth) *
+                          texel(d->Format, d->NumChannels));
+}
+EXPORT CUresult cuArrayCreate(CUarray *out, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * texel(d->Format, d->NumChannels));
+}
+EXPORT CUresult cuArray3DCreate(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
     if (!d) return CUDA_ERROR_INVALID_VALUE;
     return make_array((void **)out, MAGIC_ARRAY,
                       one(d->Width) * one(d->Height) * one(d->Depth) *
@@ -666,6 +781,7 @@ static const proc procs[] = {
     {"cuMemGetInfo", 3020, false, (void *)cuMemGetInfo_v2},
     {"cuMemAlloc", 2000, false, (void *)cuMemAlloc},
     {"cuMemAlloc", 3020, false, (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch", 2000, false, (void *)cuMemAllocPitch},
     {"cuMemAllocPitch", 3020, false, (void *)cuMemAllocPitch_v2},
     P(cuMemAllocManaged, 6000),
     {"cuMemFree", 2000, false, (void *)cuMemFree}, {"cuMemFree", 3020, false, (void *)cuMemFree_v2},
@@ -675,8 +791,11 @@ static const proc procs[] = {
     P(cuMemFreeAsync, 11020), PT(cuMemFreeAsync, cuMemFreeAsync_ptsz, 11020),
     P(cuDeviceGetDefaultMemPool, 11020), P(cuDeviceGetMemPool, 11020), P(cuMemPoolCreate, 11020),
     P(cuMemPoolDestroy, 11020), P(cuMemPoolGetAttribute, 11020), P(cuMemPoolTrimTo, 11020),
-    P(cuMemCreate, 10020), P(cuMemRelease, 10020),
+    P(cuMemCreate, 10020), P(cuMemRelease, 10020), P(cuMemAddressReserve, 10020),
+    P(cuMemAddressFree, 10020), P(cuMemMap, 10020), P(cuMemUnmap, 10020),
+    {"cuArrayCreate", 2000, false, (void *)cuArrayCreate},
     {"cuArrayCreate", 3020, false, (void *)cuArrayCreate_v2},
+    {"cuArray3DCreate", 2000, false, (void *)cuArray3DCreate},
     {"cuArray3DCreate", 3020, false, (void *)cuArray3DCreate_v2}, P(cuArrayDestroy, 2000),
     P(cuMipmappedArrayCreate, 5000), P(cuMipmappedArrayDestroy, 5000),
     P(cuModuleLoadData, 2000), P(cuModuleGetFunction, 2000),

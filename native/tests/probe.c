@@ -23,6 +23,8 @@ static struct {
     F(cuMemAllocManaged); F(cuMemAllocAsync); F(cuMemAllocFromPoolAsync); F(cuMemFreeAsync);
     F(cuMemPoolCreate); F(cuMemPoolDestroy); F(cuMemPoolTrimTo); F(cuDeviceGetMemPool);
     F(cuMemCreate); F(cuMemRelease); F(cuArrayCreate_v2); F(cuArray3DCreate_v2);
+    F(cuMemAllocPitch); F(cuArrayCreate); F(cuArray3DCreate); F(cuMemAddressReserve);
+    F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -46,6 +48,8 @@ static void load(const char *mode) {
     D(cuMemAllocManaged) D(cuMemAllocAsync) D(cuMemAllocFromPoolAsync) D(cuMemFreeAsync)
     D(cuMemPoolCreate) D(cuMemPoolDestroy) D(cuMemPoolTrimTo) D(cuDeviceGetMemPool)
     D(cuMemCreate) D(cuMemRelease) D(cuArrayCreate_v2) D(cuArray3DCreate_v2) D(cuArrayDestroy)
+    D(cuMemAllocPitch) D(cuArrayCreate) D(cuArray3DCreate) D(cuMemAddressReserve)
+    D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -112,6 +116,13 @@ static void load(const char *mode) {
     R(cuArrayCreate_v2, "cuArrayCreate", 12040);
     R(cuArray3DCreate_v2, "cuArray3DCreate", 12040);
     R(cuArrayDestroy, "cuArrayDestroy", 12040);
+    R(cuMemAllocPitch, "cuMemAllocPitch", 2000);
+    R(cuArrayCreate, "cuArrayCreate", 2000);
+    R(cuArray3DCreate, "cuArray3DCreate", 2000);
+    R(cuMemAddressReserve, "cuMemAddressReserve", 12040);
+    R(cuMemAddressFree, "cuMemAddressFree", 12040);
+    R(cuMemMap, "cuMemMap", 12040);
+    R(cuMemUnmap, "cuMemUnmap", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -221,13 +232,37 @@ static long long deep(const char *how, unsigned long long chunk) {
     return fill ? (long long)fill(chunk) : -2;
 }
 
+/* rounds x (cuMemCreate, reserve, cuMemMap, cuMemRelease, and with unmap also cuMemUnmap and
+ * the address range freed); the number of rounds whose cuMemCreate succeeded. */
+static unsigned vmm_rounds(uint64_t bytes, unsigned rounds, bool unmap) {
+    unsigned ok = 0;
+    for (unsigned k = 0; k < rounds; k++) {
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        CUmemGenericAllocationHandle h;
+        CUdeviceptr va;
+        if (api.cuMemCreate(&h, bytes, &prop, 0) != CUDA_SUCCESS) continue;
+        ok++;
+        if (api.cuMemAddressReserve(&va, bytes, 0, 0, 0) != CUDA_SUCCESS ||
+            api.cuMemMap(va, bytes, 0, h, 0) != CUDA_SUCCESS || api.cuMemRelease(h) != CUDA_SUCCESS)
+            die("vmm map");
+        if (unmap && (api.cuMemUnmap(va, bytes) != CUDA_SUCCESS ||
+                      api.cuMemAddressFree(va, bytes) != CUDA_SUCCESS))
+            die("vmm unmap");
+    }
+    return ok;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: probe {proc|proc-ptds|proc-v1|dlsym} OP...   (probe_direct OP...)\n"
             "OP: init alloc:N alloc1:N pitch:W:H managed:N async:N pool:N vmm:N array:W:H\n"
             "    array3d:W:H:D mipmap:W:H:L free freeall trim pooldestroy info info1 total\n"
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
-            "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N\n");
+            "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
+            "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K\n");
     exit(2);
 }
 
@@ -270,6 +305,29 @@ int main(int argc, char **argv) {
             CUresult r = api.cuMemAllocPitch_v2(&d, &pitch, a, b, 4);
             if (r == CUDA_SUCCESS) push(L_PTR, d);
             printf("pitch %d %llu\n", r, (unsigned long long)pitch * b);
+        } else if (sscanf(op, "pitch1:%llu:%llu", &a, &b) == 2) {
+            CUdeviceptr_v1 d;
+            unsigned pitch = 0;
+            CUresult r = api.cuMemAllocPitch(&d, &pitch, (unsigned)a, (unsigned)b, 4);
+            if (r == CUDA_SUCCESS) push(L_PTR1, d);
+            printf("pitch1 %d %llu\n", r, (unsigned long long)pitch * b);
+        } else if (sscanf(op, "array1:%llu:%llu", &a, &b) == 2) {
+            CUDA_ARRAY_DESCRIPTOR_v1 d = {(unsigned)a, (unsigned)b, CU_AD_FORMAT_FLOAT, 1};
+            CUarray arr;
+            CUresult r = api.cuArrayCreate(&arr, &d);
+            if (r == CUDA_SUCCESS) push(L_ARRAY, (uint64_t)(uintptr_t)arr);
+            printf("array1 %d\n", r);
+        } else if (sscanf(op, "array3d1:%llu:%llu:%llu", &a, &b, &c) == 3) {
+            CUDA_ARRAY3D_DESCRIPTOR_v1 d = {(unsigned)a, (unsigned)b, (unsigned)c,
+                                            CU_AD_FORMAT_FLOAT, 1, 0};
+            CUarray arr;
+            CUresult r = api.cuArray3DCreate(&arr, &d);
+            if (r == CUDA_SUCCESS) push(L_ARRAY, (uint64_t)(uintptr_t)arr);
+            printf("array3d1 %d\n", r);
+        } else if (sscanf(op, "vmmleak:%llu:%llu", &a, &b) == 2) {
+            printf("vmmleak %u\n", vmm_rounds(a, (unsigned)b, false));
+        } else if (sscanf(op, "vmmcycle:%llu:%llu", &a, &b) == 2) {
+            printf("vmmcycle %u\n", vmm_rounds(a, (unsigned)b, true));
         } else if (sscanf(op, "managed:%llu", &a) == 1) {
             CUdeviceptr d;
             CUresult r = api.cuMemAllocManaged(&d, a, 1);
