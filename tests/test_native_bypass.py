@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -199,3 +200,129 @@ def test_memory_released_and_unmapped_is_returned(kit: Kit) -> None:
     assert got(out, "vmmcycle") == 10
     assert out.one("info") == [0, LIMIT, LIMIT]
     assert out.rcs("alloc") == [0]
+
+
+# ---- the accounting region under attack -------------------------------------------------------
+
+
+def test_a_raw_clone_child_neither_frees_nor_zeroes_its_parents_share(kit: Kit) -> None:
+    # The child runs no fork handler: it charges into its parent's slot, and its exit must not
+    # zero that slot; its free of the parent's allocation must not return the parent's charge.
+    out = kit.probe(
+        "init", f"alloc:{64 * MIB}", f"rawclone-alloc:{48 * MIB}", f"rawclone-alloc:{48 * MIB}",
+        "rawclone-free", f"alloc:{64 * MIB}", "info",
+    )  # fmt: skip
+    assert out.rcs("child") == [0, CUDA_ERROR_OUT_OF_MEMORY, 0]
+    assert out.rcs("alloc") == [0, CUDA_ERROR_OUT_OF_MEMORY]
+    assert out.one("info")[1] == LIMIT - 112 * MIB
+
+
+def test_an_unreaped_zombie_gives_its_share_back(kit: Kit) -> None:
+    out = kit.probe("init", f"zombie-alloc:{LIMIT}", f"alloc:{LIMIT}")
+    assert out.rcs("child") == [0]
+    assert out.rcs("alloc") == [0]
+
+
+class Holder:
+    """A hooked process that takes the whole share and waits for a file before going on."""
+
+    def __init__(self, kit: Kit, go: str, *after: str) -> None:
+        self.proc = subprocess.Popen(
+            kit.command(["init", f"alloc:{LIMIT}", "sleep:0", f"await:{go}", *after]),
+            env=kit.env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert self.proc.stdout is not None
+        self.seen = ""
+        for line in self.proc.stdout:
+            self.seen += line
+            if line.startswith("sleep"):
+                return
+        raise AssertionError(f"holder ended early: {self.seen}")
+
+    def finish(self) -> Probe:
+        out, err = self.proc.communicate(timeout=60)
+        result = Probe(self.proc.returncode, self.seen + out, err)
+        result.check_clean()
+        return result
+
+
+def test_removing_the_accounting_file_does_not_open_a_second_share(
+    kit: Kit, tmp_path: Path
+) -> None:
+    go = tmp_path / "go-rm"
+    holder = Holder(kit, str(go), "info")
+    try:
+        kit.region.unlink()
+        out = kit.probe("init", "alloc:1", "info")
+        assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+        assert out.one("info")[1] == 0
+    finally:
+        go.touch()
+        holder.finish()
+
+
+def test_truncating_the_accounting_file_neither_crashes_nor_frees_the_share(
+    kit: Kit, tmp_path: Path
+) -> None:
+    go = tmp_path / "go-truncate"
+    holder = Holder(kit, str(go), "alloc:1", "info")
+    try:
+        with kit.region.open("r+b") as f:
+            f.truncate(0)
+        # The holder's memory is unknown until it has refilled its slot: nothing is granted.
+        out = kit.probe("init", "alloc:1")
+        assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+    finally:
+        go.touch()
+        done = holder.finish()  # exits 0: no SIGBUS
+    assert done.rcs("alloc") == [0, CUDA_ERROR_OUT_OF_MEMORY]
+    assert done.one("info")[1] == 0
+    assert kit.probe("init", f"alloc:{LIMIT}").rcs("alloc") == [0]  # and it all comes back
+
+
+def test_a_truncation_no_one_else_noticed_does_not_kill_the_holder(
+    kit: Kit, tmp_path: Path
+) -> None:
+    go = tmp_path / "go-alone"
+    holder = Holder(kit, str(go), "alloc:1", "free", f"alloc:{LIMIT}", "info")
+    with kit.region.open("r+b") as f:
+        f.truncate(0)
+    go.touch()
+    done = holder.finish()
+    assert done.rcs("alloc") == [0, CUDA_ERROR_OUT_OF_MEMORY, 0]
+    assert done.rcs("free") == [0]
+    assert done.one("info")[1] == 0
+
+
+@pytest.mark.parametrize("inner", ["holder", "newcomer"])
+def test_a_nested_pid_namespace_does_not_reap_live_slots(
+    kit: Kit, tmp_path: Path, inner: str
+) -> None:
+    go = tmp_path / "go-pidns"
+    wrap = ["unshare", "-Urpf", "--mount-proc"]
+    # LeakSanitizer cannot work inside a new user namespace; the address checks still run.
+    env = kit.env(extra={"ASAN_OPTIONS": "detect_leaks=0"})
+    holder_cmd = kit.command(["init", f"alloc:{LIMIT}", "sleep:0", f"await:{go}"])
+    holder = subprocess.Popen(
+        (wrap if inner == "holder" else []) + holder_cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None
+        for line in holder.stdout:
+            if line.startswith("sleep"):
+                break
+        cmd = (wrap if inner == "newcomer" else []) + kit.command(["init", "alloc:1"])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, check=False)
+        out = Probe(proc.returncode, proc.stdout, proc.stderr)
+        out.check_clean()
+        assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
+    finally:
+        go.touch()
+        holder.communicate(timeout=60)

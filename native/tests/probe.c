@@ -11,6 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -262,7 +265,8 @@ static void usage(void) {
             "    array3d:W:H:D mipmap:W:H:L free freeall trim pooldestroy info info1 total\n"
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
             "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
-            "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K\n");
+            "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
+            "    zombie-alloc:N await:PATH\n");
     exit(2);
 }
 
@@ -491,6 +495,37 @@ int main(int argc, char **argv) {
             char how[16];
             snprintf(how, sizeof how, "%.*s", (int)(strchr(op, ':') - op), op);
             printf("%s %lld\n", how, deep(how, a));
+        } else if (sscanf(op, "rawclone-alloc:%llu", &a) == 1 || strcmp(op, "rawclone-free") == 0) {
+            /* A child made with the clone system call itself: no fork handlers run in it. It
+             * allocates (or frees the parent's last allocation) and exits normally. */
+            fflush(stdout);
+            pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+            if (pid == 0) {
+                CUdeviceptr d;
+                CUresult r = a ? api.cuMemAlloc_v2(&d, a) : free_one(live[nlive - 1]);
+                printf("child %d\n", r);
+                exit(0);
+            }
+            int status = 0;
+            waitpid(pid, &status, 0);
+            printf("rawclone %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        } else if (sscanf(op, "zombie-alloc:%llu", &a) == 1) {
+            /* A child allocates and ends without its exit handlers; it stays a zombie, unreaped. */
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                CUdeviceptr d;
+                printf("child %d\n", api.cuMemAlloc_v2(&d, a));
+                fflush(stdout);
+                _exit(0);
+            }
+            siginfo_t si;
+            waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT);
+            printf("zombie %d\n", (int)pid);
+        } else if (strncmp(op, "await:", 6) == 0) {
+            struct stat st;
+            while (stat(op + 6, &st) != 0) usleep(1000);
+            printf("await 0\n");
         } else if (sscanf(op, "sleep:%llu", &a) == 1) {
             usleep((useconds_t)(a * 1000));
             printf("sleep 0\n");
