@@ -148,6 +148,11 @@ static void after_fork_child(void) {
     fg_throttle_after_fork();
 }
 
+void fg_child_detected(void) {
+    fg_memory_after_fork();
+    fg_throttle_after_fork();
+}
+
 __attribute__((destructor)) static void fg_fini(void) { fg_region_close(); }
 
 /* Whether this process runs in a container fracgpu set up: the device plugin mounts the limits

@@ -46,7 +46,6 @@ typedef struct {
     fg_region *r;
     int fd;        /* this process's own open file description: its slot lock lives there */
     int slot;      /* -1: none yet (a forked child takes one on first use) */
-    pid_t owner;   /* the process that took the slot (a raw clone child is not it) */
 } fg_map;
 
 static fg_map maps[FG_MAX_REGIONS];
@@ -128,9 +127,8 @@ static int take_slot(fg_map *m) {
         uint32_t one = 1;
         if (atomic_compare_exchange_strong(&s->pending, &one, 0)) atomic_fetch_sub(&m->r->npending, 1);
         m->slot = i;
-        m->owner = getpid();
         fill_slot(m); /* a dead owner's counters go; this process's own come in */
-        atomic_store(&s->pid, (int32_t)m->owner);
+        atomic_store(&s->pid, (int32_t)getpid());
         bump_high_water(m->r, (uint32_t)i + 1);
         return i;
     }
@@ -205,7 +203,7 @@ static void settle_reset(fg_map *m) {
     fg_slot *s = &r->slots[m->slot];
     if (atomic_load(&s->gen) != atomic_load(&r->gen)) {
         fill_slot(m);
-        atomic_store(&s->pid, (int32_t)m->owner);
+        atomic_store(&s->pid, (int32_t)getpid());
     }
     uint32_t one = 1;
     if (atomic_compare_exchange_strong(&s->pending, &one, 0)) atomic_fetch_sub(&r->npending, 1);
@@ -265,7 +263,7 @@ static bool add_map(int fd, const char *path, char *why, size_t why_len) {
     if (k == FG_MAX_REGIONS) return false;
     fg_region *r = NULL;
     if (map_fd(fd, &r, why, why_len, path) != 0) return false;
-    maps[k] = (fg_map){r, fd, -1, 0};
+    maps[k] = (fg_map){r, fd, -1};
     if (take_slot(&maps[k]) < 0) {
         munmap(r, sizeof(fg_region));
         snprintf(why, why_len, "%s has no free slot (%d live processes)", path, FG_REGION_SLOTS);
@@ -311,7 +309,7 @@ static void join_held_regions(const char *path) {
     closedir(proc);
 }
 
-static char region_path[512];
+static void mark_lineage(void);
 
 int fg_region_open(const char *path, char *why, size_t why_len) {
     if (atomic_load(&nmaps) > 0) return 0;
@@ -328,7 +326,7 @@ int fg_region_open(const char *path, char *why, size_t why_len) {
         close(fd);
         return -EINVAL;
     }
-    snprintf(region_path, sizeof region_path, "%s", path);
+    mark_lineage();
     join_held_regions(path);
     /* Return the shares of processes that died (SIGKILL, OOM kill) since anyone last looked. */
     fg_region_reap(true);
@@ -337,13 +335,34 @@ int fg_region_open(const char *path, char *why, size_t why_len) {
 
 /* ---- this process's slots ------------------------------------------------------------------- */
 
+/* A page the kernel zeroes in every child that does not share this memory (fork, vfork-less
+ * clone, a raw clone system call alike): a child knows it is one from a single load, with no
+ * system call and no fork handler. */
+static _Atomic uint64_t *lineage;
+
+static void mark_lineage(void) {
+    if (!lineage) {
+        void *p = mmap(NULL, (size_t)sysconf(_SC_PAGESIZE), PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED || madvise(p, (size_t)sysconf(_SC_PAGESIZE), MADV_WIPEONFORK) != 0)
+            return;
+        lineage = p;
+    }
+    atomic_store(lineage, 1);
+}
+
+static bool a_child_of_the_owner(void) {
+    return lineage && atomic_load_explicit(lineage, memory_order_relaxed) == 0;
+}
+
 /* A forked child gets its own open file descriptions (the parent's locks are the parent's) and
- * its own slots; a child made by a raw clone, which ran no fork handler, finds out here that it
- * is not the owner (only releases ask: a charge it makes in the parent's slot is still counted,
- * and stays counted until the parent exits). */
-static bool own_slots(bool check_owner) {
+ * its own slots; so does a child made by a raw clone, which ran no fork handler and finds out
+ * from the lineage page on its first charge or release. */
+static bool own_slots(void) {
     if (FG_LIKELY_SLOT(!atomic_load_explicit(&need_slots, memory_order_relaxed))) {
-        if (!check_owner || maps[0].owner == getpid()) return atomic_load(&nmaps) > 0;
+        if (FG_LIKELY_SLOT(!a_child_of_the_owner())) return atomic_load(&nmaps) > 0;
+        /* A child no fork handler told: what its parent recorded is not its own to free. */
+        fg_child_detected();
         atomic_store(&need_slots, true);
     }
     if (atomic_load(&closed)) return false;
@@ -365,6 +384,7 @@ static bool own_slots(bool check_owner) {
             maps[k].slot = -1;
             if (take_slot(&maps[k]) < 0) ok = false;
         }
+        mark_lineage();
         atomic_store(&need_slots, !ok);
     }
     pthread_mutex_unlock(&slot_mu);
@@ -378,10 +398,10 @@ void fg_region_after_fork(void) {
 
 void fg_region_close(void) {
     atomic_store(&closed, true);
+    if (a_child_of_the_owner() || atomic_load(&need_slots)) return; /* the slots are not ours */
     int n = atomic_load(&nmaps);
-    pid_t me = getpid();
     for (int k = 0; k < n; k++) {
-        if (maps[k].slot < 0 || maps[k].owner != me) continue;
+        if (maps[k].slot < 0) continue;
         fg_slot *s = &maps[k].r->slots[maps[k].slot];
         zero_slot(s);
         atomic_store(&s->pid, 0);
@@ -441,7 +461,7 @@ static void sub_own(int dev, uint64_t bytes) {
 }
 
 bool fg_region_charge(int dev, uint64_t bytes, uint64_t limit) {
-    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || bytes > limit || !own_slots(false)) return false;
+    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || bytes > limit || !own_slots()) return false;
     /* Add first, then look: of two racing charges at least the later one sees both, so the sum
      * never passes the limit. Both may fail; then back off and retry a few times, and reap dead
      * processes once, before saying out of memory. */
@@ -460,13 +480,13 @@ bool fg_region_charge(int dev, uint64_t bytes, uint64_t limit) {
 }
 
 void fg_region_force(int dev, uint64_t bytes) {
-    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || !own_slots(false)) return;
+    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || !own_slots()) return;
     ready();
     add_own(dev, bytes);
 }
 
 void fg_region_release(int dev, uint64_t bytes) {
-    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || !own_slots(true)) return;
+    if (dev < 0 || dev >= FRACGPU_MAX_DEVICES || !own_slots()) return;
     ready();
     sub_own(dev, bytes);
 }
