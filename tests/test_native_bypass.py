@@ -327,3 +327,47 @@ def test_a_nested_pid_namespace_does_not_reap_live_slots(
     finally:
         go.touch()
         holder.communicate(timeout=60)
+
+
+# ---- graph memory nodes, stream capture, module globals -------------------------------------
+
+# (op, name, what it asks for beyond the share): each takes nothing when it is set up and all
+# of it when launched (graphs) or loaded (modules).
+DEFERRED = [
+    pytest.param(f"graphalloc:{2 * LIMIT}", "graphalloc", id="cuGraphAddMemAllocNode"),
+    pytest.param(f"capture:{LIMIT // 2}:4", "capture", id="cuMemAllocAsync-in-stream-capture"),
+    pytest.param(f"module:{2 * LIMIT}", "module", id="cuModuleLoadData-globals"),
+]
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+@pytest.mark.parametrize(("op", "name"), DEFERRED)
+def test_memory_taken_at_launch_or_load_is_refused_beyond_the_share(
+    kit: Kit, op: str, name: str, hooked: bool
+) -> None:
+    out = kit.probe("init", op, hooked=hooked)
+    assert out.rcs(name) == [CUDA_ERROR_OUT_OF_MEMORY if hooked else 0]
+
+
+@pytest.mark.parametrize("mode", ["proc", "direct"])
+@pytest.mark.parametrize(
+    ("op", "name"),
+    [
+        pytest.param(f"graphalloc:{2 * CHUNK}", "graphalloc", id="cuGraphAddMemAllocNode"),
+        pytest.param(f"capture:{CHUNK}:2", "capture", id="cuMemAllocAsync-in-stream-capture"),
+    ],
+)
+def test_graph_memory_is_counted_until_the_graph_pool_is_trimmed(
+    kit: Kit, mode: str, op: str, name: str
+) -> None:
+    # The graph pool keeps what it reserved after the allocations are freed, as the driver's does.
+    out = kit.probe("init", op, "info", "freeall", "info", "graphtrim", "info", mode=mode)
+    assert out.rcs(name) == [0]
+    assert [v[1] for v in out.values("info")] == [LIMIT - 2 * CHUNK, LIMIT - 2 * CHUNK, LIMIT]
+
+
+@pytest.mark.parametrize("mode", ["proc", "direct"])
+def test_module_globals_are_counted_until_unloaded(kit: Kit, mode: str) -> None:
+    out = kit.probe("init", f"module:{CHUNK}", "info", "free", "info", mode=mode)
+    assert out.rcs("module") == [0]
+    assert [v[1] for v in out.values("info")] == [LIMIT - CHUNK, LIMIT]

@@ -35,6 +35,7 @@ typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphNode_st *CUgraphNode;
 typedef unsigned long long CUmemGenericAllocationHandle;
 
 typedef struct {
@@ -122,6 +123,35 @@ enum {
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
 };
 
+typedef int CUgraphNodeType;
+enum { CU_GRAPH_NODE_TYPE_KERNEL = 0, CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+       CU_GRAPH_NODE_TYPE_MEM_FREE = 11 };
+
+typedef int CUgraphMem_attribute;
+enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
+};
+
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+typedef struct {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr; /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef int CUstreamCaptureMode;
+typedef int CUstreamCaptureStatus;
+enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
+
 typedef struct {
     int id;
     int pad;
@@ -206,6 +236,14 @@ CUresult cuMipmappedArrayCreate(CUmipmappedArray *array, const CUDA_ARRAY3D_DESC
                                 unsigned int levels);
 CUresult cuMipmappedArrayDestroy(CUmipmappedArray array);
 CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, int *options,
+                            void **values);
+CUresult cuModuleUnload(CUmodule module);
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
+CUresult cuStreamDestroy_v2(CUstream stream);
+CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture(CUstream stream, CUgraph *graph);
+CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 #define FRACGPU_LAUNCH_PARAMS                                                                  \
     CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,           \
@@ -220,6 +258,23 @@ CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void 
                                void **extra);
 CUresult cuGraphCreate(CUgraph *graph, unsigned int flags);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsigned long long flags);
+CUresult cuGraphInstantiateWithParams(CUgraphExec *exec, CUgraph graph, void *params);
+CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *exec, CUgraph graph, void *params);
+CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph graph, CUgraphNode *error_node,
+                               char *log, size_t log_size);
+CUresult cuGraphExecDestroy(CUgraphExec exec);
+CUresult cuGraphDestroy(CUgraph graph);
+CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                                size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *params);
+CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                               size_t ndeps, CUdeviceptr dptr);
+CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *count);
+CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType *type);
+CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS *params);
+CUresult cuGraphUpload(CUgraphExec exec, CUstream stream);
+CUresult cuGraphUpload_ptsz(CUgraphExec exec, CUstream stream);
+CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void *value);
+CUresult cuDeviceGraphMemTrim(CUdevice dev);
 CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream);
 CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream);
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags);

@@ -145,11 +145,13 @@ static void after_fork_child(void) {
     pthread_mutex_init(&init_mu, NULL);
     fg_region_after_fork();
     fg_memory_after_fork();
+    fg_graph_after_fork();
     fg_throttle_after_fork();
 }
 
 void fg_child_detected(void) {
     fg_memory_after_fork();
+    fg_graph_after_fork();
     fg_throttle_after_fork();
 }
 

@@ -45,11 +45,17 @@ extern fg_state fg;
     X(cuMipmappedArrayDestroy) X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem)          \
     X(cuDeviceTotalMem_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx)        \
     X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)    \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz)              \
+    X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                             \
+    X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)         \
+    X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
+    X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 /* Driver functions the hook calls but does not replace. */
 #define FG_CUDA_USED(X)                                                                        \
-    X(cuCtxGetDevice) X(cuDeviceGetUuid) X(cuDeviceGetMemPool) X(cuMemPoolGetAttribute)
+    X(cuCtxGetDevice) X(cuDeviceGetUuid) X(cuDeviceGetMemPool) X(cuMemPoolGetAttribute)        \
+    X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                   \
+    X(cuDeviceGetGraphMemAttribute)
 
 #define FG_NVML_HOOKS(X) X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)
 #define FG_NVML_USED(X)                                                                        \
@@ -88,6 +94,9 @@ void fg_memory_after_fork(void);
 /* Index in the limits' device list of a CUDA ordinal, or -1 when the card was not granted. */
 int fg_device_index(CUdevice dev);
 int fg_nvml_device_index(nvmlDevice_t dev);
+
+/* graph.c */
+void fg_graph_after_fork(void);
 
 /* throttle.c: wait for a launch token on the current device (only called when throttling). */
 void fg_throttle_acquire(void);

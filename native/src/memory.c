@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "hook.h"
+#include "memory.h"
 #include "rectable.h"
 #include "region.h"
 
@@ -57,14 +58,7 @@ int fg_nvml_device_index(nvmlDevice_t dev) {
     return uuid_index(uuid);
 }
 
-/* Where an allocation lands, besides a card index (>= 0) of the limits file. */
-enum {
-    FG_NO_CONTEXT = -1,  /* no current context: the driver refuses the call itself */
-    FG_NOT_GRANTED = -2, /* a card this container was not granted: refused */
-};
-
-/* The card index of the calling thread's current context, or one of the values above. */
-static int current_index(void) {
+int fg_current_index(void) {
     CUdevice d;
     if (!fg_real.cuCtxGetDevice || fg_real.cuCtxGetDevice(&d) != CUDA_SUCCESS)
         return FG_NO_CONTEXT;
@@ -72,8 +66,7 @@ static int current_index(void) {
     return idx >= 0 ? idx : FG_NOT_GRANTED;
 }
 
-/* Charge bytes to card idx; false means answer CUDA_ERROR_OUT_OF_MEMORY. */
-static bool charge(int idx, uint64_t bytes) {
+bool fg_charge(int idx, uint64_t bytes) {
     if (fg.mode == FG_MODE_DENY || idx < 0) return false;
     return fg_region_charge(idx, bytes, fg.limits.memory_bytes);
 }
@@ -94,7 +87,7 @@ typedef struct {
 /* Charge first (so racing processes can never pass the limit together), then ask the driver,
  * settle on what it took, and record the charge for the free. */
 static CUresult alloc_charged(const fg_alloc_ops *ops, void *args, int idx, uint64_t bytes) {
-    if (!charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (!fg_charge(idx, bytes)) return CUDA_ERROR_OUT_OF_MEMORY;
     uint64_t key = 0;
     CUresult r = ops->call(args, &key);
     if (r != CUDA_SUCCESS) {
@@ -104,7 +97,7 @@ static CUresult alloc_charged(const fg_alloc_ops *ops, void *args, int idx, uint
     uint64_t actual = ops->actual ? ops->actual(args) : bytes;
     if (actual < bytes) {
         fg_region_release(idx, bytes - actual);
-    } else if (actual > bytes && !charge(idx, actual - bytes)) {
+    } else if (actual > bytes && !fg_charge(idx, actual - bytes)) {
         ops->undo(key);
         fg_region_release(idx, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -153,7 +146,7 @@ FG_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytes) {
     fg_init();
     if (!fg_real.cuMemAlloc_v2) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAlloc_v2(dptr, bytes);
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return fg_real.cuMemAlloc_v2(dptr, bytes);
     linear_args args = {dptr, bytes, 0};
     return alloc_charged(&alloc_v2_ops, &args, idx, bytes);
@@ -164,7 +157,7 @@ FG_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytes, unsigned i
     fg_init();
     if (!fg_real.cuMemAllocManaged) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAllocManaged(dptr, bytes, flags);
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return fg_real.cuMemAllocManaged(dptr, bytes, flags);
     linear_args args = {dptr, bytes, flags};
     return alloc_charged(&managed_ops, &args, idx, bytes);
@@ -187,7 +180,7 @@ FG_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytes) {
     fg_init();
     if (!fg_real.cuMemAlloc) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || bytes == 0 || !dptr) return fg_real.cuMemAlloc(dptr, bytes);
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return fg_real.cuMemAlloc(dptr, bytes);
     linear_v1_args args = {dptr, bytes};
     return alloc_charged(&alloc_v1_ops, &args, idx, bytes);
@@ -224,7 +217,7 @@ FG_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     if (!fg_real.cuMemAllocPitch_v2) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || !dptr || !pitch || width == 0 || height == 0)
         return fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return fg_real.cuMemAllocPitch_v2(dptr, pitch, width, height, elem);
     pitch_args args = {dptr, pitch, width, height, elem};
     return alloc_charged(&pitch_v2_ops, &args, idx, pitch_worst(width, height));
@@ -256,7 +249,7 @@ FG_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
     if (!fg_real.cuMemAllocPitch) return CUDA_ERROR_NOT_INITIALIZED;
     if (!ENFORCED() || !dptr || !pitch || width == 0 || height == 0)
         return fg_real.cuMemAllocPitch(dptr, pitch, width, height, elem);
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return fg_real.cuMemAllocPitch(dptr, pitch, width, height, elem);
     pitch_v1_args args = {dptr, pitch, width, height, elem};
     return alloc_charged(&pitch_v1_ops, &args, idx, pitch_worst(width, height));
@@ -354,7 +347,7 @@ typedef CUresult (*pool_alloc_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream,
 static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, CUstream stream,
                            pool_alloc_fn call, void *real, CUresult (*free_async)(CUdeviceptr,
                                                                                     CUstream)) {
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == -1 || !dptr || bytes == 0) return call(dptr, bytes, pool, stream, real);
     if (fg.mode == FG_MODE_DENY || idx == FG_NOT_GRANTED) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!pool) {
@@ -679,7 +672,7 @@ static const fg_alloc_ops mipmap_ops = {FG_REC_MIPMAP, call_array, undo_mipmap, 
 
 /* Arrays and mipmapped arrays: charged by their texel bytes from the descriptor. */
 static CUresult array_create(const fg_alloc_ops *ops, array_args *args, uint64_t bytes) {
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT) return args->create(args->out, args->desc, args->levels);
     return alloc_charged(ops, args, idx, bytes);
 }
@@ -784,7 +777,7 @@ FG_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b) {
     if (!fg_real.cuMemGetInfo_v2) return CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = fg_real.cuMemGetInfo_v2(free_b, total_b);
     if (r != CUDA_SUCCESS || !ENFORCED() || !free_b || !total_b) return r;
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == -1) return r;
     uint64_t f, t;
     share_info(idx, *free_b, idx < 0 ? 0 : *total_b, &f, &t);
@@ -798,7 +791,7 @@ FG_EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b) {
     if (!fg_real.cuMemGetInfo) return CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = fg_real.cuMemGetInfo(free_b, total_b);
     if (r != CUDA_SUCCESS || !ENFORCED() || !free_b || !total_b) return r;
-    int idx = current_index();
+    int idx = fg_current_index();
     if (idx == -1) return r;
     uint64_t f, t;
     share_info(idx, *free_b, idx < 0 ? 0 : *total_b, &f, &t);

@@ -6,7 +6,13 @@
  *
  * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
  * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
- * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4). */
+ * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4).
+ *
+ * Graph memory as the driver documents it: memory nodes (added explicitly, or recorded by
+ * stream capture of cuMemAllocAsync) take nothing until the graph is launched; then they come
+ * from a per-card graph pool that grows in chunks and keeps what it reserved until
+ * cuDeviceGraphMemTrim. A module image "fake globals=N" holds N bytes of device globals from
+ * cuModuleLoadData until cuModuleUnload. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -32,12 +38,19 @@ struct CUctx_st { unsigned magic; int dev; };
 struct CUmemPoolHandle_st { unsigned magic; int dev; uint64_t reserved, used; };
 struct CUarray_st { unsigned magic; int dev; uint64_t bytes; };
 struct CUmipmappedArray_st { unsigned magic; int dev; uint64_t bytes; };
-struct CUmod_st { unsigned magic; };
+#define MAGIC_NODE 0x4e4f4431u
+#define MAGIC_STREAM 0x53545231u
+#define MAX_NODES 64
+struct CUmod_st { unsigned magic; int dev; uint64_t bytes; };
 struct CUfunc_st { unsigned magic; };
-struct CUgraph_st { unsigned magic; };
-struct CUgraphExec_st { unsigned magic; unsigned kernels; };
+struct CUgraphNode_st { unsigned magic; CUgraphNodeType type; uint64_t bytes; CUdeviceptr dptr; };
+struct CUgraph_st { unsigned magic; int dev; size_t n; struct CUgraphNode_st nodes[MAX_NODES]; };
+struct CUgraphExec_st {
+    unsigned magic; unsigned kernels; int dev; size_t n; struct CUgraphNode_st nodes[MAX_NODES];
+};
+struct CUstream_st { unsigned magic; CUgraph capture; };
 
-typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM, A_VA, A_MAP } akind;
+typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM, A_VA, A_MAP, A_GRAPH } akind;
 /* A_VMM: maps counts live mappings, released once cuMemRelease was called; A_MAP: a mapping
  * at key of bytes, of handle; A_VA: a reserved address range. */
 typedef struct {
@@ -57,6 +70,7 @@ static struct CUmemPoolHandle_st default_pool[MAX_DEV];
 static struct CUmemPoolHandle_st *current_pool[MAX_DEV];
 static _Thread_local CUcontext current;
 static uint64_t kernel_ns, queue_ns = 20000000ull;
+static uint64_t graph_reserved[MAX_DEV], graph_used[MAX_DEV];
 static unsigned graph_kernels = 4;
 
 /* The simulated clock: the card runs kernels one after another; busy intervals are kept so NVML
@@ -278,7 +292,7 @@ static CUresult free_pool_allocation(CUdeviceptr d);
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = free_key(p, A_PTR, CUDA_ERROR_INVALID_VALUE);
-    /* As with cudaFree, stream-ordered memory may be freed here too. */
+    /* As with cudaFree, stream-ordered (and graph) memory may be freed here too. */
     return r == CUDA_ERROR_INVALID_VALUE ? free_pool_allocation(p) : r;
 }
 EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
@@ -403,8 +417,16 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool p, CUst
     return r;
 }
 
+static CUresult free_pool_allocation(CUdeviceptr d);
+static bool capturing(CUstream s);
+static CUresult capture_node(CUstream s, CUgraphNodeType type, uint64_t bytes, CUdeviceptr *d);
+
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr *d, size_t n, CUstream s) {
     NEED_CTX();
+    if (capturing(s)) {
+        if (!d || n == 0) return CUDA_ERROR_INVALID_VALUE;
+        return capture_node(s, CU_GRAPH_NODE_TYPE_MEM_ALLOC, n, d);
+    }
     return pool_alloc(d, n, current_pool[current->dev], s);
 }
 EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s) {
@@ -421,18 +443,35 @@ static CUresult free_pool_allocation(CUdeviceptr d) {
     NEED_INIT();
     pthread_mutex_lock(&mu);
     alloc_t *a = find_locked(d, A_POOL);
-    if (!a) {
-        pthread_mutex_unlock(&mu);
-        return CUDA_ERROR_INVALID_VALUE;
+    if (a) {
+        a->pool->used -= a->bytes; /* stays reserved in the pool until trimmed */
+        remove_locked(a);
+    } else if ((a = find_locked(d, A_GRAPH)) != NULL) {
+        graph_used[a->dev] -= a->bytes; /* stays reserved until cuDeviceGraphMemTrim */
+        remove_locked(a);
     }
-    a->pool->used -= a->bytes; /* stays reserved in the pool until trimmed */
-    remove_locked(a);
     pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static bool capturing(CUstream s) { return s && s->magic == MAGIC_STREAM && s->capture; }
+
+/* Stream capture records a memory node instead of allocating; its address is fixed now. */
+static CUresult capture_node(CUstream s, CUgraphNodeType type, uint64_t bytes, CUdeviceptr *d) {
+    CUgraph g = s->capture;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    CUdeviceptr p = d && type == CU_GRAPH_NODE_TYPE_MEM_ALLOC ? next_addr : (d ? *d : 0);
+    if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) next_addr += (bytes + 511) & ~511ull;
+    pthread_mutex_unlock(&mu);
+    g->nodes[g->n++] = (struct CUgraphNode_st){MAGIC_NODE, type, bytes, p};
+    if (d) *d = p;
     return CUDA_SUCCESS;
 }
 
 /* Frees stream-ordered memory, and cuMemAlloc memory as well (the driver allows both). */
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+    if (capturing(s)) return capture_node(s, CU_GRAPH_NODE_TYPE_MEM_FREE, 0, &d);
     CUresult r = free_pool_allocation(d);
     return r == CUDA_ERROR_INVALID_VALUE ? free_key(d, A_PTR, r) : r;
 }
@@ -626,13 +665,47 @@ EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) {
 
 /* ---- kernels, graphs and the clock -------------------------------------------------------- */
 
-static struct CUmod_st the_module = {MAGIC_MOD};
 static struct CUfunc_st the_function = {MAGIC_FN};
+
+/* Modules, graphs, executable graphs and streams come from fixed tables, as long-lived as the
+ * driver's own objects (the leak checker sees them reachable), and are never reused. */
+#define MAX_OBJECTS 256
+#define TAKE(table, counter) \
+    (atomic_load(&counter) < MAX_OBJECTS ? &table[atomic_fetch_add(&counter, 1) % MAX_OBJECTS] : NULL)
+static struct CUmod_st module_table[MAX_OBJECTS];
+static atomic_int nmodules;
 
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
     NEED_CTX();
     if (!m || !image) return CUDA_ERROR_INVALID_VALUE;
-    *m = &the_module;
+    const char *text = image, *tag = "fake globals=";
+    uint64_t bytes = strncmp(text, tag, strlen(tag)) == 0 ? strtoull(text + strlen(tag), NULL, 10) : 0;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(current->dev, bytes);
+    pthread_mutex_unlock(&mu);
+    if (r != CUDA_SUCCESS) return r;
+    CUmodule mod = TAKE(module_table, nmodules);
+    if (!mod) {
+        pthread_mutex_lock(&mu);
+        dev_used[current->dev] -= bytes;
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *mod = (struct CUmod_st){MAGIC_MOD, current->dev, bytes};
+    *m = mod;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int n, int *options,
+                                   void **values) {
+    return cuModuleLoadData(m, image);
+}
+EXPORT CUresult cuModuleUnload(CUmodule m) {
+    NEED_INIT();
+    if (!m || m->magic != MAGIC_MOD) return CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&mu);
+    dev_used[m->dev] -= m->bytes;
+    pthread_mutex_unlock(&mu);
+    m->magic = 0;
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
@@ -679,6 +752,7 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
 }
 
 EXPORT CUresult cuLaunchKernel(FRACGPU_LAUNCH_PARAMS, void **extra) {
+    if (capturing(stream)) return capture_node(stream, CU_GRAPH_NODE_TYPE_KERNEL, 0, NULL);
     return launch(f, gx, gy, gz, bx, by, bz);
 }
 EXPORT CUresult cuLaunchKernel_ptsz(FRACGPU_LAUNCH_PARAMS, void **extra) {
@@ -699,30 +773,210 @@ EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, voi
     return cuLaunchKernelEx(c, f, p, e);
 }
 
-static struct CUgraph_st the_graph = {MAGIC_GRAPH};
+static bool graph_ok(CUgraph g) { return g && g->magic == MAGIC_GRAPH; }
+static struct CUgraph_st graph_table[MAX_OBJECTS];
+static struct CUgraphExec_st exec_table[MAX_OBJECTS];
+static struct CUstream_st stream_table[MAX_OBJECTS];
+static atomic_int ngraphs, nexecs, nstreams;
+
 EXPORT CUresult cuGraphCreate(CUgraph *g, unsigned int flags) {
     NEED_CTX();
     if (!g || flags) return CUDA_ERROR_INVALID_VALUE;
-    *g = &the_graph;
+    CUgraph graph = TAKE(graph_table, ngraphs);
+    if (!graph) return CUDA_ERROR_OUT_OF_MEMORY;
+    graph->magic = MAGIC_GRAPH;
+    graph->dev = current->dev;
+    *g = graph;
     return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphDestroy(CUgraph g) {
+    NEED_INIT();
+    if (!graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    g->magic = 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                       size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
+    NEED_CTX();
+    if (!node || !graph_ok(g) || !p || p->bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    p->dptr = next_addr;
+    next_addr += (p->bytesize + 511) & ~511ull;
+    pthread_mutex_unlock(&mu);
+    g->nodes[g->n] = (struct CUgraphNode_st){MAGIC_NODE, CU_GRAPH_NODE_TYPE_MEM_ALLOC, p->bytesize,
+                                             p->dptr};
+    *node = &g->nodes[g->n++];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                      size_t ndeps, CUdeviceptr d) {
+    NEED_CTX();
+    if (!node || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    g->nodes[g->n] = (struct CUgraphNode_st){MAGIC_NODE, CU_GRAPH_NODE_TYPE_MEM_FREE, 0, d};
+    *node = &g->nodes[g->n++];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count) {
+    NEED_INIT();
+    if (!graph_ok(g) || !count) return CUDA_ERROR_INVALID_VALUE;
+    if (!nodes) {
+        *count = g->n;
+        return CUDA_SUCCESS;
+    }
+    size_t k = 0;
+    for (; k < *count && k < g->n; k++) nodes[k] = &g->nodes[k];
+    *count = k;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *t) {
+    NEED_INIT();
+    if (!n || n->magic != MAGIC_NODE || !t) return CUDA_ERROR_INVALID_VALUE;
+    *t = n->type;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
+    NEED_INIT();
+    if (!n || n->magic != MAGIC_NODE || n->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC || !p)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(p, 0, sizeof *p);
+    p->bytesize = n->bytes;
+    p->dptr = n->dptr;
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *x, CUgraph g, unsigned long long fl) {
     NEED_CTX();
-    if (!x || !g || g->magic != MAGIC_GRAPH) return CUDA_ERROR_INVALID_VALUE;
-    static struct CUgraphExec_st execs[64];
-    static atomic_int nexec;
-    int k = atomic_fetch_add(&nexec, 1);
-    if (k >= 64) return CUDA_ERROR_OUT_OF_MEMORY;
-    execs[k] = (struct CUgraphExec_st){MAGIC_EXEC, graph_kernels};
-    *x = &execs[k];
+    if (!x || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    CUgraphExec e = TAKE(exec_table, nexecs);
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = MAGIC_EXEC;
+    e->kernels = graph_kernels;
+    e->dev = g->dev;
+    e->n = g->n;
+    memcpy(e->nodes, g->nodes, sizeof g->nodes);
+    *x = e;
     return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec x) {
+    NEED_INIT();
+    if (!x || x->magic != MAGIC_EXEC) return CUDA_ERROR_INVALID_VALUE;
+    x->magic = 0;
+    return CUDA_SUCCESS;
+}
+
+/* A launch makes the graph's allocations (refused while the last launch's are still live) from
+ * the card's graph pool, growing it in chunks, then runs its frees. */
+static CUresult graph_memory(CUgraphExec x) {
+    uint64_t need = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < x->n; i++) {
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) continue;
+        if (find_locked(x->nodes[i].dptr, A_GRAPH)) {
+            pthread_mutex_unlock(&mu);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        need += x->nodes[i].bytes;
+    }
+    int d = x->dev;
+    CUresult r = CUDA_SUCCESS;
+    if (graph_used[d] + need > graph_reserved[d]) {
+        uint64_t grow = (graph_used[d] + need - graph_reserved[d] + CHUNK - 1) / CHUNK * CHUNK;
+        r = take_device_memory_locked(d, grow);
+        if (r == CUDA_SUCCESS) graph_reserved[d] += grow;
+    }
+    for (size_t i = 0; r == CUDA_SUCCESS && i < x->n; i++) {
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) continue;
+        graph_used[d] += x->nodes[i].bytes;
+        add_locked(x->nodes[i].dptr, A_GRAPH, d, x->nodes[i].bytes, NULL);
+    }
+    for (size_t i = 0; r == CUDA_SUCCESS && i < x->n; i++) {
+        alloc_t *a;
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_FREE ||
+            !(a = find_locked(x->nodes[i].dptr, A_GRAPH)))
+            continue;
+        graph_used[d] -= a->bytes;
+        remove_locked(a);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
 EXPORT CUresult cuGraphLaunch(CUgraphExec x, CUstream s) {
     NEED_CTX();
     if (!x || x->magic != MAGIC_EXEC) return CUDA_ERROR_INVALID_HANDLE;
-    return run_work(kernel_ns * x->kernels);
+    CUresult r = graph_memory(x);
+    return r == CUDA_SUCCESS ? run_work(kernel_ns * x->kernels) : r;
 }
 EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec x, CUstream s) { return cuGraphLaunch(x, s); }
+EXPORT CUresult cuGraphUpload(CUgraphExec x, CUstream s) {
+    NEED_CTX();
+    return x && x->magic == MAGIC_EXEC ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute a, void *v) {
+    NEED_INIT();
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = CUDA_SUCCESS;
+    if (a == CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)
+        *(cuuint64_t *)v = graph_used[d];
+    else if (a == CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)
+        *(cuuint64_t *)v = graph_reserved[d];
+    else
+        r = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d) {
+    NEED_INIT();
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    uint64_t keep = (graph_used[d] + CHUNK - 1) / CHUNK * CHUNK;
+    if (keep < graph_reserved[d]) {
+        dev_used[d] -= graph_reserved[d] - keep;
+        graph_reserved[d] = keep;
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *s, unsigned int flags) {
+    NEED_CTX();
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    CUstream st = TAKE(stream_table, nstreams);
+    if (!st) return CUDA_ERROR_OUT_OF_MEMORY;
+    st->magic = MAGIC_STREAM;
+    *s = st;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
+    NEED_INIT();
+    if (!s || s->magic != MAGIC_STREAM) return CUDA_ERROR_INVALID_HANDLE;
+    s->magic = 0;
+    return CUDA_SUCCESS;
+}
+/* Capture is refused on the legacy default stream, as the driver does. */
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+    NEED_CTX();
+    if (!s || s->magic != MAGIC_STREAM || s->capture) return CUDA_ERROR_INVALID_VALUE;
+    return cuGraphCreate(&s->capture, 0);
+}
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+    NEED_CTX();
+    if (!s || s->magic != MAGIC_STREAM || !s->capture || !g) return CUDA_ERROR_INVALID_VALUE;
+    *g = s->capture;
+    s->capture = NULL;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) {
+    NEED_CTX();
+    if (!st) return CUDA_ERROR_INVALID_VALUE;
+    *st = capturing(s) ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuCtxSynchronize(void) {
     NEED_CTX();
@@ -798,7 +1052,15 @@ static const proc procs[] = {
     {"cuArray3DCreate", 2000, false, (void *)cuArray3DCreate},
     {"cuArray3DCreate", 3020, false, (void *)cuArray3DCreate_v2}, P(cuArrayDestroy, 2000),
     P(cuMipmappedArrayCreate, 5000), P(cuMipmappedArrayDestroy, 5000),
-    P(cuModuleLoadData, 2000), P(cuModuleGetFunction, 2000),
+    P(cuModuleLoadData, 2000), P(cuModuleLoadDataEx, 2010), P(cuModuleUnload, 2000),
+    P(cuModuleGetFunction, 2000), P(cuStreamCreate, 2000),
+    {"cuStreamDestroy", 4000, false, (void *)cuStreamDestroy_v2},
+    {"cuStreamBeginCapture", 10010, false, (void *)cuStreamBeginCapture_v2},
+    P(cuStreamEndCapture, 10000), P(cuStreamIsCapturing, 10000),
+    P(cuGraphDestroy, 10000), P(cuGraphExecDestroy, 10000), P(cuGraphAddMemAllocNode, 11040),
+    P(cuGraphAddMemFreeNode, 11040), P(cuGraphGetNodes, 10000), P(cuGraphNodeGetType, 10000),
+    P(cuGraphMemAllocNodeGetParams, 11040), P(cuGraphUpload, 11010),
+    P(cuDeviceGetGraphMemAttribute, 11040), P(cuDeviceGraphMemTrim, 11040),
     P(cuLaunchKernel, 4000), PT(cuLaunchKernel, cuLaunchKernel_ptsz, 7000),
     P(cuLaunchKernelEx, 11060), PT(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, 11060),
     P(cuLaunchCooperativeKernel, 9000),

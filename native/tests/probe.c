@@ -27,7 +27,9 @@ static struct {
     F(cuMemPoolCreate); F(cuMemPoolDestroy); F(cuMemPoolTrimTo); F(cuDeviceGetMemPool);
     F(cuMemCreate); F(cuMemRelease); F(cuArrayCreate_v2); F(cuArray3DCreate_v2);
     F(cuMemAllocPitch); F(cuArrayCreate); F(cuArray3DCreate); F(cuMemAddressReserve);
-    F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap);
+    F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap); F(cuModuleUnload); F(cuStreamCreate);
+    F(cuStreamBeginCapture_v2); F(cuStreamEndCapture); F(cuGraphAddMemAllocNode);
+    F(cuDeviceGraphMemTrim);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -52,7 +54,9 @@ static void load(const char *mode) {
     D(cuMemPoolCreate) D(cuMemPoolDestroy) D(cuMemPoolTrimTo) D(cuDeviceGetMemPool)
     D(cuMemCreate) D(cuMemRelease) D(cuArrayCreate_v2) D(cuArray3DCreate_v2) D(cuArrayDestroy)
     D(cuMemAllocPitch) D(cuArrayCreate) D(cuArray3DCreate) D(cuMemAddressReserve)
-    D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap)
+    D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap) D(cuModuleUnload) D(cuStreamCreate)
+    D(cuStreamBeginCapture_v2) D(cuStreamEndCapture) D(cuGraphAddMemAllocNode)
+    D(cuDeviceGraphMemTrim)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -126,6 +130,12 @@ static void load(const char *mode) {
     R(cuMemAddressFree, "cuMemAddressFree", 12040);
     R(cuMemMap, "cuMemMap", 12040);
     R(cuMemUnmap, "cuMemUnmap", 12040);
+    R(cuModuleUnload, "cuModuleUnload", 12040);
+    R(cuStreamCreate, "cuStreamCreate", 12040);
+    R(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 12040);
+    R(cuStreamEndCapture, "cuStreamEndCapture", 12040);
+    R(cuGraphAddMemAllocNode, "cuGraphAddMemAllocNode", 12040);
+    R(cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -155,7 +165,7 @@ static void load(const char *mode) {
 }
 #endif
 
-typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP } lkind;
+typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP, L_MODULE } lkind;
 typedef struct { lkind kind; uint64_t v; } live_t;
 static live_t live[1 << 16];
 static int nlive;
@@ -174,6 +184,7 @@ static CUresult free_one(live_t l) {
     case L_ASYNC: return api.cuMemFreeAsync(l.v, NULL);
     case L_VMM: return api.cuMemRelease(l.v);
     case L_ARRAY: return api.cuArrayDestroy((CUarray)(uintptr_t)l.v);
+    case L_MODULE: return api.cuModuleUnload((CUmodule)(uintptr_t)l.v);
     default: return api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)l.v);
     }
 }
@@ -266,7 +277,7 @@ static void usage(void) {
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
             "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
             "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
-            "    zombie-alloc:N await:PATH\n");
+            "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n");
     exit(2);
 }
 
@@ -522,6 +533,48 @@ int main(int argc, char **argv) {
             siginfo_t si;
             waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT);
             printf("zombie %d\n", (int)pid);
+        } else if (sscanf(op, "module:%llu", &a) == 1) {
+            char image[64];
+            snprintf(image, sizeof image, "fake globals=%llu", a);
+            CUmodule m;
+            CUresult r = api.cuModuleLoadData(&m, image);
+            if (r == CUDA_SUCCESS) push(L_MODULE, (uint64_t)(uintptr_t)m);
+            printf("module %d\n", r);
+        } else if (sscanf(op, "graphalloc:%llu", &a) == 1 ||
+                   sscanf(op, "capture:%llu:%llu", &a, &b) == 2) {
+            /* A graph with memory nodes, added explicitly or recorded by capturing b
+             * cuMemAllocAsync calls on a stream; instantiated and launched once. The launch's
+             * allocations are left live (freed by "free" as pointers). */
+            CUgraph g = NULL;
+            CUgraphExec x;
+            CUDA_MEM_ALLOC_NODE_PARAMS p;
+            memset(&p, 0, sizeof p);
+            CUresult r;
+            bool capture = op[0] == 'c';
+            if (!capture) {
+                CUgraphNode node;
+                p.poolProps.allocType = 1;
+                p.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                p.bytesize = a;
+                r = api.cuGraphCreate(&g, 0);
+                if (r == CUDA_SUCCESS) r = api.cuGraphAddMemAllocNode(&node, g, NULL, 0, &p);
+                if (r == CUDA_SUCCESS) push(L_PTR, p.dptr);
+            } else {
+                CUstream st;
+                r = api.cuStreamCreate(&st, 0);
+                if (r == CUDA_SUCCESS) r = api.cuStreamBeginCapture_v2(st, 0);
+                for (unsigned long long k = 0; r == CUDA_SUCCESS && k < b; k++) {
+                    CUdeviceptr d;
+                    r = api.cuMemAllocAsync(&d, a, st);
+                    if (r == CUDA_SUCCESS) push(L_PTR, d);
+                }
+                if (r == CUDA_SUCCESS) r = api.cuStreamEndCapture(st, &g);
+            }
+            if (r == CUDA_SUCCESS) r = api.cuGraphInstantiateWithFlags(&x, g, 0);
+            if (r != CUDA_SUCCESS) die("graph setup");
+            printf("%s %d\n", capture ? "capture" : "graphalloc", api.cuGraphLaunch(x, NULL));
+        } else if (strcmp(op, "graphtrim") == 0) {
+            printf("graphtrim %d\n", api.cuDeviceGraphMemTrim(0));
         } else if (strncmp(op, "await:", 6) == 0) {
             struct stat st;
             while (stat(op + 6, &st) != 0) usleep(1000);
