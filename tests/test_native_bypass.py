@@ -19,7 +19,6 @@ from tests.fakes.native_kit import (
     Probe,
     asan_runtime,
     release_kit,
-    sanitized_kit,
 )
 
 LIMIT = 128 * MIB
@@ -29,12 +28,10 @@ MODES = ["proc", "proc-ptds", "proc-v1", "dlsym", "direct"]
 
 
 @pytest.fixture
-def kit() -> Iterator[Kit]:
-    k = sanitized_kit()
-    k.reset()
-    k.write_limits(LIMIT)
-    yield k
-    k.reset()
+def kit(kit: Kit) -> Kit:
+    """The shared sanitizer kit (reset around each test) with a share of LIMIT."""
+    kit.write_limits(LIMIT)
+    return kit
 
 
 @pytest.fixture

@@ -108,9 +108,9 @@ static bool obj_open(const struct link_map *lm, fg_obj *o) {
     return o->phdr != NULL;
 }
 
-/* Write n bytes at addr inside o, lifting the page protection for the write and putting back
- * what the object's program headers say (read-only after relocation for RELRO). */
-static bool poke(const fg_obj *o, void *addr, const void *val, size_t n) {
+/* The protection the object's program headers give [addr, addr + n) once relocated (RELRO is
+ * read-only then), or -1 when the range is not inside one loaded segment. */
+static int prot_of(const fg_obj *o, const void *addr, size_t n) {
     ElfW(Addr) off = (ElfW(Addr))addr - o->base;
     int prot = -1;
     bool relro = false;
@@ -122,18 +122,25 @@ static bool poke(const fg_obj *o, void *addr, const void *val, size_t n) {
                    ((p->p_flags & PF_X) ? PROT_EXEC : 0);
         if (p->p_type == PT_GNU_RELRO && inside) relro = true;
     }
+    return prot >= 0 && relro ? prot & ~PROT_WRITE : prot;
+}
+
+/* Make [addr, addr + n) writable (true) or give it back its protection (false). */
+static bool unprotect(const fg_obj *o, void *addr, size_t n, bool writable) {
+    int prot = prot_of(o, addr, n);
     if (prot < 0) return false;
-    if (relro) prot &= ~PROT_WRITE;
-    if (prot & PROT_WRITE) {
-        memcpy(addr, val, n);
-        return true;
-    }
+    if (prot & PROT_WRITE) return true;
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t start = (uintptr_t)addr & ~(page - 1);
     size_t len = ((uintptr_t)addr + n - start + page - 1) & ~(page - 1);
-    if (mprotect((void *)start, len, prot | PROT_WRITE) != 0) return false;
+    return mprotect((void *)start, len, writable ? prot | PROT_WRITE : prot) == 0;
+}
+
+/* Write n bytes at addr inside o, lifting the page protection for the write. */
+static bool poke(const fg_obj *o, void *addr, const void *val, size_t n) {
+    if (!unprotect(o, addr, n, true)) return false;
     memcpy(addr, val, n);
-    mprotect((void *)start, len, prot);
+    unprotect(o, addr, n, false);
     return true;
 }
 
@@ -142,13 +149,16 @@ static bool is_function(const ElfW(Sym) *s) {
     return s->st_shndx != SHN_UNDEF && (t == STT_FUNC || t == STT_GNU_IFUNC);
 }
 
-/* Make symbol s of o resolve to target from now on. */
-static bool point_symbol(const fg_obj *o, ElfW(Sym) *s, void *target) {
-    ElfW(Sym) v = *s;
-    v.st_value = (ElfW(Addr))target - o->base; /* the linker adds the base back */
-    v.st_info = ELF64_ST_INFO(ELF64_ST_BIND(s->st_info), STT_FUNC);
-    if (v.st_value == s->st_value && v.st_info == s->st_info) return true;
-    return poke(o, s, &v, sizeof v);
+/* Make symbol s of o resolve to target from now on (the symbol table is writable: see
+ * open_symbols). */
+static void point_symbol(const fg_obj *o, ElfW(Sym) *s, void *target) {
+    s->st_value = (ElfW(Addr))target - o->base; /* the linker adds the base back */
+    s->st_info = ELF64_ST_INFO(ELF64_ST_BIND(s->st_info), STT_FUNC);
+}
+
+/* The whole symbol table is made writable once around a batch of edits, not per symbol. */
+static bool open_symbols(const fg_obj *o, bool writable) {
+    return unprotect(o, o->sym, o->nsyms * sizeof *o->sym, writable);
 }
 
 static struct link_map *map_of(void *handle) {
@@ -160,13 +170,17 @@ int fg_rebind_driver(void *handle, fg_hook_lookup hook_of) {
     struct link_map *lm = map_of(handle);
     fg_obj o;
     if (!lm || !obj_open(lm, &o)) return -1;
+    if (!open_symbols(&o, true)) return -1;
     int n = 0;
     for (size_t i = 1; i < o.nsyms; i++) {
         ElfW(Sym) *s = &o.sym[i];
         if (!is_function(s)) continue;
         void *hook = hook_of(o.str + s->st_name);
-        if (hook && point_symbol(&o, s, hook)) n++;
+        if (!hook) continue;
+        point_symbol(&o, s, hook);
+        n++;
     }
+    open_symbols(&o, false);
     return n;
 }
 
@@ -221,6 +235,8 @@ int fg_rebind_namespace(void *handle, void *main_handle, const char *forward_nam
         fg_obj o;
         if (!obj_open(lm, &o)) continue;
         bool driver = find_defined(&o, forward_name) != NULL;
+        if (!driver && !find_defined(&o, "dlmopen")) continue;
+        if (!open_symbols(&o, true)) return -1;
         for (size_t i = 1; i < o.nsyms; i++) {
             ElfW(Sym) *s = &o.sym[i];
             if (!is_function(s)) continue;
@@ -230,8 +246,11 @@ int fg_rebind_namespace(void *handle, void *main_handle, const char *forward_nam
                 target = dlmopen_fn;
             else if (driver)
                 target = real_dlsym(main_handle, name);
-            if (target && point_symbol(&o, s, target)) n++;
+            if (!target) continue;
+            point_symbol(&o, s, target);
+            n++;
         }
+        open_symbols(&o, false);
     }
     return n;
 }

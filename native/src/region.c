@@ -35,7 +35,8 @@ typedef struct {
     _Atomic uint32_t high_water; /* slots [0, high_water) have ever been used */
     _Atomic uint32_t npending;   /* live slots a reset zeroed, not yet refilled */
     _Atomic uint64_t gen;        /* changes at every reset (truncation) of the region */
-    char pad[40];
+    _Atomic uint32_t joined;     /* some process also takes part in another region file */
+    char pad[36];
     fg_slot slots[FG_REGION_SLOTS];
 } fg_region;
 
@@ -74,6 +75,17 @@ static int slot_lock(int fd, int i, short type) {
     fl.l_start = slot_offset(i);
     fl.l_len = 1;
     return fcntl(fd, F_OFD_SETLK, &fl);
+}
+
+/* Whether another open file description holds slot i (without taking it). */
+static bool slot_held(int fd, int i) {
+    struct flock fl;
+    memset(&fl, 0, sizeof fl);
+    fl.l_type = F_WRLCK;
+    fl.l_whence = SEEK_SET;
+    fl.l_start = slot_offset(i);
+    fl.l_len = 1;
+    return fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
 }
 
 static void zero_slot(fg_slot *s) {
@@ -180,11 +192,7 @@ static void settle_reset(fg_map *m) {
     if (atomic_compare_exchange_strong(&r->magic, &magic, FG_REGION_STAMPING)) {
         uint32_t pending = 0, hw = 0;
         for (int i = 0; i < FG_REGION_SLOTS; i++) {
-            if (i == m->slot) continue;
-            if (slot_lock(m->fd, i, F_WRLCK) == 0) {
-                slot_lock(m->fd, i, F_UNLCK);
-                continue;
-            }
+            if (i == m->slot || !slot_held(m->fd, i)) continue;
             atomic_store(&r->slots[i].pending, 1);
             pending++;
             hw = (uint32_t)i + 1;
@@ -313,7 +321,9 @@ static void mark_lineage(void);
 
 int fg_region_open(const char *path, char *why, size_t why_len) {
     if (atomic_load(&nmaps) > 0) return 0;
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+    bool created = fd >= 0;
+    if (!created && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0) {
         int e = errno;
         snprintf(why, why_len, "cannot open %s: %s", path, strerror(e));
@@ -327,7 +337,11 @@ int fg_region_open(const char *path, char *why, size_t why_len) {
         return -EINVAL;
     }
     mark_lineage();
-    join_held_regions(path);
+    /* Looking through /proc is for a file that was removed while held: the process that
+     * creates its successor looks, and marks it joined so that every later one looks too. */
+    if (created || atomic_load(&maps[0].r->joined)) join_held_regions(path);
+    int n = atomic_load(&nmaps);
+    for (int k = 0; n > 1 && k < n; k++) atomic_store(&maps[k].r->joined, 1);
     /* Return the shares of processes that died (SIGKILL, OOM kill) since anyone last looked. */
     fg_region_reap(true);
     return 0;
