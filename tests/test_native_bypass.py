@@ -346,6 +346,23 @@ def test_memory_taken_at_launch_or_load_is_refused_beyond_the_share(
     assert out.rcs(name) == [CUDA_ERROR_OUT_OF_MEMORY if hooked else 0]
 
 
+@pytest.mark.parametrize(
+    ("op", "name", "rc"),
+    [
+        pytest.param(f"graphalloc:{2 * LIMIT}", "graphalloc", 2, id="added-beyond"),
+        pytest.param(f"graphalloc:{CHUNK}", "graphalloc", 0, id="added-within"),
+        pytest.param(f"capture:{LIMIT // 2}:4", "capture", 2, id="captured-beyond"),
+        pytest.param(f"capture:{CHUNK // 2}:2", "capture", 0, id="captured-within"),
+    ],
+)
+def test_graph_memory_is_known_without_listing_the_graphs_nodes(
+    kit: Kit, op: str, name: str, rc: int
+) -> None:
+    # A driver that cannot list nodes: the bytes added or captured into the graph are used.
+    out = kit.probe("init", op, "info", env={"FAKE_CUDA_NO_GRAPH_NODES": "1"})
+    assert out.rcs(name) == [rc]
+
+
 @pytest.mark.parametrize("mode", ["proc", "direct"])
 @pytest.mark.parametrize(
     ("op", "name"),

@@ -1,12 +1,12 @@
 /* Memory the driver takes later than the call that asks for it, or without saying how much.
  *
  * Graph memory nodes (added with cuGraphAddMemAllocNode, or recorded when cuMemAllocAsync runs
- * on a capturing stream) take nothing when added or instantiated: the driver allocates them
- * when the graph is launched (or uploaded), from a per-card graph pool that grows and keeps
- * what it reserved until cuDeviceGraphMemTrim. So the hook reads each instantiated graph's
- * memory-node bytes, and before a launch charges the growth the pool may need for them, as it
- * does for stream-ordered pools; afterwards, trims and later launches settle the charge on what
- * the pool reports it reserves.
+ * on a capturing stream) take nothing when added: the driver allocates them when the graph is
+ * launched (or uploaded), from a per-card graph pool that grows and keeps what it reserved until
+ * cuDeviceGraphMemTrim. So the hook reads each instantiated graph's memory-node bytes and
+ * charges the growth the pool may need for them at instantiation and again before each launch,
+ * as it does for stream-ordered pools; trims and later launches settle the charge on what the
+ * pool reports it reserves.
  *
  * Module globals: the driver loads a module's __device__ variables onto the card at
  * cuModuleLoadData and offers no call that says how many bytes that took. The hook measures it:
@@ -81,18 +81,97 @@ static uint64_t graph_node_bytes(CUgraph g) {
     return total;
 }
 
-/* After an instantiation: remember what the executable graph's launches will allocate. */
+/* ---- memory nodes as they are added: for a driver that cannot list a graph's nodes -------- */
+
+static _Atomic int capturing_streams;
+
+/* Add bytes to the record (kind, key), creating it. */
+static void add_bytes(fg_rec_kind kind, uint64_t key, uint64_t bytes) {
+    fg_rec rec;
+    if (!fg_rec_get(kind, key, &rec)) rec = (fg_rec){key, 0, 0, 0, (int32_t)kind};
+    rec.bytes = add_sat(rec.bytes, bytes);
+    fg_rec_put(&rec);
+}
+
+FG_EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                          size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *params) {
+    fg_init();
+    if (!fg_real.cuGraphAddMemAllocNode) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuGraphAddMemAllocNode(node, g, deps, ndeps, params);
+    if (r == CUDA_SUCCESS && ENFORCED() && params)
+        add_bytes(FG_REC_GRAPH, (uint64_t)(uintptr_t)g, params->bytesize);
+    return r;
+}
+
+FG_EXPORT CUresult cuGraphDestroy(CUgraph g) {
+    fg_init();
+    if (!fg_real.cuGraphDestroy) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuGraphDestroy(g);
+    fg_rec rec;
+    if (r == CUDA_SUCCESS && ENFORCED()) fg_rec_take(FG_REC_GRAPH, (uint64_t)(uintptr_t)g, &rec);
+    return r;
+}
+
+FG_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+    fg_init();
+    if (!fg_real.cuStreamBeginCapture_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuStreamBeginCapture_v2(s, mode);
+    if (r == CUDA_SUCCESS && ENFORCED()) {
+        fg_rec rec = {(uint64_t)(uintptr_t)s, 0, 0, 0, FG_REC_CAPTURE};
+        if (fg_rec_put(&rec)) atomic_fetch_add(&capturing_streams, 1);
+    }
+    return r;
+}
+
+FG_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+    fg_init();
+    if (!fg_real.cuStreamEndCapture) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuStreamEndCapture(s, g);
+    fg_rec rec;
+    if (ENFORCED() && fg_rec_take(FG_REC_CAPTURE, (uint64_t)(uintptr_t)s, &rec)) {
+        atomic_fetch_sub(&capturing_streams, 1);
+        if (r == CUDA_SUCCESS && g && *g && rec.bytes)
+            add_bytes(FG_REC_GRAPH, (uint64_t)(uintptr_t)*g, rec.bytes);
+    }
+    return r;
+}
+
+void fg_graph_captured(CUstream s, uint64_t bytes) {
+    fg_rec rec;
+    if (FG_LIKELY(atomic_load_explicit(&capturing_streams, memory_order_relaxed) == 0) ||
+        !fg_rec_get(FG_REC_CAPTURE, (uint64_t)(uintptr_t)s, &rec))
+        return;
+    add_bytes(FG_REC_CAPTURE, rec.key, bytes);
+}
+
+/* After an instantiation: remember what the executable graph's launches will allocate, and
+ * charge the growth the graph pool may need already (an instantiation that cannot fit is
+ * refused: it could never launch). The graph's nodes are listed when the driver can; else the
+ * bytes added or captured into it, as they went by, are used. */
 static CUresult instantiated(CUresult r, CUgraphExec *exec, CUgraph g) {
     if (r != CUDA_SUCCESS || !ENFORCED() || !exec || !*exec) return r;
     uint64_t bytes = graph_node_bytes(g);
+    fg_rec seen;
+    if (bytes == UINT64_MAX) bytes = fg_rec_get(FG_REC_GRAPH, (uint64_t)(uintptr_t)g, &seen) ? seen.bytes : 0;
     if (bytes == 0) return r;
     CUdevice d = 0;
     int idx = fg_current_index();
     if (!fg_real.cuCtxGetDevice || fg_real.cuCtxGetDevice(&d) != CUDA_SUCCESS) idx = FG_NOT_GRANTED;
     fg_rec rec = {(uint64_t)(uintptr_t)*exec, bytes, (uint64_t)d, idx, FG_REC_GRAPH_EXEC};
-    if (!fg_rec_put(&rec)) {
+    bool fits = idx >= 0 && fg.mode == FG_MODE_ENFORCE;
+    if (fits) {
+        pthread_mutex_lock(&graph_mu);
+        graph_settle_locked(idx, d, true);
+        uint64_t need = add_sat(graph_attr(d, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT), bytes);
+        uint64_t growth = need > graph_charged[idx] ? need - graph_charged[idx] : 0;
+        fits = !growth || fg_charge(idx, growth);
+        if (fits) graph_charged[idx] += growth;
+        pthread_mutex_unlock(&graph_mu);
+    }
+    if (!fits || !fg_rec_put(&rec)) {
         /* Unrecorded, its launches would go uncounted. */
         if (fg_real.cuGraphExecDestroy) fg_real.cuGraphExecDestroy(*exec);
+        *exec = NULL;
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     atomic_store(&graph_memory_seen, true);
@@ -194,6 +273,7 @@ FG_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev) {
 
 void fg_graph_after_fork(void) {
     pthread_mutex_init(&graph_mu, NULL);
+    atomic_store(&capturing_streams, 0);
     for (int i = 0; i < FRACGPU_MAX_DEVICES; i++) graph_charged[i] = 0;
 }
 

@@ -49,6 +49,7 @@ extern fg_state fg;
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                             \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)         \
     X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
+    X(cuGraphAddMemAllocNode) X(cuGraphDestroy) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) \
     X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 /* Driver functions the hook calls but does not replace. */
@@ -97,6 +98,8 @@ int fg_nvml_device_index(nvmlDevice_t dev);
 
 /* graph.c */
 void fg_graph_after_fork(void);
+/* A stream-ordered allocation of bytes on stream s: recorded if s is capturing. */
+void fg_graph_captured(CUstream s, uint64_t bytes);
 
 /* throttle.c: wait for a launch token on the current device (only called when throttling). */
 void fg_throttle_acquire(void);

@@ -382,6 +382,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, C
     } else {
         fg_rec rec = {*dptr, bytes, (uint64_t)(uintptr_t)pool, idx, FG_REC_POOL};
         fg_rec_put(&rec);
+        fg_graph_captured(stream, bytes);
     }
     pthread_mutex_unlock(&pools_mu);
     return r;

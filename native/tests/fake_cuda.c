@@ -6,7 +6,8 @@
  *
  * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
  * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
- * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4).
+ * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4),
+ * FAKE_CUDA_NO_GRAPH_NODES (0; 1: cuGraphGetNodes is not supported).
  *
  * Graph memory as the driver documents it: memory nodes (added explicitly, or recorded by
  * stream capture of cuMemAllocAsync) take nothing until the graph is launched; then they come
@@ -820,6 +821,8 @@ EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph g, const CUgrap
 }
 EXPORT CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count) {
     NEED_INIT();
+    /* FAKE_CUDA_NO_GRAPH_NODES=1: a driver that cannot list a graph's nodes. */
+    if (env_u64("FAKE_CUDA_NO_GRAPH_NODES", 0)) return CUDA_ERROR_NOT_SUPPORTED;
     if (!graph_ok(g) || !count) return CUDA_ERROR_INVALID_VALUE;
     if (!nodes) {
         *count = g->n;
