@@ -334,6 +334,10 @@ DEFERRED = [
     pytest.param(f"graphalloc:{2 * LIMIT}", "graphalloc", id="cuGraphAddMemAllocNode"),
     pytest.param(f"capture:{LIMIT // 2}:4", "capture", id="cuMemAllocAsync-in-stream-capture"),
     pytest.param(f"module:{2 * LIMIT}", "module", id="cuModuleLoadData-globals"),
+    pytest.param(f"modulefile:{2 * LIMIT}", "modulefile", id="cuModuleLoad-globals"),
+    pytest.param(f"fatbin:{2 * LIMIT}", "fatbin", id="cuModuleLoadFatBinary-globals"),
+    pytest.param(f"library:{2 * LIMIT}", "library", id="cuLibraryLoadData-globals"),
+    pytest.param(f"libraryfile:{2 * LIMIT}", "libraryfile", id="cuLibraryLoadFromFile-globals"),
 ]
 
 
@@ -380,8 +384,10 @@ def test_graph_memory_is_counted_until_the_graph_pool_is_trimmed(
     assert [v[1] for v in out.values("info")] == [LIMIT - 2 * CHUNK, LIMIT - 2 * CHUNK, LIMIT]
 
 
+@pytest.mark.parametrize("how", ["module", "modulefile", "fatbin", "library", "libraryfile"])
 @pytest.mark.parametrize("mode", ["proc", "direct"])
-def test_module_globals_are_counted_until_unloaded(kit: Kit, mode: str) -> None:
-    out = kit.probe("init", f"module:{CHUNK}", "info", "free", "info", mode=mode)
-    assert out.rcs("module") == [0]
+def test_module_globals_are_counted_until_unloaded(kit: Kit, mode: str, how: str) -> None:
+    out = kit.probe("init", f"{how}:{CHUNK}", "info", "free", "info", mode=mode)
+    assert out.rcs(how) == [0]
+    assert out.rcs("free") == [0]
     assert [v[1] for v in out.values("info")] == [LIMIT - CHUNK, LIMIT]

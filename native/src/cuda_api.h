@@ -28,6 +28,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned int CUdeviceptr_v1;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUarray_st *CUarray;
@@ -239,6 +240,15 @@ CUresult cuModuleLoadData(CUmodule *module, const void *image);
 CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, int *options,
                             void **values);
 CUresult cuModuleUnload(CUmodule module);
+CUresult cuModuleLoad(CUmodule *module, const char *path);
+CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatbin);
+CUresult cuLibraryLoadData(CUlibrary *library, const void *code, int *jit_options,
+                           void **jit_values, unsigned int njit, int *library_options,
+                           void **library_values, unsigned int nlibrary);
+CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *path, int *jit_options,
+                               void **jit_values, unsigned int njit, int *library_options,
+                               void **library_values, unsigned int nlibrary);
+CUresult cuLibraryUnload(CUlibrary library);
 CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
 CUresult cuStreamDestroy_v2(CUstream stream);
 CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode);

@@ -281,74 +281,145 @@ void fg_graph_after_fork(void) {
 
 static pthread_mutex_t module_mu = PTHREAD_MUTEX_INITIALIZER;
 
-typedef CUresult (*module_load_fn)(CUmodule *, const void *, void *);
+typedef CUresult (*load_fn)(void **handle, const void *image, void *extra);
+typedef CUresult (*unload_fn)(void *handle);
+
+static CUresult unload_module(void *h) { return fg_real.cuModuleUnload((CUmodule)h); }
+static CUresult unload_library(void *h) { return fg_real.cuLibraryUnload((CUlibrary)h); }
 
 /* Load, measure what the card lost, charge it; a load whose globals do not fit is undone. */
-static CUresult module_load(CUmodule *m, const void *image, void *extra, module_load_fn load) {
+static CUresult measured_load(fg_rec_kind kind, void **handle, const void *image, void *extra,
+                              load_fn load, unload_fn unload) {
     int idx = fg_current_index();
-    if (!ENFORCED() || idx == FG_NO_CONTEXT || !m || !fg_real.cuMemGetInfo_v2)
-        return load(m, image, extra);
+    if (!ENFORCED() || idx == FG_NO_CONTEXT || !handle || !fg_real.cuMemGetInfo_v2)
+        return load(handle, image, extra);
     pthread_mutex_lock(&module_mu);
     size_t free0 = 0, free1 = 0, total = 0;
     CUresult r = fg_real.cuMemGetInfo_v2(&free0, &total);
-    if (r == CUDA_SUCCESS) r = load(m, image, extra);
+    if (r == CUDA_SUCCESS) r = load(handle, image, extra);
     if (r == CUDA_SUCCESS && fg_real.cuMemGetInfo_v2(&free1, &total) != CUDA_SUCCESS) free1 = 0;
     pthread_mutex_unlock(&module_mu);
     if (r != CUDA_SUCCESS) return r;
     uint64_t taken = free0 > free1 ? free0 - free1 : 0;
     if (taken == 0) return r;
     if (!fg_charge(idx, taken)) {
-        fg_real.cuModuleUnload(*m);
+        unload(*handle);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    fg_rec rec = {(uint64_t)(uintptr_t)*m, taken, 0, idx, FG_REC_MODULE};
+    fg_rec rec = {(uint64_t)(uintptr_t)*handle, taken, 0, idx, (int32_t)kind};
     if (!fg_rec_put(&rec)) {
         fg_region_release(idx, taken);
-        fg_real.cuModuleUnload(*m);
+        unload(*handle);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     return r;
 }
 
-static CUresult load_data(CUmodule *m, const void *image, void *extra) {
-    (void)extra;
-    return fg_real.cuModuleLoadData(m, image);
+static CUresult measured_unload(fg_rec_kind kind, void *handle, unload_fn unload) {
+    fg_rec rec;
+    bool had = ENFORCED() && fg_rec_take(kind, (uint64_t)(uintptr_t)handle, &rec);
+    CUresult r = unload(handle);
+    if (had && r == CUDA_SUCCESS)
+        fg_region_release(rec.dev, rec.bytes);
+    else if (had)
+        fg_rec_put(&rec);
+    return r;
 }
 
 typedef struct {
     unsigned n;
     int *options;
     void **values;
-} load_ex_args;
+    unsigned nlib;
+    int *lib_options;
+    void **lib_values;
+} load_args;
 
-static CUresult load_data_ex(CUmodule *m, const void *image, void *extra) {
-    load_ex_args *a = extra;
-    return fg_real.cuModuleLoadDataEx(m, image, a->n, a->options, a->values);
+static CUresult load_data(void **h, const void *image, void *extra) {
+    (void)extra;
+    return fg_real.cuModuleLoadData((CUmodule *)h, image);
+}
+static CUresult load_data_ex(void **h, const void *image, void *extra) {
+    load_args *a = extra;
+    return fg_real.cuModuleLoadDataEx((CUmodule *)h, image, a->n, a->options, a->values);
+}
+static CUresult load_file(void **h, const void *path, void *extra) {
+    (void)extra;
+    return fg_real.cuModuleLoad((CUmodule *)h, path);
+}
+static CUresult load_fatbin(void **h, const void *image, void *extra) {
+    (void)extra;
+    return fg_real.cuModuleLoadFatBinary((CUmodule *)h, image);
+}
+static CUresult load_library(void **h, const void *code, void *extra) {
+    load_args *a = extra;
+    return fg_real.cuLibraryLoadData((CUlibrary *)h, code, a->options, a->values, a->n,
+                                     a->lib_options, a->lib_values, a->nlib);
+}
+static CUresult load_library_file(void **h, const void *path, void *extra) {
+    load_args *a = extra;
+    return fg_real.cuLibraryLoadFromFile((CUlibrary *)h, path, a->options, a->values, a->n,
+                                         a->lib_options, a->lib_values, a->nlib);
 }
 
+#define NEED_MODULES(fn)                                                                       \
+    do {                                                                                       \
+        fg_init();                                                                             \
+        if (!fg_real.fn || !fg_real.cuModuleUnload) return CUDA_ERROR_NOT_INITIALIZED;         \
+    } while (0)
+
 FG_EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
-    fg_init();
-    if (!fg_real.cuModuleLoadData || !fg_real.cuModuleUnload) return CUDA_ERROR_NOT_INITIALIZED;
-    return module_load(m, image, NULL, load_data);
+    NEED_MODULES(cuModuleLoadData);
+    return measured_load(FG_REC_MODULE, (void **)m, image, NULL, load_data, unload_module);
 }
 
 FG_EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int n, int *options,
                                       void **values) {
-    fg_init();
-    if (!fg_real.cuModuleLoadDataEx || !fg_real.cuModuleUnload) return CUDA_ERROR_NOT_INITIALIZED;
-    load_ex_args a = {n, options, values};
-    return module_load(m, image, &a, load_data_ex);
+    NEED_MODULES(cuModuleLoadDataEx);
+    load_args a = {n, options, values, 0, NULL, NULL};
+    return measured_load(FG_REC_MODULE, (void **)m, image, &a, load_data_ex, unload_module);
+}
+
+FG_EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path) {
+    NEED_MODULES(cuModuleLoad);
+    return measured_load(FG_REC_MODULE, (void **)m, path, NULL, load_file, unload_module);
+}
+
+FG_EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
+    NEED_MODULES(cuModuleLoadFatBinary);
+    return measured_load(FG_REC_MODULE, (void **)m, fatbin, NULL, load_fatbin, unload_module);
 }
 
 FG_EXPORT CUresult cuModuleUnload(CUmodule m) {
     fg_init();
     if (!fg_real.cuModuleUnload) return CUDA_ERROR_NOT_INITIALIZED;
-    fg_rec rec;
-    bool had = ENFORCED() && fg_rec_take(FG_REC_MODULE, (uint64_t)(uintptr_t)m, &rec);
-    CUresult r = fg_real.cuModuleUnload(m);
-    if (had && r == CUDA_SUCCESS)
-        fg_region_release(rec.dev, rec.bytes);
-    else if (had)
-        fg_rec_put(&rec);
-    return r;
+    return measured_unload(FG_REC_MODULE, m, unload_module);
+}
+
+/* Libraries (CUDA 12) load into the current context at once and into others as they use them;
+ * what the current context's load took is measured like a module's. */
+FG_EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, int *jit_options,
+                                     void **jit_values, unsigned int njit, int *lib_options,
+                                     void **lib_values, unsigned int nlib) {
+    fg_init();
+    if (!fg_real.cuLibraryLoadData || !fg_real.cuLibraryUnload) return CUDA_ERROR_NOT_INITIALIZED;
+    load_args a = {njit, jit_options, jit_values, nlib, lib_options, lib_values};
+    return measured_load(FG_REC_LIBRARY, (void **)lib, code, &a, load_library, unload_library);
+}
+
+FG_EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *path, int *jit_options,
+                                         void **jit_values, unsigned int njit, int *lib_options,
+                                         void **lib_values, unsigned int nlib) {
+    fg_init();
+    if (!fg_real.cuLibraryLoadFromFile || !fg_real.cuLibraryUnload)
+        return CUDA_ERROR_NOT_INITIALIZED;
+    load_args a = {njit, jit_options, jit_values, nlib, lib_options, lib_values};
+    return measured_load(FG_REC_LIBRARY, (void **)lib, path, &a, load_library_file,
+                         unload_library);
+}
+
+FG_EXPORT CUresult cuLibraryUnload(CUlibrary lib) {
+    fg_init();
+    if (!fg_real.cuLibraryUnload) return CUDA_ERROR_NOT_INITIALIZED;
+    return measured_unload(FG_REC_LIBRARY, lib, unload_library);
 }

@@ -50,6 +50,8 @@ extern fg_state fg;
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)         \
     X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
     X(cuGraphAddMemAllocNode) X(cuGraphDestroy) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) \
+    X(cuModuleLoad) X(cuModuleLoadFatBinary) X(cuLibraryLoadData) X(cuLibraryLoadFromFile)       \
+    X(cuLibraryUnload)                                                                         \
     X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 /* Driver functions the hook calls but does not replace. */

@@ -21,6 +21,7 @@ typedef enum {
     FG_REC_ARRAY,     /* cuArrayCreate / cuArray3DCreate (v1 and v2) */
     FG_REC_MIPMAP,    /* cuMipmappedArrayCreate */
     FG_REC_MODULE,    /* a loaded module's device globals */
+    FG_REC_LIBRARY,   /* a loaded library's device globals (CUDA 12 cuLibrary*) */
     FG_REC_GRAPH_EXEC, /* an instantiated graph's memory-node bytes */
     FG_REC_GRAPH,      /* a graph's memory-node bytes, as added or captured into it */
     FG_REC_CAPTURE     /* a capturing stream's cuMemAllocAsync bytes so far */

@@ -4,6 +4,9 @@
  * CUDA_ERROR_INVALID_CONTEXT, unknown pointers and handles are rejected, and device memory runs
  * out at the simulated card's size.
  *
+ * Linked -Bsymbolic: its entry points that call one another (the _ptsz forms, cuModuleLoad) do
+ * so inside the library, not through whatever a preloaded library exports under the same name.
+ *
  * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
  * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
  * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4),
@@ -43,6 +46,8 @@ struct CUmipmappedArray_st { unsigned magic; int dev; uint64_t bytes; };
 #define MAGIC_STREAM 0x53545231u
 #define MAX_NODES 64
 struct CUmod_st { unsigned magic; int dev; uint64_t bytes; };
+struct CUlib_st { unsigned magic; int dev; uint64_t bytes; };
+#define MAGIC_LIB 0x4c494231u
 struct CUfunc_st { unsigned magic; };
 struct CUgraphNode_st { unsigned magic; CUgraphNodeType type; uint64_t bytes; CUdeviceptr dptr; };
 struct CUgraph_st { unsigned magic; int dev; size_t n; struct CUgraphNode_st nodes[MAX_NODES]; };
@@ -676,24 +681,86 @@ static struct CUfunc_st the_function = {MAGIC_FN};
 static struct CUmod_st module_table[MAX_OBJECTS];
 static atomic_int nmodules;
 
+static struct CUlib_st library_table[MAX_OBJECTS];
+static atomic_int nlibraries;
+
+/* The globals an image holds on the card ("fake globals=N"); out of memory when they do not fit. */
+static CUresult take_globals(const void *image, uint64_t *bytes) {
+    const char *text = image, *tag = "fake globals=";
+    *bytes = strncmp(text, tag, strlen(tag)) == 0 ? strtoull(text + strlen(tag), NULL, 10) : 0;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(current->dev, *bytes);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+static void give_back(int dev, uint64_t bytes) {
+    pthread_mutex_lock(&mu);
+    dev_used[dev] -= bytes;
+    pthread_mutex_unlock(&mu);
+}
+
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
     NEED_CTX();
     if (!m || !image) return CUDA_ERROR_INVALID_VALUE;
-    const char *text = image, *tag = "fake globals=";
-    uint64_t bytes = strncmp(text, tag, strlen(tag)) == 0 ? strtoull(text + strlen(tag), NULL, 10) : 0;
-    pthread_mutex_lock(&mu);
-    CUresult r = take_device_memory_locked(current->dev, bytes);
-    pthread_mutex_unlock(&mu);
+    uint64_t bytes;
+    CUresult r = take_globals(image, &bytes);
     if (r != CUDA_SUCCESS) return r;
     CUmodule mod = TAKE(module_table, nmodules);
     if (!mod) {
-        pthread_mutex_lock(&mu);
-        dev_used[current->dev] -= bytes;
-        pthread_mutex_unlock(&mu);
+        give_back(current->dev, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *mod = (struct CUmod_st){MAGIC_MOD, current->dev, bytes};
     *m = mod;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
+    return cuModuleLoadData(m, fatbin);
+}
+/* The file holds the image. */
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path) {
+    NEED_CTX();
+    char image[256] = "";
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f) return CUDA_ERROR_NOT_FOUND;
+    size_t n = fread(image, 1, sizeof image - 1, f);
+    fclose(f);
+    image[n] = '\0';
+    return cuModuleLoadData(m, image);
+}
+EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, int *jo, void **jv,
+                                  unsigned int nj, int *lo, void **lv, unsigned int nl) {
+    NEED_CTX();
+    if (!lib || !code) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes;
+    CUresult r = take_globals(code, &bytes);
+    if (r != CUDA_SUCCESS) return r;
+    CUlibrary l = TAKE(library_table, nlibraries);
+    if (!l) {
+        give_back(current->dev, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *l = (struct CUlib_st){MAGIC_LIB, current->dev, bytes};
+    *lib = l;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *path, int *jo, void **jv,
+                                      unsigned int nj, int *lo, void **lv, unsigned int nl) {
+    NEED_CTX();
+    char image[256] = "";
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f) return CUDA_ERROR_NOT_FOUND;
+    size_t n = fread(image, 1, sizeof image - 1, f);
+    fclose(f);
+    image[n] = '\0';
+    return cuLibraryLoadData(lib, image, jo, jv, nj, lo, lv, nl);
+}
+EXPORT CUresult cuLibraryUnload(CUlibrary l) {
+    NEED_INIT();
+    if (!l || l->magic != MAGIC_LIB) return CUDA_ERROR_INVALID_HANDLE;
+    give_back(l->dev, l->bytes);
+    l->magic = 0;
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int n, int *options,
@@ -703,9 +770,7 @@ EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int 
 EXPORT CUresult cuModuleUnload(CUmodule m) {
     NEED_INIT();
     if (!m || m->magic != MAGIC_MOD) return CUDA_ERROR_INVALID_HANDLE;
-    pthread_mutex_lock(&mu);
-    dev_used[m->dev] -= m->bytes;
-    pthread_mutex_unlock(&mu);
+    give_back(m->dev, m->bytes);
     m->magic = 0;
     return CUDA_SUCCESS;
 }
@@ -1056,6 +1121,8 @@ static const proc procs[] = {
     {"cuArray3DCreate", 3020, false, (void *)cuArray3DCreate_v2}, P(cuArrayDestroy, 2000),
     P(cuMipmappedArrayCreate, 5000), P(cuMipmappedArrayDestroy, 5000),
     P(cuModuleLoadData, 2000), P(cuModuleLoadDataEx, 2010), P(cuModuleUnload, 2000),
+    P(cuModuleLoad, 2000), P(cuModuleLoadFatBinary, 2000), P(cuLibraryLoadData, 12000),
+    P(cuLibraryLoadFromFile, 12000), P(cuLibraryUnload, 12000),
     P(cuModuleGetFunction, 2000), P(cuStreamCreate, 2000),
     {"cuStreamDestroy", 4000, false, (void *)cuStreamDestroy_v2},
     {"cuStreamBeginCapture", 10010, false, (void *)cuStreamBeginCapture_v2},

@@ -29,7 +29,8 @@ static struct {
     F(cuMemAllocPitch); F(cuArrayCreate); F(cuArray3DCreate); F(cuMemAddressReserve);
     F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap); F(cuModuleUnload); F(cuStreamCreate);
     F(cuStreamBeginCapture_v2); F(cuStreamEndCapture); F(cuGraphAddMemAllocNode);
-    F(cuDeviceGraphMemTrim);
+    F(cuDeviceGraphMemTrim); F(cuModuleLoad); F(cuModuleLoadFatBinary); F(cuLibraryLoadData);
+    F(cuLibraryLoadFromFile); F(cuLibraryUnload);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -56,7 +57,8 @@ static void load(const char *mode) {
     D(cuMemAllocPitch) D(cuArrayCreate) D(cuArray3DCreate) D(cuMemAddressReserve)
     D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap) D(cuModuleUnload) D(cuStreamCreate)
     D(cuStreamBeginCapture_v2) D(cuStreamEndCapture) D(cuGraphAddMemAllocNode)
-    D(cuDeviceGraphMemTrim)
+    D(cuDeviceGraphMemTrim) D(cuModuleLoad) D(cuModuleLoadFatBinary) D(cuLibraryLoadData)
+    D(cuLibraryLoadFromFile) D(cuLibraryUnload)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -136,6 +138,11 @@ static void load(const char *mode) {
     R(cuStreamEndCapture, "cuStreamEndCapture", 12040);
     R(cuGraphAddMemAllocNode, "cuGraphAddMemAllocNode", 12040);
     R(cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim", 12040);
+    R(cuModuleLoad, "cuModuleLoad", 12040);
+    R(cuModuleLoadFatBinary, "cuModuleLoadFatBinary", 12040);
+    R(cuLibraryLoadData, "cuLibraryLoadData", 12040);
+    R(cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12040);
+    R(cuLibraryUnload, "cuLibraryUnload", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -165,7 +172,7 @@ static void load(const char *mode) {
 }
 #endif
 
-typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP, L_MODULE } lkind;
+typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP, L_MODULE, L_LIBRARY } lkind;
 typedef struct { lkind kind; uint64_t v; } live_t;
 static live_t live[1 << 16];
 static int nlive;
@@ -185,6 +192,7 @@ static CUresult free_one(live_t l) {
     case L_VMM: return api.cuMemRelease(l.v);
     case L_ARRAY: return api.cuArrayDestroy((CUarray)(uintptr_t)l.v);
     case L_MODULE: return api.cuModuleUnload((CUmodule)(uintptr_t)l.v);
+    case L_LIBRARY: return api.cuLibraryUnload((CUlibrary)(uintptr_t)l.v);
     default: return api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)l.v);
     }
 }
@@ -533,13 +541,34 @@ int main(int argc, char **argv) {
             siginfo_t si;
             waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT);
             printf("zombie %d\n", (int)pid);
-        } else if (sscanf(op, "module:%llu", &a) == 1) {
-            char image[64];
+        } else if (sscanf(op, "module:%llu", &a) == 1 || sscanf(op, "modulefile:%llu", &a) == 1 ||
+                   sscanf(op, "fatbin:%llu", &a) == 1 || sscanf(op, "library:%llu", &a) == 1 ||
+                   sscanf(op, "libraryfile:%llu", &a) == 1) {
+            /* An image holding a bytes of device globals, loaded each way the driver offers. */
+            char image[64], path[64], how[16];
             snprintf(image, sizeof image, "fake globals=%llu", a);
-            CUmodule m;
-            CUresult r = api.cuModuleLoadData(&m, image);
-            if (r == CUDA_SUCCESS) push(L_MODULE, (uint64_t)(uintptr_t)m);
-            printf("module %d\n", r);
+            snprintf(how, sizeof how, "%.*s", (int)(strchr(op, ':') - op), op);
+            snprintf(path, sizeof path, "/tmp/fracgpu-probe-%d.image", (int)getpid());
+            if (strstr(how, "file")) {
+                FILE *f = fopen(path, "w");
+                if (!f || fputs(image, f) < 0 || fclose(f) != 0) die("image file");
+            }
+            void *h = NULL;
+            CUresult r;
+            if (strcmp(how, "module") == 0)
+                r = api.cuModuleLoadData((CUmodule *)&h, image);
+            else if (strcmp(how, "modulefile") == 0)
+                r = api.cuModuleLoad((CUmodule *)&h, path);
+            else if (strcmp(how, "fatbin") == 0)
+                r = api.cuModuleLoadFatBinary((CUmodule *)&h, image);
+            else if (strcmp(how, "library") == 0)
+                r = api.cuLibraryLoadData((CUlibrary *)&h, image, NULL, NULL, 0, NULL, NULL, 0);
+            else
+                r = api.cuLibraryLoadFromFile((CUlibrary *)&h, path, NULL, NULL, 0, NULL, NULL, 0);
+            if (strstr(how, "file")) unlink(path);
+            if (r == CUDA_SUCCESS) push(strncmp(how, "lib", 3) == 0 ? L_LIBRARY : L_MODULE,
+                                        (uint64_t)(uintptr_t)h);
+            printf("%s %d\n", how, r);
         } else if (sscanf(op, "graphalloc:%llu", &a) == 1 ||
                    sscanf(op, "capture:%llu:%llu", &a, &b) == 2) {
             /* A graph with memory nodes, added explicitly or recorded by capturing b
