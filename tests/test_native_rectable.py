@@ -16,6 +16,7 @@ CASES = [
     "delete from the middle of a chain that wraps",
     "growth 16 -> 32 -> 64 and beyond",
     "reset after fork",
+    "take each matching record",
     "8 threads put and take",
 ]
 

@@ -193,6 +193,7 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice dev);
 CUresult cuCtxDestroy_v2(CUcontext ctx);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetDevice(CUdevice *device);
+CUresult cuCtxGetCurrent(CUcontext *ctx);
 CUresult cuCtxSynchronize(void);
 CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes);
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes);

@@ -51,12 +51,13 @@ extern fg_state fg;
     X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
     X(cuGraphAddMemAllocNode) X(cuGraphDestroy) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) \
     X(cuModuleLoad) X(cuModuleLoadFatBinary) X(cuLibraryLoadData) X(cuLibraryLoadFromFile)       \
-    X(cuLibraryUnload)                                                                         \
+    X(cuLibraryUnload) X(cuCtxDestroy_v2)                                                      \
     X(cuGetProcAddress) X(cuGetProcAddress_v2)
 
 /* Driver functions the hook calls but does not replace. */
 #define FG_CUDA_USED(X)                                                                        \
-    X(cuCtxGetDevice) X(cuDeviceGetUuid) X(cuDeviceGetMemPool) X(cuMemPoolGetAttribute)        \
+    X(cuCtxGetDevice) X(cuCtxGetCurrent) X(cuDeviceGetUuid) X(cuDeviceGetMemPool)              \
+    X(cuMemPoolGetAttribute)                                                                   \
     X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                   \
     X(cuDeviceGetGraphMemAttribute)
 

@@ -84,6 +84,15 @@ typedef struct {
     uint64_t (*actual)(const void *args); /* NULL: what was charged is exact */
 } fg_alloc_ops;
 
+/* The context a linear allocation belongs to: destroying the context frees it. */
+static uint64_t linear_context(fg_rec_kind kind) {
+    CUcontext c = NULL;
+    if ((kind != FG_REC_PTR && kind != FG_REC_PTR_V1) || !fg_real.cuCtxGetCurrent ||
+        fg_real.cuCtxGetCurrent(&c) != CUDA_SUCCESS)
+        return 0;
+    return (uint64_t)(uintptr_t)c;
+}
+
 /* Charge first (so racing processes can never pass the limit together), then ask the driver,
  * settle on what it took, and record the charge for the free. */
 static CUresult alloc_charged(const fg_alloc_ops *ops, void *args, int idx, uint64_t bytes) {
@@ -102,7 +111,7 @@ static CUresult alloc_charged(const fg_alloc_ops *ops, void *args, int idx, uint
         fg_region_release(idx, bytes);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    fg_rec rec = {key, actual, 0, idx, (int32_t)ops->kind};
+    fg_rec rec = {key, actual, linear_context(ops->kind), idx, (int32_t)ops->kind};
     if (!fg_rec_put(&rec)) {
         ops->undo(key);
         fg_region_release(idx, actual);
@@ -282,6 +291,20 @@ FG_EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
     fg_init();
     if (!fg_real.cuMemFree) return CUDA_ERROR_NOT_INITIALIZED;
     return free_recorded(FG_REC_PTR_V1, p, undo_free_v1);
+}
+
+/* Destroying a context frees the linear memory allocated in it: its charges go too. */
+static bool in_context(const fg_rec *r, void *ctx) {
+    return (r->kind == FG_REC_PTR || r->kind == FG_REC_PTR_V1) && r->aux == (uint64_t)(uintptr_t)ctx;
+}
+static void give_back(const fg_rec *r) { fg_region_release(r->dev, r->bytes); }
+
+FG_EXPORT CUresult cuCtxDestroy_v2(CUcontext c) {
+    fg_init();
+    if (!fg_real.cuCtxDestroy_v2) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuCtxDestroy_v2(c);
+    if (r == CUDA_SUCCESS && ENFORCED() && c) fg_rec_take_each(in_context, c, give_back);
+    return r;
 }
 
 /* ---- stream-ordered allocations: charged by what their pool reserves ---------------------- */

@@ -123,6 +123,26 @@ bool fg_rec_get(fg_rec_kind kind, uint64_t key, fg_rec *out) {
     return lookup(kind, key, out, false);
 }
 
+void fg_rec_take_each(bool (*match)(const fg_rec *, void *), void *match_arg,
+                      void (*taken)(const fg_rec *)) {
+    pthread_once(&shards_once, shards_init);
+    for (int k = 0; k < FG_REC_SHARDS; k++) {
+        fg_shard *s = &shards[k];
+        pthread_mutex_lock(&s->mu);
+        /* A removal shifts a later record into the emptied slot: look at the slot again. */
+        for (size_t i = 0; i < s->cap;) {
+            if (s->slots[i].kind && match(&s->slots[i], match_arg)) {
+                fg_rec r = s->slots[i];
+                remove_at(s, i);
+                taken(&r);
+            } else {
+                i++;
+            }
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+}
+
 void fg_rec_after_fork(void) {
     for (int i = 0; i < FG_REC_SHARDS; i++) {
         pthread_mutex_init(&shards[i].mu, NULL);

@@ -14,8 +14,8 @@
 
 /* What a record stands for; the value 0 is reserved for "empty slot". */
 typedef enum {
-    FG_REC_PTR = 1,   /* cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocPitch_v2 */
-    FG_REC_PTR_V1,    /* the 32-bit legacy cuMemAlloc / cuMemAllocPitch */
+    FG_REC_PTR = 1,   /* cuMemAlloc_v2, cuMemAllocManaged, cuMemAllocPitch_v2; aux: context */
+    FG_REC_PTR_V1,    /* the 32-bit legacy cuMemAlloc / cuMemAllocPitch; aux: context */
     FG_REC_POOL,      /* stream-ordered allocation (charged through its pool) */
     FG_REC_VMM,       /* cuMemCreate handle; aux counts its live mappings */
     FG_REC_ARRAY,     /* cuArrayCreate / cuArray3DCreate (v1 and v2) */
@@ -43,6 +43,9 @@ bool fg_rec_put(const fg_rec *r);
 bool fg_rec_take(fg_rec_kind kind, uint64_t key, fg_rec *out);
 /* Copy the record (kind, key) into *out without removing it. */
 bool fg_rec_get(fg_rec_kind kind, uint64_t key, fg_rec *out);
+/* Remove every record match accepts, handing each to taken (under the shard's lock). */
+void fg_rec_take_each(bool (*match)(const fg_rec *, void *), void *match_arg,
+                      void (*taken)(const fg_rec *));
 /* In a forked child: the parent's records are not the child's, and only the forking thread
  * survived, so every shard starts empty with a fresh mutex. */
 void fg_rec_after_fork(void);

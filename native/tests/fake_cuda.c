@@ -61,7 +61,7 @@ typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM, A_VA, A_MAP, A_GRAPH } akind;
  * at key of bytes, of handle; A_VA: a reserved address range. */
 typedef struct {
     uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool;
-    uint64_t handle; int maps; bool released;
+    uint64_t handle; int maps; bool released; CUcontext ctx;
 } alloc_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
@@ -181,9 +181,23 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice d) {
     return CUDA_SUCCESS;
 }
 
+static void remove_locked(alloc_t *a);
+
+/* As the driver does, destroying a context frees the linear memory allocated in it. */
 EXPORT CUresult cuCtxDestroy_v2(CUcontext c) {
     NEED_INIT();
     if (!c || c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nallocs;) {
+        alloc_t *a = &allocs[i];
+        if ((a->kind == A_PTR || a->kind == A_PTR_V1) && a->ctx == c) {
+            dev_used[a->dev] -= a->bytes;
+            remove_locked(a);
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&mu);
     c->magic = 0;
     if (current == c) current = NULL;
     free(c);
@@ -194,6 +208,13 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext c) {
     NEED_INIT();
     if (c && c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
     current = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *c) {
+    NEED_INIT();
+    if (!c) return CUDA_ERROR_INVALID_VALUE;
+    *c = current;
     return CUDA_SUCCESS;
 }
 
@@ -217,7 +238,7 @@ static void add_locked(uint64_t key, akind kind, int dev, uint64_t bytes, CUmemo
         capallocs = capallocs ? capallocs * 2 : 64;
         allocs = realloc(allocs, capallocs * sizeof *allocs);
     }
-    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool, 0, 0, false};
+    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool, 0, 0, false, current};
 }
 
 static void remove_locked(alloc_t *a) { *a = allocs[--nallocs]; }
@@ -1098,6 +1119,7 @@ static const proc procs[] = {
     {"cuDeviceTotalMem", 3020, false, (void *)cuDeviceTotalMem_v2},
     {"cuCtxCreate", 3020, false, (void *)cuCtxCreate_v2}, {"cuCtxDestroy", 4000, false,
     (void *)cuCtxDestroy_v2}, P(cuCtxSetCurrent, 4000), P(cuCtxGetDevice, 2000),
+    P(cuCtxGetCurrent, 4000),
     P(cuCtxSynchronize, 2000),
     {"cuMemGetInfo", 2000, false, (void *)cuMemGetInfo},
     {"cuMemGetInfo", 3020, false, (void *)cuMemGetInfo_v2},

@@ -30,7 +30,7 @@ static struct {
     F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap); F(cuModuleUnload); F(cuStreamCreate);
     F(cuStreamBeginCapture_v2); F(cuStreamEndCapture); F(cuGraphAddMemAllocNode);
     F(cuDeviceGraphMemTrim); F(cuModuleLoad); F(cuModuleLoadFatBinary); F(cuLibraryLoadData);
-    F(cuLibraryLoadFromFile); F(cuLibraryUnload);
+    F(cuLibraryLoadFromFile); F(cuLibraryUnload); F(cuCtxDestroy_v2);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -58,7 +58,7 @@ static void load(const char *mode) {
     D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap) D(cuModuleUnload) D(cuStreamCreate)
     D(cuStreamBeginCapture_v2) D(cuStreamEndCapture) D(cuGraphAddMemAllocNode)
     D(cuDeviceGraphMemTrim) D(cuModuleLoad) D(cuModuleLoadFatBinary) D(cuLibraryLoadData)
-    D(cuLibraryLoadFromFile) D(cuLibraryUnload)
+    D(cuLibraryLoadFromFile) D(cuLibraryUnload) D(cuCtxDestroy_v2)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -143,6 +143,7 @@ static void load(const char *mode) {
     R(cuLibraryLoadData, "cuLibraryLoadData", 12040);
     R(cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12040);
     R(cuLibraryUnload, "cuLibraryUnload", 12040);
+    R(cuCtxDestroy_v2, "cuCtxDestroy", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -285,7 +286,8 @@ static void usage(void) {
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
             "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
             "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
-            "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n");
+            "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n"
+            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy\n");
     exit(2);
 }
 
@@ -604,6 +606,12 @@ int main(int argc, char **argv) {
             r = api.cuGraphInstantiateWithFlags(&x, g, 0);
             if (r == CUDA_SUCCESS) r = api.cuGraphLaunch(x, NULL);
             printf("%s %d\n", capture ? "capture" : "graphalloc", r);
+        } else if (strcmp(op, "ctxdestroy") == 0) {
+            /* The driver frees the context's linear memory; a new context takes its place. */
+            CUresult r = api.cuCtxDestroy_v2(ctx);
+            if (r == CUDA_SUCCESS) r = api.cuCtxCreate_v2(&ctx, 0, 0);
+            nlive = 0;
+            printf("ctxdestroy %d\n", r);
         } else if (strcmp(op, "graphtrim") == 0) {
             printf("graphtrim %d\n", api.cuDeviceGraphMemTrim(0));
         } else if (strncmp(op, "await:", 6) == 0) {

@@ -133,6 +133,34 @@ static void test_a_forked_child_starts_empty(void) {
     printf("ok %s\n", name);
 }
 
+static bool odd_bytes(const fg_rec *r, void *arg) {
+    (void)arg;
+    return r->bytes % 2 == 1;
+}
+static int taken_count;
+static void count_taken(const fg_rec *r) {
+    (void)r;
+    taken_count++;
+}
+
+static void test_take_each_removes_what_matches_and_keeps_the_rest(void) {
+    const char *name = "take each matching record";
+    /* Twelve keys in one probe chain, every other one matching: removals shift the chain under
+     * the scan, which must neither skip a match nor lose a survivor. */
+    uint64_t k[12];
+    colliding(FG_REC_PTR, k, 12, 5);
+    for (int i = 0; i < 12; i++) CHECK(name, fg_rec_put(&(fg_rec){k[i], (uint64_t)i, 0, 0, FG_REC_PTR}));
+    taken_count = 0;
+    fg_rec_take_each(odd_bytes, NULL, count_taken);
+    CHECK(name, taken_count == 6);
+    for (int i = 0; i < 12; i++) {
+        fg_rec got;
+        CHECK(name, fg_rec_get(FG_REC_PTR, k[i], &got) == (i % 2 == 0));
+    }
+    drain();
+    printf("ok %s\n", name);
+}
+
 #define THREADS 8
 #define ROUNDS 20000
 static int thread_errors[THREADS];
@@ -177,6 +205,7 @@ int main(void) {
     delete_middle("delete from the middle of a chain that wraps", 14);
     test_growth_keeps_every_record();
     test_a_forked_child_starts_empty();
+    test_take_each_removes_what_matches_and_keeps_the_rest();
     test_threads_put_and_take();
     return failures;
 }
