@@ -67,24 +67,24 @@ static off_t slot_offset(int i) {
     return (off_t)(offsetof(fg_region, slots) + (size_t)i * sizeof(fg_slot));
 }
 
-static int slot_lock(int fd, int i, short type) {
+static struct flock slot_range(int i, short type) {
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = type;
     fl.l_whence = SEEK_SET;
     fl.l_start = slot_offset(i);
     fl.l_len = 1;
+    return fl;
+}
+
+static int slot_lock(int fd, int i, short type) {
+    struct flock fl = slot_range(i, type);
     return fcntl(fd, F_OFD_SETLK, &fl);
 }
 
 /* Whether another open file description holds slot i (without taking it). */
 static bool slot_held(int fd, int i) {
-    struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = slot_offset(i);
-    fl.l_len = 1;
+    struct flock fl = slot_range(i, F_WRLCK);
     return fcntl(fd, F_OFD_GETLK, &fl) == 0 && fl.l_type != F_UNLCK;
 }
 

@@ -739,16 +739,21 @@ EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
 EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
     return cuModuleLoadData(m, fatbin);
 }
-/* The file holds the image. */
-EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path) {
-    NEED_CTX();
-    char image[256] = "";
+/* The image a file holds; false when it cannot be read. */
+static bool read_image(const char *path, char *image, size_t size) {
     FILE *f = path ? fopen(path, "r") : NULL;
-    if (!f) return CUDA_ERROR_NOT_FOUND;
-    size_t n = fread(image, 1, sizeof image - 1, f);
+    if (!f) return false;
+    size_t n = fread(image, 1, size - 1, f);
     fclose(f);
     image[n] = '\0';
-    return cuModuleLoadData(m, image);
+    return true;
+}
+
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path) {
+    NEED_CTX();
+    char image[256];
+    return read_image(path, image, sizeof image) ? cuModuleLoadData(m, image)
+                                                 : CUDA_ERROR_NOT_FOUND;
 }
 EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, int *jo, void **jv,
                                   unsigned int nj, int *lo, void **lv, unsigned int nl) {
@@ -769,13 +774,10 @@ EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, int *jo, voi
 EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *path, int *jo, void **jv,
                                       unsigned int nj, int *lo, void **lv, unsigned int nl) {
     NEED_CTX();
-    char image[256] = "";
-    FILE *f = path ? fopen(path, "r") : NULL;
-    if (!f) return CUDA_ERROR_NOT_FOUND;
-    size_t n = fread(image, 1, sizeof image - 1, f);
-    fclose(f);
-    image[n] = '\0';
-    return cuLibraryLoadData(lib, image, jo, jv, nj, lo, lv, nl);
+    char image[256];
+    return read_image(path, image, sizeof image)
+               ? cuLibraryLoadData(lib, image, jo, jv, nj, lo, lv, nl)
+               : CUDA_ERROR_NOT_FOUND;
 }
 EXPORT CUresult cuLibraryUnload(CUlibrary l) {
     NEED_INIT();
@@ -816,7 +818,7 @@ static CUresult run_work(uint64_t ns) {
         if (n && spans[d][(n - 1) % SPANS].end == start)
             spans[d][(n - 1) % SPANS].end = busy_until[d];
         else
-            spans[d][n % SPANS] = (span){start, busy_until[d]}, nspan[d]++;
+            spans[d][nspan[d]++ % SPANS] = (span){start, busy_until[d]};
     }
     uint64_t ahead = busy_until[d] - now;
     pthread_mutex_unlock(&mu);

@@ -461,7 +461,10 @@ int main(int argc, char **argv) {
             unsigned long long n = 0;
             CUdeviceptr d;
             CUresult r;
-            while ((r = api.cuMemAlloc_v2(&d, a)) == CUDA_SUCCESS) push(L_PTR, d), n++;
+            while ((r = api.cuMemAlloc_v2(&d, a)) == CUDA_SUCCESS) {
+                push(L_PTR, d);
+                n++;
+            }
             printf("fill %llu %d\n", n, r);
         } else if (sscanf(op, "threads:%llu:%llu", &a, &b) == 2) {
             pthread_t t[64];
@@ -472,7 +475,10 @@ int main(int argc, char **argv) {
                 args[k] = (thread_arg){b, 0};
                 pthread_create(&t[k], NULL, thread_fill, &args[k]);
             }
-            for (unsigned k = 0; k < a; k++) pthread_join(t[k], NULL), total += args[k].total;
+            for (unsigned k = 0; k < a; k++) {
+                pthread_join(t[k], NULL);
+                total += args[k].total;
+            }
             printf("threads %llu\n", total);
         } else if (strcmp(op, "ready") == 0) {
             printf("ready\n");

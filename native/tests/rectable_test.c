@@ -97,7 +97,10 @@ static void test_growth_keeps_every_record(void) {
         CHECK(name, fg_rec_put(&(fg_rec){key, key * 3, 0, 0, FG_REC_POOL}));
         n++;
         size_t cap = fg_rec_shard_capacity(9);
-        if (cap != last_cap) caps_seen++, last_cap = cap;
+        if (cap != last_cap) {
+            caps_seen++;
+            last_cap = cap;
+        }
         CHECK(name, cap >= (size_t)n * 2);
     }
     CHECK(name, caps_seen >= 5); /* 16, 32, 64, 128, 256, 512 */
