@@ -396,9 +396,7 @@ def test_module_globals_are_counted_until_unloaded(kit: Kit, mode: str, how: str
 @pytest.mark.parametrize("mode", ["proc", "direct"])
 def test_destroying_a_context_returns_its_linear_memory(kit: Kit, mode: str) -> None:
     # The driver frees what was allocated in the context; the charge must not outlive it.
-    out = kit.probe(
-        "init", f"alloc:{LIMIT}", "ctxdestroy", f"alloc:{LIMIT}", "info", mode=mode
-    )
+    out = kit.probe("init", f"alloc:{LIMIT}", "ctxdestroy", f"alloc:{LIMIT}", "info", mode=mode)
     assert out.rcs("alloc") == [0, 0]
     assert out.rcs("ctxdestroy") == [0]
     assert out.one("info")[1] == 0
