@@ -400,3 +400,16 @@ def test_destroying_a_context_returns_its_linear_memory(kit: Kit, mode: str) -> 
     assert out.rcs("alloc") == [0, 0]
     assert out.rcs("ctxdestroy") == [0]
     assert out.one("info")[1] == 0
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+def test_a_pool_on_a_card_outside_the_grant_gets_nothing(kit: Kit, hooked: bool) -> None:
+    # The context is on the granted card 0; the pool's memory would live on card 1.
+    out = kit.probe("init", f"poolon:1:{MIB}", hooked=hooked, env={"FAKE_CUDA_DEVICES": "2"})
+    assert out.rcs("poolon") == [CUDA_ERROR_OUT_OF_MEMORY if hooked else 0]
+
+
+def test_a_pool_on_the_granted_card_is_charged_there(kit: Kit) -> None:
+    out = kit.probe("init", f"poolon:0:{MIB}", "info", env={"FAKE_CUDA_DEVICES": "2"})
+    assert out.rcs("poolon") == [0]
+    assert out.one("info")[1] == LIMIT - CHUNK  # the pool grows by one 32 MiB chunk

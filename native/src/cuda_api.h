@@ -254,6 +254,12 @@ CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
 CUresult cuStreamDestroy_v2(CUstream stream);
 CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode);
 CUresult cuStreamEndCapture(CUstream stream, CUgraph *graph);
+/* The other exported capture names: the 10.0 form takes the stream alone (a mode passed on is
+ * ignored), the _ptsz forms are the per-thread default stream variants. */
+CUresult cuStreamBeginCapture(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamBeginCapture_ptsz(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamBeginCapture_v2_ptsz(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture_ptsz(CUstream stream, CUgraph *graph);
 CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 #define FRACGPU_LAUNCH_PARAMS                                                                  \
@@ -273,6 +279,10 @@ CUresult cuGraphInstantiateWithParams(CUgraphExec *exec, CUgraph graph, void *pa
 CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *exec, CUgraph graph, void *params);
 CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph graph, CUgraphNode *error_node,
                                char *log, size_t log_size);
+/* The exported name of the 10.0 form (error node, log, size); CUDA 12 headers map the name to
+ * cuGraphInstantiateWithFlags instead, whose flags travel where the error node did. */
+CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph graph, CUgraphNode *error_node, char *log,
+                            size_t log_size);
 CUresult cuGraphExecDestroy(CUgraphExec exec);
 CUresult cuGraphDestroy(CUgraph graph);
 CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,

@@ -112,10 +112,13 @@ FG_EXPORT CUresult cuGraphDestroy(CUgraph g) {
     return r;
 }
 
-FG_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+typedef CUresult (*begin_fn)(CUstream, CUstreamCaptureMode);
+typedef CUresult (*end_fn)(CUstream, CUgraph *);
+
+static CUresult begin_capture(CUstream s, CUstreamCaptureMode mode, begin_fn real) {
     fg_init();
-    if (!fg_real.cuStreamBeginCapture_v2) return CUDA_ERROR_NOT_INITIALIZED;
-    CUresult r = fg_real.cuStreamBeginCapture_v2(s, mode);
+    if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = real(s, mode);
     if (r == CUDA_SUCCESS && ENFORCED()) {
         fg_rec rec = {(uint64_t)(uintptr_t)s, 0, 0, 0, FG_REC_CAPTURE};
         if (fg_rec_put(&rec)) atomic_fetch_add(&capturing_streams, 1);
@@ -123,10 +126,23 @@ FG_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
     return r;
 }
 
-FG_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+FG_EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+    return begin_capture(s, mode, fg_real.cuStreamBeginCapture_v2);
+}
+FG_EXPORT CUresult cuStreamBeginCapture(CUstream s, CUstreamCaptureMode mode) {
+    return begin_capture(s, mode, fg_real.cuStreamBeginCapture);
+}
+FG_EXPORT CUresult cuStreamBeginCapture_ptsz(CUstream s, CUstreamCaptureMode mode) {
+    return begin_capture(s, mode, fg_real.cuStreamBeginCapture_ptsz);
+}
+FG_EXPORT CUresult cuStreamBeginCapture_v2_ptsz(CUstream s, CUstreamCaptureMode mode) {
+    return begin_capture(s, mode, fg_real.cuStreamBeginCapture_v2_ptsz);
+}
+
+static CUresult end_capture(CUstream s, CUgraph *g, end_fn real) {
     fg_init();
-    if (!fg_real.cuStreamEndCapture) return CUDA_ERROR_NOT_INITIALIZED;
-    CUresult r = fg_real.cuStreamEndCapture(s, g);
+    if (!real) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = real(s, g);
     fg_rec rec;
     if (ENFORCED() && fg_rec_take(FG_REC_CAPTURE, (uint64_t)(uintptr_t)s, &rec)) {
         atomic_fetch_sub(&capturing_streams, 1);
@@ -134,6 +150,13 @@ FG_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
             add_bytes(FG_REC_GRAPH, (uint64_t)(uintptr_t)*g, rec.bytes);
     }
     return r;
+}
+
+FG_EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+    return end_capture(s, g, fg_real.cuStreamEndCapture);
+}
+FG_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) {
+    return end_capture(s, g, fg_real.cuStreamEndCapture_ptsz);
 }
 
 void fg_graph_captured(CUstream s, uint64_t bytes) {
@@ -195,6 +218,13 @@ FG_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *exec, CUgraph 
     fg_init();
     if (!fg_real.cuGraphInstantiateWithParams_ptsz) return CUDA_ERROR_NOT_INITIALIZED;
     return instantiated(fg_real.cuGraphInstantiateWithParams_ptsz(exec, g, params), exec, g);
+}
+
+FG_EXPORT CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph g, CUgraphNode *error_node,
+                                      char *log, size_t log_size) {
+    fg_init();
+    if (!fg_real.cuGraphInstantiate) return CUDA_ERROR_NOT_INITIALIZED;
+    return instantiated(fg_real.cuGraphInstantiate(exec, g, error_node, log, log_size), exec, g);
 }
 
 FG_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph g, CUgraphNode *error_node,

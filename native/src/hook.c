@@ -375,6 +375,9 @@ FG_NO_SAN FG_EXPORT void *dlmopen(Lmid_t lmid, const char *file, int flags) {
  * the table, most specific first. */
 static void *hook_by_name(const char *symbol, int version, cuuint64_t flags) {
     if (!symbol || strlen(symbol) > 64) return NULL;
+    /* From CUDA 12.0 this name means the three-argument form, not the _v2 one. */
+    if (strcmp(symbol, "cuGraphInstantiate") == 0 && version >= 12000)
+        symbol = "cuGraphInstantiateWithFlags";
     bool v2 = version >= (strcmp(symbol, "cuGetProcAddress") == 0 ? 12000 : 3020);
     bool ptds = flags == CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM;
     const char *suffixes[3] = {v2 ? (ptds ? "_v2_ptsz" : "_v2") : (ptds ? "_ptsz" : ""),

@@ -39,20 +39,21 @@ extern fg_state fg;
     X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch_v2) X(cuMemAllocManaged) X(cuMemFree)     \
     X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)      \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
-    X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemCreate) X(cuMemRelease) X(cuMemMap)          \
-    X(cuMemUnmap) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayCreate) X(cuArray3DCreate) \
-    X(cuMemAllocPitch) X(cuArrayDestroy) X(cuMipmappedArrayCreate)                             \
+    X(cuMemPoolCreate) X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemCreate) X(cuMemRelease)   \
+    X(cuMemMap) X(cuMemUnmap) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayCreate)       \
+    X(cuArray3DCreate) X(cuMemAllocPitch) X(cuArrayDestroy) X(cuMipmappedArrayCreate)          \
     X(cuMipmappedArrayDestroy) X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem)          \
     X(cuDeviceTotalMem_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx)        \
     X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)    \
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz)              \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                             \
-    X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)         \
+    X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)        \
     X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
-    X(cuGraphAddMemAllocNode) X(cuGraphDestroy) X(cuStreamBeginCapture_v2) X(cuStreamEndCapture) \
-    X(cuModuleLoad) X(cuModuleLoadFatBinary) X(cuLibraryLoadData) X(cuLibraryLoadFromFile)       \
-    X(cuLibraryUnload) X(cuCtxDestroy_v2)                                                      \
-    X(cuGetProcAddress) X(cuGetProcAddress_v2)
+    X(cuGraphAddMemAllocNode) X(cuGraphDestroy) X(cuStreamBeginCapture_v2)                     \
+    X(cuStreamEndCapture) X(cuModuleLoad) X(cuModuleLoadFatBinary) X(cuLibraryLoadData)        \
+    X(cuLibraryLoadFromFile) X(cuLibraryUnload) X(cuCtxDestroy_v2) X(cuGetProcAddress)         \
+    X(cuGetProcAddress_v2) X(cuGraphInstantiate) X(cuStreamBeginCapture)                       \
+    X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2_ptsz) X(cuStreamEndCapture_ptsz)
 
 /* Driver functions the hook calls but does not replace. */
 #define FG_CUDA_USED(X)                                                                        \

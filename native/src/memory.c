@@ -371,7 +371,7 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, C
                            pool_alloc_fn call, void *real, CUresult (*free_async)(CUdeviceptr,
                                                                                     CUstream)) {
     int idx = fg_current_index();
-    if (idx == -1 || !dptr || bytes == 0) return call(dptr, bytes, pool, stream, real);
+    if (idx == FG_NO_CONTEXT || !dptr || bytes == 0) return call(dptr, bytes, pool, stream, real);
     if (fg.mode == FG_MODE_DENY || idx == FG_NOT_GRANTED) return CUDA_ERROR_OUT_OF_MEMORY;
     if (!pool) {
         CUdevice d;
@@ -381,10 +381,15 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, C
     }
     pthread_mutex_lock(&pools_mu);
     fg_pool *fp = pool_find(pool, idx, true);
-    if (!fp) {
+    if (!fp || fp->dev == FG_NOT_GRANTED) {
         pthread_mutex_unlock(&pools_mu);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    if (fp->dev == FG_NO_CONTEXT) { /* a pool of host memory: not the card's */
+        pthread_mutex_unlock(&pools_mu);
+        return call(dptr, bytes, pool, stream, real);
+    }
+    idx = fp->dev; /* the pool's card, whichever the context's is */
     pool_settle(fp);
     uint64_t used = pool_attr(pool, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
     uint64_t growth = used + bytes > fp->charged ? used + bytes - fp->charged : 0;
@@ -482,6 +487,28 @@ FG_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s) {
     fg_init();
     if (!fg_real.cuMemFreeAsync_ptsz) return CUDA_ERROR_NOT_INITIALIZED;
     return free_async(p, s, fg_real.cuMemFreeAsync_ptsz);
+}
+
+/* A pool's memory lives on the card its properties name, not necessarily the context's. */
+FG_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props) {
+    fg_init();
+    if (!fg_real.cuMemPoolCreate) return CUDA_ERROR_NOT_INITIALIZED;
+    CUresult r = fg_real.cuMemPoolCreate(pool, props);
+    if (r != CUDA_SUCCESS || !ENFORCED() || !pool || !props) return r;
+    int dev = FG_NO_CONTEXT;
+    if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+        dev = fg_device_index(props->location.id);
+        if (dev < 0) dev = FG_NOT_GRANTED;
+    }
+    pthread_mutex_lock(&pools_mu);
+    fg_pool *fp = pool_find(*pool, dev, true);
+    pthread_mutex_unlock(&pools_mu);
+    if (!fp) {
+        /* Untracked, its growth could not be charged to the right card. */
+        fg_real.cuMemPoolDestroy(*pool);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    return r;
 }
 
 FG_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep) {

@@ -287,7 +287,7 @@ static void usage(void) {
             "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
             "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
             "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n"
-            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy\n");
+            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy poolon:DEV:N\n");
     exit(2);
 }
 
@@ -363,6 +363,18 @@ int main(int argc, char **argv) {
             CUresult r = api.cuMemAllocAsync(&d, a, NULL);
             if (r == CUDA_SUCCESS) push(L_ASYNC, d);
             printf("async %d\n", r);
+        } else if (sscanf(op, "poolon:%llu:%llu", &a, &b) == 2) {
+            /* A pool on card a (whichever card the context is on), one allocation of b. */
+            CUmemPoolProps props;
+            memset(&props, 0, sizeof props);
+            props.allocType = 1;
+            props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = (int)a;
+            CUmemoryPool p;
+            CUdeviceptr d;
+            CUresult r = api.cuMemPoolCreate(&p, &props);
+            if (r == CUDA_SUCCESS) r = api.cuMemAllocFromPoolAsync(&d, b, p, NULL);
+            printf("poolon %d\n", r);
         } else if (sscanf(op, "pool:%llu", &a) == 1) {
             if (!pool) {
                 CUmemPoolProps props;
