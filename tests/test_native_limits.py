@@ -96,7 +96,8 @@ HOSTILE: list[tuple[str, bytes]] = [
 def test_hostile_files_are_refused_by_both_readers(kit: Kit, name: str, content: bytes) -> None:
     path = kit.write_raw_limits(content)
     rc, out = c_reads(kit, path)
-    assert rc == 2 and out.startswith("invalid "), out
+    assert rc == 2, out
+    assert out.startswith("invalid "), out
     with pytest.raises((LimitsError, UnicodeDecodeError)):
         Limits.parse(content.decode("ascii"))
 
@@ -136,7 +137,8 @@ def test_an_unusable_accounting_directory_refuses_memory(kit: Kit) -> None:
     kit.shared_dir.write_text("not a directory")
     out = kit.probe("init", "alloc:1")
     assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
-    assert len(out.hook_messages) == 1 and "accounting" in out.hook_messages[0]
+    (message,) = out.hook_messages
+    assert "accounting" in message
 
 
 def test_a_foreign_accounting_region_is_not_trusted(kit: Kit) -> None:
