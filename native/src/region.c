@@ -414,12 +414,14 @@ void fg_region_close(void) {
     atomic_store(&closed, true);
     if (a_child_of_the_owner() || atomic_load(&need_slots)) return; /* the slots are not ours */
     int n = atomic_load(&nmaps);
+    /* Frees made later (by other exit handlers) find no region: they charge and release
+     * nothing, and touch no slot that is not this process's any more. */
+    atomic_store(&nmaps, 0);
     for (int k = 0; k < n; k++) {
         if (maps[k].slot < 0) continue;
         fg_slot *s = &maps[k].r->slots[maps[k].slot];
         zero_slot(s);
         atomic_store(&s->pid, 0);
-        maps[k].slot = -1;
     }
 }
 
