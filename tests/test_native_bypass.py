@@ -413,3 +413,12 @@ def test_a_pool_on_the_granted_card_is_charged_there(kit: Kit) -> None:
     out = kit.probe("init", f"poolon:0:{MIB}", "info", env={"FAKE_CUDA_DEVICES": "2"})
     assert out.rcs("poolon") == [0]
     assert out.one("info")[1] == LIMIT - CHUNK  # the pool grows by one 32 MiB chunk
+
+
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
+def test_imported_vmm_memory_is_held_by_its_mappings(kit: Kit, hooked: bool) -> None:
+    # Export, import as a second handle, release the first, map the second: the memory lives on
+    # in the importer's mapping. The exporter keeps its charge and the mapping is charged too
+    # (twice while both live: less for the container, never more).
+    out = kit.probe("init", f"vmmimport:{CHUNK}:10", hooked=hooked)
+    assert got(out, "vmmimport") == (LIMIT // (2 * CHUNK) if hooked else 10)

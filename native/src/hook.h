@@ -40,12 +40,13 @@ extern fg_state fg;
     X(cuMemFree_v2) X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) X(cuMemAllocFromPoolAsync)      \
     X(cuMemAllocFromPoolAsync_ptsz) X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz)                   \
     X(cuMemPoolCreate) X(cuMemPoolTrimTo) X(cuMemPoolDestroy) X(cuMemCreate) X(cuMemRelease)   \
-    X(cuMemMap) X(cuMemUnmap) X(cuArrayCreate_v2) X(cuArray3DCreate_v2) X(cuArrayCreate)       \
-    X(cuArray3DCreate) X(cuMemAllocPitch) X(cuArrayDestroy) X(cuMipmappedArrayCreate)          \
-    X(cuMipmappedArrayDestroy) X(cuMemGetInfo) X(cuMemGetInfo_v2) X(cuDeviceTotalMem)          \
-    X(cuDeviceTotalMem_v2) X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx)        \
-    X(cuLaunchKernelEx_ptsz) X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz)    \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz)              \
+    X(cuMemMap) X(cuMemUnmap) X(cuMemExportToShareableHandle) X(cuArrayCreate_v2)              \
+    X(cuArray3DCreate_v2) X(cuArrayCreate) X(cuArray3DCreate) X(cuMemAllocPitch)               \
+    X(cuArrayDestroy) X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) X(cuMemGetInfo)     \
+    X(cuMemGetInfo_v2) X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuLaunchKernel)            \
+    X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz)                        \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) X(cuGraphLaunch)            \
+    X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz)                               \
     X(cuGraphInstantiateWithFlags) X(cuGraphInstantiateWithParams)                             \
     X(cuGraphInstantiateWithParams_ptsz) X(cuGraphInstantiate_v2) X(cuGraphExecDestroy)        \
     X(cuDeviceGraphMemTrim) X(cuModuleLoadData) X(cuModuleLoadDataEx) X(cuModuleUnload)        \
@@ -58,7 +59,7 @@ extern fg_state fg;
 /* Driver functions the hook calls but does not replace. */
 #define FG_CUDA_USED(X)                                                                        \
     X(cuCtxGetDevice) X(cuCtxGetCurrent) X(cuDeviceGetUuid) X(cuDeviceGetMemPool)              \
-    X(cuMemPoolGetAttribute)                                                                   \
+    X(cuMemPoolGetAttribute) X(cuMemGetAllocationPropertiesFromHandle)                         \
     X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphMemAllocNodeGetParams)                   \
     X(cuDeviceGetGraphMemAttribute)
 

@@ -518,6 +518,7 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
     if (r == CUDA_SUCCESS) {
         *h = next_handle++;
         add_locked(*h, A_VMM, prop->location.id, bytes, NULL);
+        allocs[nallocs - 1].handle = *h; /* its physical memory: its own */
     }
     pthread_mutex_unlock(&mu);
     return r;
@@ -526,8 +527,63 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
  * and no mapping of it is left, whichever comes last. */
 static void vmm_maybe_free_locked(alloc_t *h) {
     if (!h->released || h->maps > 0) return;
-    dev_used[h->dev] -= h->bytes;
+    uint64_t backing = h->handle, bytes = h->bytes;
+    int dev = h->dev;
     remove_locked(h);
+    /* Handles imported from an exported one share its memory: the last one frees it. */
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].kind == A_VMM && allocs[i].handle == backing) return;
+    dev_used[dev] -= bytes;
+}
+
+/* Export as a POSIX file descriptor (type 1); the fake's "descriptor" names the memory. */
+EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
+                                             unsigned long long flags) {
+    NEED_INIT();
+    if (!out || type != 1 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (a && !a->released) *(int *)out = (int)a->handle;
+    pthread_mutex_unlock(&mu);
+    return a && !a->released ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* A new handle to the same physical memory (the descriptor is passed by value, as for the
+ * driver). */
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os,
+                                               int type) {
+    NEED_INIT();
+    if (!h || type != 1) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t backing = (uint64_t)(uintptr_t)os;
+    pthread_mutex_lock(&mu);
+    alloc_t *src = NULL;
+    for (size_t i = 0; i < nallocs && !src; i++)
+        if (allocs[i].kind == A_VMM && allocs[i].handle == backing) src = &allocs[i];
+    if (src) {
+        int dev = src->dev;
+        uint64_t bytes = src->bytes;
+        *h = next_handle++;
+        add_locked(*h, A_VMM, dev, bytes, NULL);
+        allocs[nallocs - 1].handle = backing;
+    }
+    pthread_mutex_unlock(&mu);
+    return src ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                       CUmemGenericAllocationHandle h) {
+    NEED_INIT();
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (a) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = 1;
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = a->dev;
+    }
+    pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
@@ -1139,6 +1195,8 @@ static const proc procs[] = {
     P(cuMemPoolDestroy, 11020), P(cuMemPoolGetAttribute, 11020), P(cuMemPoolTrimTo, 11020),
     P(cuMemCreate, 10020), P(cuMemRelease, 10020), P(cuMemAddressReserve, 10020),
     P(cuMemAddressFree, 10020), P(cuMemMap, 10020), P(cuMemUnmap, 10020),
+    P(cuMemExportToShareableHandle, 10020), P(cuMemImportFromShareableHandle, 10020),
+    P(cuMemGetAllocationPropertiesFromHandle, 10020),
     {"cuArrayCreate", 2000, false, (void *)cuArrayCreate},
     {"cuArrayCreate", 3020, false, (void *)cuArrayCreate_v2},
     {"cuArray3DCreate", 2000, false, (void *)cuArray3DCreate},

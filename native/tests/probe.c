@@ -31,6 +31,7 @@ static struct {
     F(cuStreamBeginCapture_v2); F(cuStreamEndCapture); F(cuGraphAddMemAllocNode);
     F(cuDeviceGraphMemTrim); F(cuModuleLoad); F(cuModuleLoadFatBinary); F(cuLibraryLoadData);
     F(cuLibraryLoadFromFile); F(cuLibraryUnload); F(cuCtxDestroy_v2);
+    F(cuMemExportToShareableHandle); F(cuMemImportFromShareableHandle);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -59,6 +60,7 @@ static void load(const char *mode) {
     D(cuStreamBeginCapture_v2) D(cuStreamEndCapture) D(cuGraphAddMemAllocNode)
     D(cuDeviceGraphMemTrim) D(cuModuleLoad) D(cuModuleLoadFatBinary) D(cuLibraryLoadData)
     D(cuLibraryLoadFromFile) D(cuLibraryUnload) D(cuCtxDestroy_v2)
+    D(cuMemExportToShareableHandle) D(cuMemImportFromShareableHandle)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -144,6 +146,8 @@ static void load(const char *mode) {
     R(cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12040);
     R(cuLibraryUnload, "cuLibraryUnload", 12040);
     R(cuCtxDestroy_v2, "cuCtxDestroy", 12040);
+    R(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 12040);
+    R(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -278,6 +282,31 @@ static unsigned vmm_rounds(uint64_t bytes, unsigned rounds, bool unmap) {
     return ok;
 }
 
+/* rounds x (cuMemCreate, export, import the descriptor as a second handle, release the first,
+ * map the imported one, release it): what another process importing the memory would do; the
+ * mappings stay. The number of rounds that got their memory mapped. */
+static unsigned vmm_import_rounds(uint64_t bytes, unsigned rounds) {
+    unsigned ok = 0;
+    for (unsigned k = 0; k < rounds; k++) {
+        CUmemAllocationProp prop;
+        memset(&prop, 0, sizeof prop);
+        prop.type = 1;
+        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        CUmemGenericAllocationHandle h, imported;
+        CUdeviceptr va;
+        int fd = -1;
+        if (api.cuMemCreate(&h, bytes, &prop, 0) != CUDA_SUCCESS) continue;
+        if (api.cuMemExportToShareableHandle(&fd, h, 1, 0) != CUDA_SUCCESS ||
+            api.cuMemImportFromShareableHandle(&imported, (void *)(intptr_t)fd, 1) != CUDA_SUCCESS ||
+            api.cuMemRelease(h) != CUDA_SUCCESS ||
+            api.cuMemAddressReserve(&va, bytes, 0, 0, 0) != CUDA_SUCCESS)
+            die("vmm import");
+        if (api.cuMemMap(va, bytes, 0, imported, 0) == CUDA_SUCCESS) ok++;
+        api.cuMemRelease(imported);
+    }
+    return ok;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: probe {proc|proc-ptds|proc-v1|dlsym} OP...   (probe_direct OP...)\n"
@@ -287,7 +316,8 @@ static void usage(void) {
             "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
             "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
             "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n"
-            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy poolon:DEV:N\n");
+            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy poolon:DEV:N\n"
+            "    vmmimport:N:K\n");
     exit(2);
 }
 
@@ -351,6 +381,8 @@ int main(int argc, char **argv) {
             printf("array3d1 %d\n", r);
         } else if (sscanf(op, "vmmleak:%llu:%llu", &a, &b) == 2) {
             printf("vmmleak %u\n", vmm_rounds(a, (unsigned)b, false));
+        } else if (sscanf(op, "vmmimport:%llu:%llu", &a, &b) == 2) {
+            printf("vmmimport %u\n", vmm_import_rounds(a, (unsigned)b));
         } else if (sscanf(op, "vmmcycle:%llu:%llu", &a, &b) == 2) {
             printf("vmmcycle %u\n", vmm_rounds(a, (unsigned)b, true));
         } else if (sscanf(op, "managed:%llu", &a) == 1) {
