@@ -259,15 +259,21 @@ static long long deep(const char *how, unsigned long long chunk) {
     return fill ? (long long)fill(chunk) : -2;
 }
 
+/* Pinned device memory on card 0, as cuMemCreate takes it. */
+static CUmemAllocationProp device_prop(void) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    return prop;
+}
+
 /* rounds x (cuMemCreate, reserve, cuMemMap, cuMemRelease, and with unmap also cuMemUnmap and
  * the address range freed); the number of rounds whose cuMemCreate succeeded. */
 static unsigned vmm_rounds(uint64_t bytes, unsigned rounds, bool unmap) {
     unsigned ok = 0;
     for (unsigned k = 0; k < rounds; k++) {
-        CUmemAllocationProp prop;
-        memset(&prop, 0, sizeof prop);
-        prop.type = 1;
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        CUmemAllocationProp prop = device_prop();
         CUmemGenericAllocationHandle h;
         CUdeviceptr va;
         if (api.cuMemCreate(&h, bytes, &prop, 0) != CUDA_SUCCESS) continue;
@@ -288,10 +294,7 @@ static unsigned vmm_rounds(uint64_t bytes, unsigned rounds, bool unmap) {
 static unsigned vmm_import_rounds(uint64_t bytes, unsigned rounds) {
     unsigned ok = 0;
     for (unsigned k = 0; k < rounds; k++) {
-        CUmemAllocationProp prop;
-        memset(&prop, 0, sizeof prop);
-        prop.type = 1;
-        prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        CUmemAllocationProp prop = device_prop();
         CUmemGenericAllocationHandle h, imported;
         CUdeviceptr va;
         int fd = -1;
@@ -420,10 +423,7 @@ int main(int argc, char **argv) {
             if (r == CUDA_SUCCESS) push(L_ASYNC, d);
             printf("pool %d\n", r);
         } else if (sscanf(op, "vmm:%llu", &a) == 1) {
-            CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = 1;
-            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUmemAllocationProp prop = device_prop();
             CUmemGenericAllocationHandle h;
             CUresult r = api.cuMemCreate(&h, a, &prop, 0);
             if (r == CUDA_SUCCESS) push(L_VMM, h);
