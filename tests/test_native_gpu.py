@@ -4,8 +4,13 @@
 
 Builds the release-flag hook pointed at a temporary limits directory, writes a limits file for
 card 0 with the contract's writer, and runs PyTorch under LD_PRELOAD: a 4 GiB share must read as
-4 GiB from torch.cuda.mem_get_info and run out of memory near 4 GiB; a 30 % compute share must
-run a matmul loop, and a CUDA graph replay of it, at about 30 % of the unthrottled speed.
+4 GiB from torch.cuda.mem_get_info and run out of memory near 4 GiB, whichever way PyTorch takes
+device memory (its caching allocator over cudaMalloc, the cudaMallocAsync backend over
+stream-ordered pools, expandable segments over the VMM calls cuMemCreate/cuMemMap) and with the
+driver preloaded ahead of the hook; a CUDA graph whose capture allocates more than the share
+(graph memory nodes, under the cudaMallocAsync backend) must fail to replay; a 30 % compute
+share must run a matmul loop, and a CUDA graph replay of it, at about 30 % of the unthrottled
+speed.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import importlib.util
 import json
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import pytest
 
@@ -50,9 +55,12 @@ def kit() -> Iterator[Kit]:
     k.reset()
 
 
-def run_torch(kit: Kit, script: str, timeout: float = 300) -> dict[str, float]:
+def run_torch(
+    kit: Kit, script: str, timeout: float = 300, extra: Mapping[str, str] | None = None
+) -> dict[str, float]:
     # The real driver, not the fakes: no LD_LIBRARY_PATH, only the hook preloaded.
     env = {k: v for k, v in kit.env(hooked=True).items() if k != "LD_LIBRARY_PATH"}
+    env.update(extra or {})
     proc = subprocess.run(
         [sys.executable, "-c", script],
         env=env,
@@ -79,12 +87,71 @@ print(json.dumps({"total": total, "free": free, "allocated": len(blocks) * (64 <
 """
 
 
-def test_pytorch_sees_the_share_and_runs_out_of_memory_near_it(kit: Kit) -> None:
+# How PyTorch takes device memory: each reaches the driver through other entry points.
+ALLOCATORS = [
+    pytest.param({}, id="caching-allocator-cuMemAlloc"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, id="cudaMallocAsync"),
+    pytest.param({"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}, id="expandable-vmm"),
+]
+
+
+@pytest.mark.parametrize("conf", ALLOCATORS)
+def test_pytorch_sees_the_share_and_runs_out_of_memory_near_it(
+    kit: Kit, conf: dict[str, str]
+) -> None:
     assert UUID is not None
     kit.write_limits(4 * GIB, 100, devices=(UUID,))
-    out = run_torch(kit, MEMORY)
+    out = run_torch(kit, MEMORY, extra=conf)
     assert out["total"] == 4 * GIB
     assert 3 * GIB <= out["allocated"] <= 4 * GIB
+
+
+def test_the_driver_preloaded_ahead_of_the_hook_is_still_held(kit: Kit) -> None:
+    # As a pod may set it: LD_PRELOAD names the driver, and the hook comes after it.
+    assert UUID is not None
+    kit.write_limits(4 * GIB, 100, devices=(UUID,))
+    out = run_torch(kit, MEMORY, extra={"LD_PRELOAD": f"libcuda.so.1 {kit.hook}"})
+    assert out["total"] == 4 * GIB
+    assert out["allocated"] <= 4 * GIB
+
+
+GRAPH = """
+import json, os, torch
+x = torch.ones(1024, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    y = x * 2  # warm-up outside the capture, as torch.cuda.graph wants
+torch.cuda.current_stream().wait_stream(side)
+g = torch.cuda.CUDAGraph()
+replayed = 0
+try:
+    with torch.cuda.graph(g):
+        big = torch.empty(int(os.environ["GRAPH_BYTES"]), dtype=torch.uint8, device="cuda")
+        big.fill_(1)
+    g.replay()
+    torch.cuda.synchronize()
+    replayed = 1
+except RuntimeError:  # out of memory at instantiation or launch
+    pass
+print(json.dumps({"replayed": replayed}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("gib", "replayed"),
+    [pytest.param(6, 0, id="beyond-the-share"), pytest.param(1, 1, id="within-the-share")],
+)
+def test_graph_memory_nodes_beyond_the_share_do_not_replay(
+    kit: Kit, gib: int, replayed: int
+) -> None:
+    # Under the cudaMallocAsync backend an allocation inside torch.cuda.graph is captured as a
+    # graph memory node: nothing is allocated until the graph is launched.
+    assert UUID is not None
+    kit.write_limits(4 * GIB, 100, devices=(UUID,))
+    extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "GRAPH_BYTES": str(gib * GIB)}
+    out = run_torch(kit, GRAPH, extra=extra)
+    assert out["replayed"] == replayed
 
 
 SPEED = """

@@ -107,4 +107,5 @@ def test_a_card_outside_the_grant_is_named_once(kit: Kit) -> None:
     kit.write_limits(MIB, devices=("GPU-00000000-0000-0000-0000-000000000000",))
     out = kit.probe("init", "alloc:1", "alloc:1", "info")
     (message,) = out.hook_messages
-    assert "GPU-10111213-1415-1617-1819-1a1b1c1d1e00" in message and "not in the limits" in message
+    assert "GPU-10111213-1415-1617-1819-1a1b1c1d1e00" in message
+    assert "not in the limits" in message

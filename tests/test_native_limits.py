@@ -4,6 +4,7 @@ the same thing, hostile files never crash the hook, and no file means a pure pas
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -95,7 +96,8 @@ HOSTILE: list[tuple[str, bytes]] = [
 def test_hostile_files_are_refused_by_both_readers(kit: Kit, name: str, content: bytes) -> None:
     path = kit.write_raw_limits(content)
     rc, out = c_reads(kit, path)
-    assert rc == 2 and out.startswith("invalid "), out
+    assert rc == 2, out
+    assert out.startswith("invalid "), out
     with pytest.raises((LimitsError, UnicodeDecodeError)):
         Limits.parse(content.decode("ascii"))
 
@@ -135,7 +137,8 @@ def test_an_unusable_accounting_directory_refuses_memory(kit: Kit) -> None:
     kit.shared_dir.write_text("not a directory")
     out = kit.probe("init", "alloc:1")
     assert out.rcs("alloc") == [CUDA_ERROR_OUT_OF_MEMORY]
-    assert len(out.hook_messages) == 1 and "accounting" in out.hook_messages[0]
+    (message,) = out.hook_messages
+    assert "accounting" in message
 
 
 def test_a_foreign_accounting_region_is_not_trusted(kit: Kit) -> None:
@@ -146,8 +149,18 @@ def test_a_foreign_accounting_region_is_not_trusted(kit: Kit) -> None:
     assert "unknown layout" in out.hook_messages[0]
 
 
+def leave_the_container(kit: Kit) -> None:
+    """What a process outside any fracgpu container sees: neither directory the device plugin
+    mounts exists (and the kit's hook is not at the installed path)."""
+    shutil.rmtree(kit.limits_dir)
+    shutil.rmtree(kit.shared_dir)
+
+
 @pytest.mark.parametrize("mode", ["proc", "dlsym", "direct"])
-def test_without_a_limits_file_the_hook_passes_everything_through(kit: Kit, mode: str) -> None:
+def test_outside_a_fracgpu_container_the_hook_passes_everything_through(
+    kit: Kit, mode: str
+) -> None:
+    leave_the_container(kit)
     out = kit.probe(
         "init", "info", "total", "nvml", f"alloc:{CARD - MIB}", "alloc:1", "freeall", mode=mode
     )
@@ -163,6 +176,7 @@ def test_the_limits_file_is_read_from_the_compiled_path_only(kit: Kit, tmp_path:
     # Variables a user controls change nothing: the release build has no override at all, and
     # this test build only knows the directory it was compiled with.
     Limits((FAKE_UUID,), 10 * MIB, 100).write_atomic(tmp_path)
+    leave_the_container(kit)
     out = kit.probe(
         "init",
         "info",

@@ -28,6 +28,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned int CUdeviceptr_v1;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUmod_st *CUmodule;
+typedef struct CUlib_st *CUlibrary;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUstream_st *CUstream;
 typedef struct CUarray_st *CUarray;
@@ -35,6 +36,7 @@ typedef struct CUmipmappedArray_st *CUmipmappedArray;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphNode_st *CUgraphNode;
 typedef unsigned long long CUmemGenericAllocationHandle;
 
 typedef struct {
@@ -68,6 +70,23 @@ typedef struct {
     unsigned int NumChannels;
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR;
+
+/* The 32-bit descriptors of the legacy (before CUDA 3.2) cuArrayCreate and cuArray3DCreate. */
+typedef struct {
+    unsigned int Width;
+    unsigned int Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR_v1;
+
+typedef struct {
+    unsigned int Width;
+    unsigned int Height;
+    unsigned int Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR_v1;
 
 enum { CU_MEM_LOCATION_TYPE_DEVICE = 1 };
 typedef struct {
@@ -104,6 +123,35 @@ enum {
     CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
     CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
 };
+
+typedef int CUgraphNodeType;
+enum { CU_GRAPH_NODE_TYPE_KERNEL = 0, CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+       CU_GRAPH_NODE_TYPE_MEM_FREE = 11 };
+
+typedef int CUgraphMem_attribute;
+enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
+};
+
+typedef struct {
+    CUmemLocation location;
+    int flags;
+} CUmemAccessDesc;
+
+typedef struct {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr; /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef int CUstreamCaptureMode;
+typedef int CUstreamCaptureStatus;
+enum { CU_STREAM_CAPTURE_STATUS_NONE = 0, CU_STREAM_CAPTURE_STATUS_ACTIVE = 1 };
 
 typedef struct {
     int id;
@@ -145,6 +193,7 @@ CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice dev);
 CUresult cuCtxDestroy_v2(CUcontext ctx);
 CUresult cuCtxSetCurrent(CUcontext ctx);
 CUresult cuCtxGetDevice(CUdevice *device);
+CUresult cuCtxGetCurrent(CUcontext *ctx);
 CUresult cuCtxSynchronize(void);
 CUresult cuMemGetInfo(unsigned int *free_bytes, unsigned int *total_bytes);
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total_bytes);
@@ -152,6 +201,8 @@ CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize);
 CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
 CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height,
                             unsigned int element_size);
+CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width,
+                         unsigned int height, unsigned int element_size);
 CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
 CUresult cuMemFree(CUdeviceptr_v1 dptr);
 CUresult cuMemFree_v2(CUdeviceptr dptr);
@@ -172,6 +223,20 @@ CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t min_bytes_to_keep);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                      const CUmemAllocationProp *prop, unsigned long long flags);
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size);
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags);
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+CUresult cuMemExportToShareableHandle(void *shareable, CUmemGenericAllocationHandle handle,
+                                      int type, unsigned long long flags);
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *os_handle,
+                                        int type);
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                CUmemGenericAllocationHandle handle);
+CUresult cuArrayCreate(CUarray *array, const CUDA_ARRAY_DESCRIPTOR_v1 *desc);
+CUresult cuArray3DCreate(CUarray *array, const CUDA_ARRAY3D_DESCRIPTOR_v1 *desc);
 CUresult cuArrayCreate_v2(CUarray *array, const CUDA_ARRAY_DESCRIPTOR *desc);
 CUresult cuArray3DCreate_v2(CUarray *array, const CUDA_ARRAY3D_DESCRIPTOR *desc);
 CUresult cuArrayDestroy(CUarray array);
@@ -179,6 +244,29 @@ CUresult cuMipmappedArrayCreate(CUmipmappedArray *array, const CUDA_ARRAY3D_DESC
                                 unsigned int levels);
 CUresult cuMipmappedArrayDestroy(CUmipmappedArray array);
 CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int n, int *options,
+                            void **values);
+CUresult cuModuleUnload(CUmodule module);
+CUresult cuModuleLoad(CUmodule *module, const char *path);
+CUresult cuModuleLoadFatBinary(CUmodule *module, const void *fatbin);
+CUresult cuLibraryLoadData(CUlibrary *library, const void *code, int *jit_options,
+                           void **jit_values, unsigned int njit, int *library_options,
+                           void **library_values, unsigned int nlibrary);
+CUresult cuLibraryLoadFromFile(CUlibrary *library, const char *path, int *jit_options,
+                               void **jit_values, unsigned int njit, int *library_options,
+                               void **library_values, unsigned int nlibrary);
+CUresult cuLibraryUnload(CUlibrary library);
+CUresult cuStreamCreate(CUstream *stream, unsigned int flags);
+CUresult cuStreamDestroy_v2(CUstream stream);
+CUresult cuStreamBeginCapture_v2(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture(CUstream stream, CUgraph *graph);
+/* The other exported capture names: the 10.0 form takes the stream alone (a mode passed on is
+ * ignored), the _ptsz forms are the per-thread default stream variants. */
+CUresult cuStreamBeginCapture(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamBeginCapture_ptsz(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamBeginCapture_v2_ptsz(CUstream stream, CUstreamCaptureMode mode);
+CUresult cuStreamEndCapture_ptsz(CUstream stream, CUgraph *graph);
+CUresult cuStreamIsCapturing(CUstream stream, CUstreamCaptureStatus *status);
 CUresult cuModuleGetFunction(CUfunction *fn, CUmodule module, const char *name);
 #define FRACGPU_LAUNCH_PARAMS                                                                  \
     CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,           \
@@ -193,6 +281,27 @@ CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *config, CUfunction f, void 
                                void **extra);
 CUresult cuGraphCreate(CUgraph *graph, unsigned int flags);
 CUresult cuGraphInstantiateWithFlags(CUgraphExec *exec, CUgraph graph, unsigned long long flags);
+CUresult cuGraphInstantiateWithParams(CUgraphExec *exec, CUgraph graph, void *params);
+CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *exec, CUgraph graph, void *params);
+CUresult cuGraphInstantiate_v2(CUgraphExec *exec, CUgraph graph, CUgraphNode *error_node,
+                               char *log, size_t log_size);
+/* The exported name of the 10.0 form (error node, log, size); CUDA 12 headers map the name to
+ * cuGraphInstantiateWithFlags instead, whose flags travel where the error node did. */
+CUresult cuGraphInstantiate(CUgraphExec *exec, CUgraph graph, CUgraphNode *error_node, char *log,
+                            size_t log_size);
+CUresult cuGraphExecDestroy(CUgraphExec exec);
+CUresult cuGraphDestroy(CUgraph graph);
+CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                                size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *params);
+CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph graph, const CUgraphNode *deps,
+                               size_t ndeps, CUdeviceptr dptr);
+CUresult cuGraphGetNodes(CUgraph graph, CUgraphNode *nodes, size_t *count);
+CUresult cuGraphNodeGetType(CUgraphNode node, CUgraphNodeType *type);
+CUresult cuGraphMemAllocNodeGetParams(CUgraphNode node, CUDA_MEM_ALLOC_NODE_PARAMS *params);
+CUresult cuGraphUpload(CUgraphExec exec, CUstream stream);
+CUresult cuGraphUpload_ptsz(CUgraphExec exec, CUstream stream);
+CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr, void *value);
+CUresult cuDeviceGraphMemTrim(CUdevice dev);
 CUresult cuGraphLaunch(CUgraphExec exec, CUstream stream);
 CUresult cuGraphLaunch_ptsz(CUgraphExec exec, CUstream stream);
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cuda_version, cuuint64_t flags);

@@ -1,4 +1,4 @@
-/* Reads the limits file the device plugin writes (format: deviceplugin/contract.py).
+/* Reads the limits file the device plugin writes (format: core/contract.py).
  *
  * Strict on purpose: the file is machine-written, so anything unexpected (unknown or repeated
  * keys, signs, spaces inside numbers, overflow, a second version) means corruption or tampering,

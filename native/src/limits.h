@@ -1,4 +1,4 @@
-/* The limits file reader: the C half of deviceplugin/contract.py (format version 1). */
+/* The limits file reader: the C half of core/contract.py (format version 1). */
 #ifndef FRACGPU_LIMITS_H
 #define FRACGPU_LIMITS_H
 

@@ -171,16 +171,3 @@ FG_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, 
     return fg_real.cuLaunchKernelEx_ptsz ? fg_real.cuLaunchKernelEx_ptsz(c, f, params, extra)
                                          : CUDA_ERROR_NOT_INITIALIZED;
 }
-
-FG_EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s) {
-    fg_init();
-    if (FG_UNLIKELY(fg.throttle)) fg_throttle_acquire();
-    return fg_real.cuGraphLaunch ? fg_real.cuGraphLaunch(g, s) : CUDA_ERROR_NOT_INITIALIZED;
-}
-
-FG_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s) {
-    fg_init();
-    if (FG_UNLIKELY(fg.throttle)) fg_throttle_acquire();
-    return fg_real.cuGraphLaunch_ptsz ? fg_real.cuGraphLaunch_ptsz(g, s)
-                                      : CUDA_ERROR_NOT_INITIALIZED;
-}

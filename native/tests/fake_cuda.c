@@ -4,9 +4,19 @@
  * CUDA_ERROR_INVALID_CONTEXT, unknown pointers and handles are rejected, and device memory runs
  * out at the simulated card's size.
  *
+ * Linked -Bsymbolic: its entry points that call one another (the _ptsz forms, cuModuleLoad) do
+ * so inside the library, not through whatever a preloaded library exports under the same name.
+ *
  * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
  * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
- * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4). */
+ * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4),
+ * FAKE_CUDA_NO_GRAPH_NODES (0; 1: cuGraphGetNodes is not supported).
+ *
+ * Graph memory as the driver documents it: memory nodes (added explicitly, or recorded by
+ * stream capture of cuMemAllocAsync) take nothing until the graph is launched; then they come
+ * from a per-card graph pool that grows in chunks and keeps what it reserved until
+ * cuDeviceGraphMemTrim. A module image "fake globals=N" holds N bytes of device globals from
+ * cuModuleLoadData until cuModuleUnload. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -32,13 +42,27 @@ struct CUctx_st { unsigned magic; int dev; };
 struct CUmemPoolHandle_st { unsigned magic; int dev; uint64_t reserved, used; };
 struct CUarray_st { unsigned magic; int dev; uint64_t bytes; };
 struct CUmipmappedArray_st { unsigned magic; int dev; uint64_t bytes; };
-struct CUmod_st { unsigned magic; };
+#define MAGIC_NODE 0x4e4f4431u
+#define MAGIC_STREAM 0x53545231u
+#define MAX_NODES 64
+struct CUmod_st { unsigned magic; int dev; uint64_t bytes; };
+struct CUlib_st { unsigned magic; int dev; uint64_t bytes; };
+#define MAGIC_LIB 0x4c494231u
 struct CUfunc_st { unsigned magic; };
-struct CUgraph_st { unsigned magic; };
-struct CUgraphExec_st { unsigned magic; unsigned kernels; };
+struct CUgraphNode_st { unsigned magic; CUgraphNodeType type; uint64_t bytes; CUdeviceptr dptr; };
+struct CUgraph_st { unsigned magic; int dev; size_t n; struct CUgraphNode_st nodes[MAX_NODES]; };
+struct CUgraphExec_st {
+    unsigned magic; unsigned kernels; int dev; size_t n; struct CUgraphNode_st nodes[MAX_NODES];
+};
+struct CUstream_st { unsigned magic; CUgraph capture; };
 
-typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM } akind;
-typedef struct { uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool; } alloc_t;
+typedef enum { A_PTR = 1, A_PTR_V1, A_POOL, A_VMM, A_VA, A_MAP, A_GRAPH } akind;
+/* A_VMM: maps counts live mappings, released once cuMemRelease was called; A_MAP: a mapping
+ * at key of bytes, of handle; A_VA: a reserved address range. */
+typedef struct {
+    uint64_t key; akind kind; int dev; uint64_t bytes; CUmemoryPool pool;
+    uint64_t handle; int maps; bool released; CUcontext ctx;
+} alloc_t;
 
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
 static atomic_bool initialised;
@@ -52,6 +76,7 @@ static struct CUmemPoolHandle_st default_pool[MAX_DEV];
 static struct CUmemPoolHandle_st *current_pool[MAX_DEV];
 static _Thread_local CUcontext current;
 static uint64_t kernel_ns, queue_ns = 20000000ull;
+static uint64_t graph_reserved[MAX_DEV], graph_used[MAX_DEV];
 static unsigned graph_kernels = 4;
 
 /* The simulated clock: the card runs kernels one after another; busy intervals are kept so NVML
@@ -156,9 +181,23 @@ EXPORT CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned int flags, CUdevice d) {
     return CUDA_SUCCESS;
 }
 
+static void remove_locked(alloc_t *a);
+
+/* As the driver does, destroying a context frees the linear memory allocated in it. */
 EXPORT CUresult cuCtxDestroy_v2(CUcontext c) {
     NEED_INIT();
     if (!c || c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < nallocs;) {
+        alloc_t *a = &allocs[i];
+        if ((a->kind == A_PTR || a->kind == A_PTR_V1) && a->ctx == c) {
+            dev_used[a->dev] -= a->bytes;
+            remove_locked(a);
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&mu);
     c->magic = 0;
     if (current == c) current = NULL;
     free(c);
@@ -169,6 +208,13 @@ EXPORT CUresult cuCtxSetCurrent(CUcontext c) {
     NEED_INIT();
     if (c && c->magic != MAGIC_CTX) return CUDA_ERROR_INVALID_CONTEXT;
     current = c;
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuCtxGetCurrent(CUcontext *c) {
+    NEED_INIT();
+    if (!c) return CUDA_ERROR_INVALID_VALUE;
+    *c = current;
     return CUDA_SUCCESS;
 }
 
@@ -192,7 +238,7 @@ static void add_locked(uint64_t key, akind kind, int dev, uint64_t bytes, CUmemo
         capallocs = capallocs ? capallocs * 2 : 64;
         allocs = realloc(allocs, capallocs * sizeof *allocs);
     }
-    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool};
+    allocs[nallocs++] = (alloc_t){key, kind, dev, bytes, pool, 0, 0, false, current};
 }
 
 static void remove_locked(alloc_t *a) { *a = allocs[--nallocs]; }
@@ -254,11 +300,26 @@ EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *p, size_t *pitch, size_t w, size
     if (r == CUDA_SUCCESS) *pitch = pt;
     return r;
 }
+EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *p, unsigned int *pitch, unsigned int w,
+                                unsigned int h, unsigned int elem) {
+    NEED_CTX();
+    if (!p || !pitch || w == 0 || h == 0 || (elem != 4 && elem != 8 && elem != 16))
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t pt = ((uint64_t)w + 511) & ~511ull;
+    if (pt > 0xffffffffu) return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr wide = 0;
+    CUresult r = alloc_ptr(&wide, pt * h, A_PTR_V1);
+    if (r == CUDA_SUCCESS) {
+        *p = (CUdeviceptr_v1)wide;
+        *pitch = (unsigned)pt;
+    }
+    return r;
+}
 static CUresult free_pool_allocation(CUdeviceptr d);
 EXPORT CUresult cuMemFree_v2(CUdeviceptr p) {
     if (p == 0) return atomic_load(&initialised) ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
     CUresult r = free_key(p, A_PTR, CUDA_ERROR_INVALID_VALUE);
-    /* As with cudaFree, stream-ordered memory may be freed here too. */
+    /* As with cudaFree, stream-ordered (and graph) memory may be freed here too. */
     return r == CUDA_ERROR_INVALID_VALUE ? free_pool_allocation(p) : r;
 }
 EXPORT CUresult cuMemFree(CUdeviceptr_v1 p) {
@@ -383,8 +444,16 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool p, CUst
     return r;
 }
 
+static CUresult free_pool_allocation(CUdeviceptr d);
+static bool capturing(CUstream s);
+static CUresult capture_node(CUstream s, CUgraphNodeType type, uint64_t bytes, CUdeviceptr *d);
+
 EXPORT CUresult cuMemAllocAsync(CUdeviceptr *d, size_t n, CUstream s) {
     NEED_CTX();
+    if (capturing(s)) {
+        if (!d || n == 0) return CUDA_ERROR_INVALID_VALUE;
+        return capture_node(s, CU_GRAPH_NODE_TYPE_MEM_ALLOC, n, d);
+    }
     return pool_alloc(d, n, current_pool[current->dev], s);
 }
 EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s) {
@@ -401,18 +470,35 @@ static CUresult free_pool_allocation(CUdeviceptr d) {
     NEED_INIT();
     pthread_mutex_lock(&mu);
     alloc_t *a = find_locked(d, A_POOL);
-    if (!a) {
-        pthread_mutex_unlock(&mu);
-        return CUDA_ERROR_INVALID_VALUE;
+    if (a) {
+        a->pool->used -= a->bytes; /* stays reserved in the pool until trimmed */
+        remove_locked(a);
+    } else if ((a = find_locked(d, A_GRAPH)) != NULL) {
+        graph_used[a->dev] -= a->bytes; /* stays reserved until cuDeviceGraphMemTrim */
+        remove_locked(a);
     }
-    a->pool->used -= a->bytes; /* stays reserved in the pool until trimmed */
-    remove_locked(a);
     pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+static bool capturing(CUstream s) { return s && s->magic == MAGIC_STREAM && s->capture; }
+
+/* Stream capture records a memory node instead of allocating; its address is fixed now. */
+static CUresult capture_node(CUstream s, CUgraphNodeType type, uint64_t bytes, CUdeviceptr *d) {
+    CUgraph g = s->capture;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    CUdeviceptr p = d && type == CU_GRAPH_NODE_TYPE_MEM_ALLOC ? next_addr : (d ? *d : 0);
+    if (type == CU_GRAPH_NODE_TYPE_MEM_ALLOC) next_addr += (bytes + 511) & ~511ull;
+    pthread_mutex_unlock(&mu);
+    g->nodes[g->n++] = (struct CUgraphNode_st){MAGIC_NODE, type, bytes, p};
+    if (d) *d = p;
     return CUDA_SUCCESS;
 }
 
 /* Frees stream-ordered memory, and cuMemAlloc memory as well (the driver allows both). */
 EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s) {
+    if (capturing(s)) return capture_node(s, CU_GRAPH_NODE_TYPE_MEM_FREE, 0, &d);
     CUresult r = free_pool_allocation(d);
     return r == CUDA_ERROR_INVALID_VALUE ? free_key(d, A_PTR, r) : r;
 }
@@ -432,12 +518,152 @@ EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t bytes,
     if (r == CUDA_SUCCESS) {
         *h = next_handle++;
         add_locked(*h, A_VMM, prop->location.id, bytes, NULL);
+        allocs[nallocs - 1].handle = *h; /* its physical memory: its own */
     }
     pthread_mutex_unlock(&mu);
     return r;
 }
+/* As the driver documents: the physical memory of a handle is freed once the handle is released
+ * and no mapping of it is left, whichever comes last. */
+static void vmm_maybe_free_locked(alloc_t *h) {
+    if (!h->released || h->maps > 0) return;
+    uint64_t backing = h->handle, bytes = h->bytes;
+    int dev = h->dev;
+    remove_locked(h);
+    /* Handles imported from an exported one share its memory: the last one frees it. */
+    for (size_t i = 0; i < nallocs; i++)
+        if (allocs[i].kind == A_VMM && allocs[i].handle == backing) return;
+    dev_used[dev] -= bytes;
+}
+
+/* Export as a POSIX file descriptor (type 1); the fake's "descriptor" names the memory. */
+EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type,
+                                             unsigned long long flags) {
+    NEED_INIT();
+    if (!out || type != 1 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (a && !a->released) *(int *)out = (int)a->handle;
+    pthread_mutex_unlock(&mu);
+    return a && !a->released ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* A new handle to the same physical memory (the descriptor is passed by value, as for the
+ * driver). */
+EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *h, void *os,
+                                               int type) {
+    NEED_INIT();
+    if (!h || type != 1) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t backing = (uint64_t)(uintptr_t)os;
+    pthread_mutex_lock(&mu);
+    alloc_t *src = NULL;
+    for (size_t i = 0; i < nallocs && !src; i++)
+        if (allocs[i].kind == A_VMM && allocs[i].handle == backing) src = &allocs[i];
+    if (src) {
+        int dev = src->dev;
+        uint64_t bytes = src->bytes;
+        *h = next_handle++;
+        add_locked(*h, A_VMM, dev, bytes, NULL);
+        allocs[nallocs - 1].handle = backing;
+    }
+    pthread_mutex_unlock(&mu);
+    return src ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop,
+                                                       CUmemGenericAllocationHandle h) {
+    NEED_INIT();
+    if (!prop) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (a) {
+        memset(prop, 0, sizeof *prop);
+        prop->type = 1;
+        prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+        prop->location.id = a->dev;
+    }
+    pthread_mutex_unlock(&mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
-    return free_key(h, A_VMM, CUDA_ERROR_INVALID_VALUE);
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    if (!a || a->released) {
+        pthread_mutex_unlock(&mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    a->released = true;
+    vmm_maybe_free_locked(a);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t align, CUdeviceptr addr,
+                                    unsigned long long flags) {
+    NEED_INIT();
+    if (!ptr || size == 0 || size % (2u << 20) != 0 || flags != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    next_addr = (next_addr + (2ull << 20) - 1) & ~((2ull << 20) - 1);
+    *ptr = next_addr;
+    next_addr += size;
+    add_locked(*ptr, A_VA, 0, size, NULL);
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(ptr, A_VA);
+    CUresult r = a && a->bytes == size ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) remove_locked(a);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                         CUmemGenericAllocationHandle h, unsigned long long flags) {
+    NEED_INIT();
+    if (size == 0 || flags != 0 || size % (2u << 20) != 0) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    alloc_t *a = find_locked(h, A_VMM);
+    CUresult r = CUDA_SUCCESS;
+    if (!a || a->released || offset + size > a->bytes || find_locked(ptr, A_MAP))
+        r = CUDA_ERROR_INVALID_VALUE;
+    if (r == CUDA_SUCCESS) {
+        a->maps++;
+        add_locked(ptr, A_MAP, a->dev, size, NULL);
+        allocs[nallocs - 1].handle = h;
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+/* Unmaps every mapping that starts in [ptr, ptr + size). */
+EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    NEED_INIT();
+    pthread_mutex_lock(&mu);
+    int found = 0;
+    for (size_t i = 0; i < nallocs;) {
+        alloc_t *m = &allocs[i];
+        if (m->kind != A_MAP || m->key < ptr || m->key - ptr >= size) {
+            i++;
+            continue;
+        }
+        uint64_t h = m->handle;
+        remove_locked(m);
+        found++;
+        alloc_t *a = find_locked(h, A_VMM);
+        if (a) {
+            a->maps--;
+            vmm_maybe_free_locked(a);
+        }
+        i = 0; /* removal moved entries around */
+    }
+    pthread_mutex_unlock(&mu);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- arrays ------------------------------------------------------------------------------- */
@@ -491,6 +717,17 @@ EXPORT CUresult cuArray3DCreate_v2(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR *
                       one(d->Width) * one(d->Height) * one(d->Depth) *
                           texel(d->Format, d->NumChannels));
 }
+EXPORT CUresult cuArrayCreate(CUarray *out, const CUDA_ARRAY_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * texel(d->Format, d->NumChannels));
+}
+EXPORT CUresult cuArray3DCreate(CUarray *out, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d) {
+    if (!d) return CUDA_ERROR_INVALID_VALUE;
+    return make_array((void **)out, MAGIC_ARRAY,
+                      one(d->Width) * one(d->Height) * one(d->Depth) *
+                          texel(d->Format, d->NumChannels));
+}
 EXPORT CUresult cuArrayDestroy(CUarray a) { return drop_array(a, MAGIC_ARRAY); }
 EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *out, const CUDA_ARRAY3D_DESCRIPTOR *d,
                                        unsigned int levels) {
@@ -511,13 +748,109 @@ EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a) {
 
 /* ---- kernels, graphs and the clock -------------------------------------------------------- */
 
-static struct CUmod_st the_module = {MAGIC_MOD};
 static struct CUfunc_st the_function = {MAGIC_FN};
+
+/* Modules, graphs, executable graphs and streams come from fixed tables, as long-lived as the
+ * driver's own objects (the leak checker sees them reachable), and are never reused. */
+#define MAX_OBJECTS 256
+#define TAKE(table, counter) \
+    (atomic_load(&counter) < MAX_OBJECTS ? &table[atomic_fetch_add(&counter, 1) % MAX_OBJECTS] : NULL)
+static struct CUmod_st module_table[MAX_OBJECTS];
+static atomic_int nmodules;
+
+static struct CUlib_st library_table[MAX_OBJECTS];
+static atomic_int nlibraries;
+
+/* The globals an image holds on the card ("fake globals=N"); out of memory when they do not fit. */
+static CUresult take_globals(const void *image, uint64_t *bytes) {
+    const char *text = image, *tag = "fake globals=";
+    *bytes = strncmp(text, tag, strlen(tag)) == 0 ? strtoull(text + strlen(tag), NULL, 10) : 0;
+    pthread_mutex_lock(&mu);
+    CUresult r = take_device_memory_locked(current->dev, *bytes);
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
+static void give_back(int dev, uint64_t bytes) {
+    pthread_mutex_lock(&mu);
+    dev_used[dev] -= bytes;
+    pthread_mutex_unlock(&mu);
+}
 
 EXPORT CUresult cuModuleLoadData(CUmodule *m, const void *image) {
     NEED_CTX();
     if (!m || !image) return CUDA_ERROR_INVALID_VALUE;
-    *m = &the_module;
+    uint64_t bytes;
+    CUresult r = take_globals(image, &bytes);
+    if (r != CUDA_SUCCESS) return r;
+    CUmodule mod = TAKE(module_table, nmodules);
+    if (!mod) {
+        give_back(current->dev, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *mod = (struct CUmod_st){MAGIC_MOD, current->dev, bytes};
+    *m = mod;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadFatBinary(CUmodule *m, const void *fatbin) {
+    return cuModuleLoadData(m, fatbin);
+}
+/* The image a file holds; false when it cannot be read. */
+static bool read_image(const char *path, char *image, size_t size) {
+    FILE *f = path ? fopen(path, "r") : NULL;
+    if (!f) return false;
+    size_t n = fread(image, 1, size - 1, f);
+    fclose(f);
+    image[n] = '\0';
+    return true;
+}
+
+EXPORT CUresult cuModuleLoad(CUmodule *m, const char *path) {
+    NEED_CTX();
+    char image[256];
+    return read_image(path, image, sizeof image) ? cuModuleLoadData(m, image)
+                                                 : CUDA_ERROR_NOT_FOUND;
+}
+EXPORT CUresult cuLibraryLoadData(CUlibrary *lib, const void *code, int *jo, void **jv,
+                                  unsigned int nj, int *lo, void **lv, unsigned int nl) {
+    NEED_CTX();
+    if (!lib || !code) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t bytes;
+    CUresult r = take_globals(code, &bytes);
+    if (r != CUDA_SUCCESS) return r;
+    CUlibrary l = TAKE(library_table, nlibraries);
+    if (!l) {
+        give_back(current->dev, bytes);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *l = (struct CUlib_st){MAGIC_LIB, current->dev, bytes};
+    *lib = l;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuLibraryLoadFromFile(CUlibrary *lib, const char *path, int *jo, void **jv,
+                                      unsigned int nj, int *lo, void **lv, unsigned int nl) {
+    NEED_CTX();
+    char image[256];
+    return read_image(path, image, sizeof image)
+               ? cuLibraryLoadData(lib, image, jo, jv, nj, lo, lv, nl)
+               : CUDA_ERROR_NOT_FOUND;
+}
+EXPORT CUresult cuLibraryUnload(CUlibrary l) {
+    NEED_INIT();
+    if (!l || l->magic != MAGIC_LIB) return CUDA_ERROR_INVALID_HANDLE;
+    give_back(l->dev, l->bytes);
+    l->magic = 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuModuleLoadDataEx(CUmodule *m, const void *image, unsigned int n, int *options,
+                                   void **values) {
+    return cuModuleLoadData(m, image);
+}
+EXPORT CUresult cuModuleUnload(CUmodule m) {
+    NEED_INIT();
+    if (!m || m->magic != MAGIC_MOD) return CUDA_ERROR_INVALID_HANDLE;
+    give_back(m->dev, m->bytes);
+    m->magic = 0;
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name) {
@@ -541,7 +874,7 @@ static CUresult run_work(uint64_t ns) {
         if (n && spans[d][(n - 1) % SPANS].end == start)
             spans[d][(n - 1) % SPANS].end = busy_until[d];
         else
-            spans[d][n % SPANS] = (span){start, busy_until[d]}, nspan[d]++;
+            spans[d][nspan[d]++ % SPANS] = (span){start, busy_until[d]};
     }
     uint64_t ahead = busy_until[d] - now;
     pthread_mutex_unlock(&mu);
@@ -564,6 +897,7 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsi
 }
 
 EXPORT CUresult cuLaunchKernel(FRACGPU_LAUNCH_PARAMS, void **extra) {
+    if (capturing(stream)) return capture_node(stream, CU_GRAPH_NODE_TYPE_KERNEL, 0, NULL);
     return launch(f, gx, gy, gz, bx, by, bz);
 }
 EXPORT CUresult cuLaunchKernel_ptsz(FRACGPU_LAUNCH_PARAMS, void **extra) {
@@ -584,30 +918,212 @@ EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *c, CUfunction f, voi
     return cuLaunchKernelEx(c, f, p, e);
 }
 
-static struct CUgraph_st the_graph = {MAGIC_GRAPH};
+static bool graph_ok(CUgraph g) { return g && g->magic == MAGIC_GRAPH; }
+static struct CUgraph_st graph_table[MAX_OBJECTS];
+static struct CUgraphExec_st exec_table[MAX_OBJECTS];
+static struct CUstream_st stream_table[MAX_OBJECTS];
+static atomic_int ngraphs, nexecs, nstreams;
+
 EXPORT CUresult cuGraphCreate(CUgraph *g, unsigned int flags) {
     NEED_CTX();
     if (!g || flags) return CUDA_ERROR_INVALID_VALUE;
-    *g = &the_graph;
+    CUgraph graph = TAKE(graph_table, ngraphs);
+    if (!graph) return CUDA_ERROR_OUT_OF_MEMORY;
+    graph->magic = MAGIC_GRAPH;
+    graph->dev = current->dev;
+    *g = graph;
     return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphDestroy(CUgraph g) {
+    NEED_INIT();
+    if (!graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    g->magic = 0;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemAllocNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                       size_t ndeps, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
+    NEED_CTX();
+    if (!node || !graph_ok(g) || !p || p->bytesize == 0) return CUDA_ERROR_INVALID_VALUE;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&mu);
+    p->dptr = next_addr;
+    next_addr += (p->bytesize + 511) & ~511ull;
+    pthread_mutex_unlock(&mu);
+    g->nodes[g->n] = (struct CUgraphNode_st){MAGIC_NODE, CU_GRAPH_NODE_TYPE_MEM_ALLOC, p->bytesize,
+                                             p->dptr};
+    *node = &g->nodes[g->n++];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphAddMemFreeNode(CUgraphNode *node, CUgraph g, const CUgraphNode *deps,
+                                      size_t ndeps, CUdeviceptr d) {
+    NEED_CTX();
+    if (!node || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    if (g->n == MAX_NODES) return CUDA_ERROR_OUT_OF_MEMORY;
+    g->nodes[g->n] = (struct CUgraphNode_st){MAGIC_NODE, CU_GRAPH_NODE_TYPE_MEM_FREE, 0, d};
+    *node = &g->nodes[g->n++];
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *count) {
+    NEED_INIT();
+    /* FAKE_CUDA_NO_GRAPH_NODES=1: a driver that cannot list a graph's nodes. */
+    if (env_u64("FAKE_CUDA_NO_GRAPH_NODES", 0)) return CUDA_ERROR_NOT_SUPPORTED;
+    if (!graph_ok(g) || !count) return CUDA_ERROR_INVALID_VALUE;
+    if (!nodes) {
+        *count = g->n;
+        return CUDA_SUCCESS;
+    }
+    size_t k = 0;
+    for (; k < *count && k < g->n; k++) nodes[k] = &g->nodes[k];
+    *count = k;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphNodeGetType(CUgraphNode n, CUgraphNodeType *t) {
+    NEED_INIT();
+    if (!n || n->magic != MAGIC_NODE || !t) return CUDA_ERROR_INVALID_VALUE;
+    *t = n->type;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuGraphMemAllocNodeGetParams(CUgraphNode n, CUDA_MEM_ALLOC_NODE_PARAMS *p) {
+    NEED_INIT();
+    if (!n || n->magic != MAGIC_NODE || n->type != CU_GRAPH_NODE_TYPE_MEM_ALLOC || !p)
+        return CUDA_ERROR_INVALID_VALUE;
+    memset(p, 0, sizeof *p);
+    p->bytesize = n->bytes;
+    p->dptr = n->dptr;
+    return CUDA_SUCCESS;
+}
+
 EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *x, CUgraph g, unsigned long long fl) {
     NEED_CTX();
-    if (!x || !g || g->magic != MAGIC_GRAPH) return CUDA_ERROR_INVALID_VALUE;
-    static struct CUgraphExec_st execs[64];
-    static atomic_int nexec;
-    int k = atomic_fetch_add(&nexec, 1);
-    if (k >= 64) return CUDA_ERROR_OUT_OF_MEMORY;
-    execs[k] = (struct CUgraphExec_st){MAGIC_EXEC, graph_kernels};
-    *x = &execs[k];
+    if (!x || !graph_ok(g)) return CUDA_ERROR_INVALID_VALUE;
+    CUgraphExec e = TAKE(exec_table, nexecs);
+    if (!e) return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = MAGIC_EXEC;
+    e->kernels = graph_kernels;
+    e->dev = g->dev;
+    e->n = g->n;
+    memcpy(e->nodes, g->nodes, sizeof g->nodes);
+    *x = e;
     return CUDA_SUCCESS;
 }
+EXPORT CUresult cuGraphExecDestroy(CUgraphExec x) {
+    NEED_INIT();
+    if (!x || x->magic != MAGIC_EXEC) return CUDA_ERROR_INVALID_VALUE;
+    x->magic = 0;
+    return CUDA_SUCCESS;
+}
+
+/* A launch makes the graph's allocations (refused while the last launch's are still live) from
+ * the card's graph pool, growing it in chunks, then runs its frees. */
+static CUresult graph_memory(CUgraphExec x) {
+    uint64_t need = 0;
+    pthread_mutex_lock(&mu);
+    for (size_t i = 0; i < x->n; i++) {
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) continue;
+        if (find_locked(x->nodes[i].dptr, A_GRAPH)) {
+            pthread_mutex_unlock(&mu);
+            return CUDA_ERROR_INVALID_VALUE;
+        }
+        need += x->nodes[i].bytes;
+    }
+    int d = x->dev;
+    CUresult r = CUDA_SUCCESS;
+    if (graph_used[d] + need > graph_reserved[d]) {
+        uint64_t grow = (graph_used[d] + need - graph_reserved[d] + CHUNK - 1) / CHUNK * CHUNK;
+        r = take_device_memory_locked(d, grow);
+        if (r == CUDA_SUCCESS) graph_reserved[d] += grow;
+    }
+    for (size_t i = 0; r == CUDA_SUCCESS && i < x->n; i++) {
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_ALLOC) continue;
+        graph_used[d] += x->nodes[i].bytes;
+        add_locked(x->nodes[i].dptr, A_GRAPH, d, x->nodes[i].bytes, NULL);
+    }
+    for (size_t i = 0; r == CUDA_SUCCESS && i < x->n; i++) {
+        alloc_t *a;
+        if (x->nodes[i].type != CU_GRAPH_NODE_TYPE_MEM_FREE ||
+            !(a = find_locked(x->nodes[i].dptr, A_GRAPH)))
+            continue;
+        graph_used[d] -= a->bytes;
+        remove_locked(a);
+    }
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+
 EXPORT CUresult cuGraphLaunch(CUgraphExec x, CUstream s) {
     NEED_CTX();
     if (!x || x->magic != MAGIC_EXEC) return CUDA_ERROR_INVALID_HANDLE;
-    return run_work(kernel_ns * x->kernels);
+    CUresult r = graph_memory(x);
+    return r == CUDA_SUCCESS ? run_work(kernel_ns * x->kernels) : r;
 }
 EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec x, CUstream s) { return cuGraphLaunch(x, s); }
+EXPORT CUresult cuGraphUpload(CUgraphExec x, CUstream s) {
+    NEED_CTX();
+    return x && x->magic == MAGIC_EXEC ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+EXPORT CUresult cuDeviceGetGraphMemAttribute(CUdevice d, CUgraphMem_attribute a, void *v) {
+    NEED_INIT();
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&mu);
+    CUresult r = CUDA_SUCCESS;
+    if (a == CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT)
+        *(cuuint64_t *)v = graph_used[d];
+    else if (a == CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT)
+        *(cuuint64_t *)v = graph_reserved[d];
+    else
+        r = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&mu);
+    return r;
+}
+EXPORT CUresult cuDeviceGraphMemTrim(CUdevice d) {
+    NEED_INIT();
+    if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&mu);
+    uint64_t keep = (graph_used[d] + CHUNK - 1) / CHUNK * CHUNK;
+    if (keep < graph_reserved[d]) {
+        dev_used[d] -= graph_reserved[d] - keep;
+        graph_reserved[d] = keep;
+    }
+    pthread_mutex_unlock(&mu);
+    return CUDA_SUCCESS;
+}
+
+EXPORT CUresult cuStreamCreate(CUstream *s, unsigned int flags) {
+    NEED_CTX();
+    if (!s) return CUDA_ERROR_INVALID_VALUE;
+    CUstream st = TAKE(stream_table, nstreams);
+    if (!st) return CUDA_ERROR_OUT_OF_MEMORY;
+    st->magic = MAGIC_STREAM;
+    *s = st;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
+    NEED_INIT();
+    if (!s || s->magic != MAGIC_STREAM) return CUDA_ERROR_INVALID_HANDLE;
+    s->magic = 0;
+    return CUDA_SUCCESS;
+}
+/* Capture is refused on the legacy default stream, as the driver does. */
+EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
+    NEED_CTX();
+    if (!s || s->magic != MAGIC_STREAM || s->capture) return CUDA_ERROR_INVALID_VALUE;
+    return cuGraphCreate(&s->capture, 0);
+}
+EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
+    NEED_CTX();
+    if (!s || s->magic != MAGIC_STREAM || !s->capture || !g) return CUDA_ERROR_INVALID_VALUE;
+    *g = s->capture;
+    s->capture = NULL;
+    return CUDA_SUCCESS;
+}
+EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) {
+    NEED_CTX();
+    if (!st) return CUDA_ERROR_INVALID_VALUE;
+    *st = capturing(s) ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
+    return CUDA_SUCCESS;
+}
 
 EXPORT CUresult cuCtxSynchronize(void) {
     NEED_CTX();
@@ -661,11 +1177,13 @@ static const proc procs[] = {
     {"cuDeviceTotalMem", 3020, false, (void *)cuDeviceTotalMem_v2},
     {"cuCtxCreate", 3020, false, (void *)cuCtxCreate_v2}, {"cuCtxDestroy", 4000, false,
     (void *)cuCtxDestroy_v2}, P(cuCtxSetCurrent, 4000), P(cuCtxGetDevice, 2000),
+    P(cuCtxGetCurrent, 4000),
     P(cuCtxSynchronize, 2000),
     {"cuMemGetInfo", 2000, false, (void *)cuMemGetInfo},
     {"cuMemGetInfo", 3020, false, (void *)cuMemGetInfo_v2},
     {"cuMemAlloc", 2000, false, (void *)cuMemAlloc},
     {"cuMemAlloc", 3020, false, (void *)cuMemAlloc_v2},
+    {"cuMemAllocPitch", 2000, false, (void *)cuMemAllocPitch},
     {"cuMemAllocPitch", 3020, false, (void *)cuMemAllocPitch_v2},
     P(cuMemAllocManaged, 6000),
     {"cuMemFree", 2000, false, (void *)cuMemFree}, {"cuMemFree", 3020, false, (void *)cuMemFree_v2},
@@ -675,11 +1193,26 @@ static const proc procs[] = {
     P(cuMemFreeAsync, 11020), PT(cuMemFreeAsync, cuMemFreeAsync_ptsz, 11020),
     P(cuDeviceGetDefaultMemPool, 11020), P(cuDeviceGetMemPool, 11020), P(cuMemPoolCreate, 11020),
     P(cuMemPoolDestroy, 11020), P(cuMemPoolGetAttribute, 11020), P(cuMemPoolTrimTo, 11020),
-    P(cuMemCreate, 10020), P(cuMemRelease, 10020),
+    P(cuMemCreate, 10020), P(cuMemRelease, 10020), P(cuMemAddressReserve, 10020),
+    P(cuMemAddressFree, 10020), P(cuMemMap, 10020), P(cuMemUnmap, 10020),
+    P(cuMemExportToShareableHandle, 10020), P(cuMemImportFromShareableHandle, 10020),
+    P(cuMemGetAllocationPropertiesFromHandle, 10020),
+    {"cuArrayCreate", 2000, false, (void *)cuArrayCreate},
     {"cuArrayCreate", 3020, false, (void *)cuArrayCreate_v2},
+    {"cuArray3DCreate", 2000, false, (void *)cuArray3DCreate},
     {"cuArray3DCreate", 3020, false, (void *)cuArray3DCreate_v2}, P(cuArrayDestroy, 2000),
     P(cuMipmappedArrayCreate, 5000), P(cuMipmappedArrayDestroy, 5000),
-    P(cuModuleLoadData, 2000), P(cuModuleGetFunction, 2000),
+    P(cuModuleLoadData, 2000), P(cuModuleLoadDataEx, 2010), P(cuModuleUnload, 2000),
+    P(cuModuleLoad, 2000), P(cuModuleLoadFatBinary, 2000), P(cuLibraryLoadData, 12000),
+    P(cuLibraryLoadFromFile, 12000), P(cuLibraryUnload, 12000),
+    P(cuModuleGetFunction, 2000), P(cuStreamCreate, 2000),
+    {"cuStreamDestroy", 4000, false, (void *)cuStreamDestroy_v2},
+    {"cuStreamBeginCapture", 10010, false, (void *)cuStreamBeginCapture_v2},
+    P(cuStreamEndCapture, 10000), P(cuStreamIsCapturing, 10000),
+    P(cuGraphDestroy, 10000), P(cuGraphExecDestroy, 10000), P(cuGraphAddMemAllocNode, 11040),
+    P(cuGraphAddMemFreeNode, 11040), P(cuGraphGetNodes, 10000), P(cuGraphNodeGetType, 10000),
+    P(cuGraphMemAllocNodeGetParams, 11040), P(cuGraphUpload, 11010),
+    P(cuDeviceGetGraphMemAttribute, 11040), P(cuDeviceGraphMemTrim, 11040),
     P(cuLaunchKernel, 4000), PT(cuLaunchKernel, cuLaunchKernel_ptsz, 7000),
     P(cuLaunchKernelEx, 11060), PT(cuLaunchKernelEx, cuLaunchKernelEx_ptsz, 11060),
     P(cuLaunchCooperativeKernel, 9000),

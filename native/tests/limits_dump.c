@@ -1,5 +1,5 @@
 /* Prints what the hook's limits reader makes of a file, one key per line, so a test can check
- * that it agrees with deviceplugin/contract.py. Exit 0 parsed, 1 absent, 2 invalid. */
+ * that it agrees with core/contract.py. Exit 0 parsed, 1 absent, 2 invalid. */
 #include <stdio.h>
 
 #include "limits.h"

@@ -11,6 +11,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -23,6 +26,12 @@ static struct {
     F(cuMemAllocManaged); F(cuMemAllocAsync); F(cuMemAllocFromPoolAsync); F(cuMemFreeAsync);
     F(cuMemPoolCreate); F(cuMemPoolDestroy); F(cuMemPoolTrimTo); F(cuDeviceGetMemPool);
     F(cuMemCreate); F(cuMemRelease); F(cuArrayCreate_v2); F(cuArray3DCreate_v2);
+    F(cuMemAllocPitch); F(cuArrayCreate); F(cuArray3DCreate); F(cuMemAddressReserve);
+    F(cuMemAddressFree); F(cuMemMap); F(cuMemUnmap); F(cuModuleUnload); F(cuStreamCreate);
+    F(cuStreamBeginCapture_v2); F(cuStreamEndCapture); F(cuGraphAddMemAllocNode);
+    F(cuDeviceGraphMemTrim); F(cuModuleLoad); F(cuModuleLoadFatBinary); F(cuLibraryLoadData);
+    F(cuLibraryLoadFromFile); F(cuLibraryUnload); F(cuCtxDestroy_v2);
+    F(cuMemExportToShareableHandle); F(cuMemImportFromShareableHandle);
     F(cuArrayDestroy); F(cuMipmappedArrayCreate); F(cuMipmappedArrayDestroy);
     F(cuMemGetInfo_v2); F(cuMemGetInfo); F(cuDeviceTotalMem_v2); F(cuDeviceTotalMem);
     F(cuModuleLoadData); F(cuModuleGetFunction); F(cuLaunchKernel); F(cuLaunchKernelEx);
@@ -46,6 +55,12 @@ static void load(const char *mode) {
     D(cuMemAllocManaged) D(cuMemAllocAsync) D(cuMemAllocFromPoolAsync) D(cuMemFreeAsync)
     D(cuMemPoolCreate) D(cuMemPoolDestroy) D(cuMemPoolTrimTo) D(cuDeviceGetMemPool)
     D(cuMemCreate) D(cuMemRelease) D(cuArrayCreate_v2) D(cuArray3DCreate_v2) D(cuArrayDestroy)
+    D(cuMemAllocPitch) D(cuArrayCreate) D(cuArray3DCreate) D(cuMemAddressReserve)
+    D(cuMemAddressFree) D(cuMemMap) D(cuMemUnmap) D(cuModuleUnload) D(cuStreamCreate)
+    D(cuStreamBeginCapture_v2) D(cuStreamEndCapture) D(cuGraphAddMemAllocNode)
+    D(cuDeviceGraphMemTrim) D(cuModuleLoad) D(cuModuleLoadFatBinary) D(cuLibraryLoadData)
+    D(cuLibraryLoadFromFile) D(cuLibraryUnload) D(cuCtxDestroy_v2)
+    D(cuMemExportToShareableHandle) D(cuMemImportFromShareableHandle)
     D(cuMipmappedArrayCreate) D(cuMipmappedArrayDestroy) D(cuMemGetInfo_v2) D(cuMemGetInfo)
     D(cuDeviceTotalMem_v2) D(cuDeviceTotalMem) D(cuModuleLoadData) D(cuModuleGetFunction)
     D(cuLaunchKernel) D(cuLaunchKernelEx) D(cuLaunchCooperativeKernel) D(cuGraphCreate)
@@ -112,6 +127,27 @@ static void load(const char *mode) {
     R(cuArrayCreate_v2, "cuArrayCreate", 12040);
     R(cuArray3DCreate_v2, "cuArray3DCreate", 12040);
     R(cuArrayDestroy, "cuArrayDestroy", 12040);
+    R(cuMemAllocPitch, "cuMemAllocPitch", 2000);
+    R(cuArrayCreate, "cuArrayCreate", 2000);
+    R(cuArray3DCreate, "cuArray3DCreate", 2000);
+    R(cuMemAddressReserve, "cuMemAddressReserve", 12040);
+    R(cuMemAddressFree, "cuMemAddressFree", 12040);
+    R(cuMemMap, "cuMemMap", 12040);
+    R(cuMemUnmap, "cuMemUnmap", 12040);
+    R(cuModuleUnload, "cuModuleUnload", 12040);
+    R(cuStreamCreate, "cuStreamCreate", 12040);
+    R(cuStreamBeginCapture_v2, "cuStreamBeginCapture", 12040);
+    R(cuStreamEndCapture, "cuStreamEndCapture", 12040);
+    R(cuGraphAddMemAllocNode, "cuGraphAddMemAllocNode", 12040);
+    R(cuDeviceGraphMemTrim, "cuDeviceGraphMemTrim", 12040);
+    R(cuModuleLoad, "cuModuleLoad", 12040);
+    R(cuModuleLoadFatBinary, "cuModuleLoadFatBinary", 12040);
+    R(cuLibraryLoadData, "cuLibraryLoadData", 12040);
+    R(cuLibraryLoadFromFile, "cuLibraryLoadFromFile", 12040);
+    R(cuLibraryUnload, "cuLibraryUnload", 12040);
+    R(cuCtxDestroy_v2, "cuCtxDestroy", 12040);
+    R(cuMemExportToShareableHandle, "cuMemExportToShareableHandle", 12040);
+    R(cuMemImportFromShareableHandle, "cuMemImportFromShareableHandle", 12040);
     R(cuMipmappedArrayCreate, "cuMipmappedArrayCreate", 12040);
     R(cuMipmappedArrayDestroy, "cuMipmappedArrayDestroy", 12040);
     R(cuMemGetInfo_v2, "cuMemGetInfo", 12040);
@@ -141,7 +177,7 @@ static void load(const char *mode) {
 }
 #endif
 
-typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP } lkind;
+typedef enum { L_PTR, L_PTR1, L_ASYNC, L_VMM, L_ARRAY, L_MIPMAP, L_MODULE, L_LIBRARY } lkind;
 typedef struct { lkind kind; uint64_t v; } live_t;
 static live_t live[1 << 16];
 static int nlive;
@@ -160,6 +196,8 @@ static CUresult free_one(live_t l) {
     case L_ASYNC: return api.cuMemFreeAsync(l.v, NULL);
     case L_VMM: return api.cuMemRelease(l.v);
     case L_ARRAY: return api.cuArrayDestroy((CUarray)(uintptr_t)l.v);
+    case L_MODULE: return api.cuModuleUnload((CUmodule)(uintptr_t)l.v);
+    case L_LIBRARY: return api.cuLibraryUnload((CUlibrary)(uintptr_t)l.v);
     default: return api.cuMipmappedArrayDestroy((CUmipmappedArray)(uintptr_t)l.v);
     }
 }
@@ -198,13 +236,91 @@ static CUresult launch_one(const char *kind, CUgraphExec exec) {
     return api.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
 }
 
+/* Load the user library next to this program (tests/deep_lib.c) and run one of its fills. */
+static long long deep(const char *how, unsigned long long chunk) {
+    char path[4096];
+    ssize_t n = readlink("/proc/self/exe", path, sizeof path - 16);
+    if (n <= 0) die("readlink");
+    path[n] = '\0';
+    strcpy(strrchr(path, '/') + 1, "libdeep.so");
+    void *h;
+    const char *fn = "deep_fill";
+    if (strcmp(how, "deepbind") == 0) {
+        h = dlopen(path, RTLD_NOW | RTLD_DEEPBIND);
+    } else if (strcmp(how, "dlmopen") == 0) {
+        h = dlmopen(LM_ID_NEWLM, path, RTLD_NOW);
+    } else {
+        h = dlopen(path, RTLD_NOW);
+        fn = "deep_next_fill";
+    }
+    if (!h) return -1;
+    unsigned long long (*fill)(unsigned long long) =
+        (unsigned long long (*)(unsigned long long))dlsym(h, fn);
+    return fill ? (long long)fill(chunk) : -2;
+}
+
+/* Pinned device memory on card 0, as cuMemCreate takes it. */
+static CUmemAllocationProp device_prop(void) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = 1;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    return prop;
+}
+
+/* rounds x (cuMemCreate, reserve, cuMemMap, cuMemRelease, and with unmap also cuMemUnmap and
+ * the address range freed); the number of rounds whose cuMemCreate succeeded. */
+static unsigned vmm_rounds(uint64_t bytes, unsigned rounds, bool unmap) {
+    unsigned ok = 0;
+    for (unsigned k = 0; k < rounds; k++) {
+        CUmemAllocationProp prop = device_prop();
+        CUmemGenericAllocationHandle h;
+        CUdeviceptr va;
+        if (api.cuMemCreate(&h, bytes, &prop, 0) != CUDA_SUCCESS) continue;
+        ok++;
+        if (api.cuMemAddressReserve(&va, bytes, 0, 0, 0) != CUDA_SUCCESS ||
+            api.cuMemMap(va, bytes, 0, h, 0) != CUDA_SUCCESS || api.cuMemRelease(h) != CUDA_SUCCESS)
+            die("vmm map");
+        if (unmap && (api.cuMemUnmap(va, bytes) != CUDA_SUCCESS ||
+                      api.cuMemAddressFree(va, bytes) != CUDA_SUCCESS))
+            die("vmm unmap");
+    }
+    return ok;
+}
+
+/* rounds x (cuMemCreate, export, import the descriptor as a second handle, release the first,
+ * map the imported one, release it): what another process importing the memory would do; the
+ * mappings stay. The number of rounds that got their memory mapped. */
+static unsigned vmm_import_rounds(uint64_t bytes, unsigned rounds) {
+    unsigned ok = 0;
+    for (unsigned k = 0; k < rounds; k++) {
+        CUmemAllocationProp prop = device_prop();
+        CUmemGenericAllocationHandle h, imported;
+        CUdeviceptr va;
+        int fd = -1;
+        if (api.cuMemCreate(&h, bytes, &prop, 0) != CUDA_SUCCESS) continue;
+        if (api.cuMemExportToShareableHandle(&fd, h, 1, 0) != CUDA_SUCCESS ||
+            api.cuMemImportFromShareableHandle(&imported, (void *)(intptr_t)fd, 1) != CUDA_SUCCESS ||
+            api.cuMemRelease(h) != CUDA_SUCCESS ||
+            api.cuMemAddressReserve(&va, bytes, 0, 0, 0) != CUDA_SUCCESS)
+            die("vmm import");
+        if (api.cuMemMap(va, bytes, 0, imported, 0) == CUDA_SUCCESS) ok++;
+        api.cuMemRelease(imported);
+    }
+    return ok;
+}
+
 static void usage(void) {
     fprintf(stderr,
             "usage: probe {proc|proc-ptds|proc-v1|dlsym} OP...   (probe_direct OP...)\n"
             "OP: init alloc:N alloc1:N pitch:W:H managed:N async:N pool:N vmm:N array:W:H\n"
             "    array3d:W:H:D mipmap:W:H:L free freeall trim pooldestroy info info1 total\n"
             "    total1 nvml fill:N threads:T:N ready launch:MS:KIND util sleep:MS fork-alloc:N\n"
-            "    bench-launch:N bench-alloc:N:SIZE\n");
+            "    bench-launch:N bench-alloc:N:SIZE deepbind:N dlmopen:N next:N pitch1:W:H\n"
+            "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
+            "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n"
+            "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy poolon:DEV:N\n"
+            "    vmmimport:N:K\n");
     exit(2);
 }
 
@@ -247,6 +363,31 @@ int main(int argc, char **argv) {
             CUresult r = api.cuMemAllocPitch_v2(&d, &pitch, a, b, 4);
             if (r == CUDA_SUCCESS) push(L_PTR, d);
             printf("pitch %d %llu\n", r, (unsigned long long)pitch * b);
+        } else if (sscanf(op, "pitch1:%llu:%llu", &a, &b) == 2) {
+            CUdeviceptr_v1 d;
+            unsigned pitch = 0;
+            CUresult r = api.cuMemAllocPitch(&d, &pitch, (unsigned)a, (unsigned)b, 4);
+            if (r == CUDA_SUCCESS) push(L_PTR1, d);
+            printf("pitch1 %d %llu\n", r, (unsigned long long)pitch * b);
+        } else if (sscanf(op, "array1:%llu:%llu", &a, &b) == 2) {
+            CUDA_ARRAY_DESCRIPTOR_v1 d = {(unsigned)a, (unsigned)b, CU_AD_FORMAT_FLOAT, 1};
+            CUarray arr;
+            CUresult r = api.cuArrayCreate(&arr, &d);
+            if (r == CUDA_SUCCESS) push(L_ARRAY, (uint64_t)(uintptr_t)arr);
+            printf("array1 %d\n", r);
+        } else if (sscanf(op, "array3d1:%llu:%llu:%llu", &a, &b, &c) == 3) {
+            CUDA_ARRAY3D_DESCRIPTOR_v1 d = {(unsigned)a, (unsigned)b, (unsigned)c,
+                                            CU_AD_FORMAT_FLOAT, 1, 0};
+            CUarray arr;
+            CUresult r = api.cuArray3DCreate(&arr, &d);
+            if (r == CUDA_SUCCESS) push(L_ARRAY, (uint64_t)(uintptr_t)arr);
+            printf("array3d1 %d\n", r);
+        } else if (sscanf(op, "vmmleak:%llu:%llu", &a, &b) == 2) {
+            printf("vmmleak %u\n", vmm_rounds(a, (unsigned)b, false));
+        } else if (sscanf(op, "vmmimport:%llu:%llu", &a, &b) == 2) {
+            printf("vmmimport %u\n", vmm_import_rounds(a, (unsigned)b));
+        } else if (sscanf(op, "vmmcycle:%llu:%llu", &a, &b) == 2) {
+            printf("vmmcycle %u\n", vmm_rounds(a, (unsigned)b, true));
         } else if (sscanf(op, "managed:%llu", &a) == 1) {
             CUdeviceptr d;
             CUresult r = api.cuMemAllocManaged(&d, a, 1);
@@ -257,6 +398,18 @@ int main(int argc, char **argv) {
             CUresult r = api.cuMemAllocAsync(&d, a, NULL);
             if (r == CUDA_SUCCESS) push(L_ASYNC, d);
             printf("async %d\n", r);
+        } else if (sscanf(op, "poolon:%llu:%llu", &a, &b) == 2) {
+            /* A pool on card a (whichever card the context is on), one allocation of b. */
+            CUmemPoolProps props;
+            memset(&props, 0, sizeof props);
+            props.allocType = 1;
+            props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            props.location.id = (int)a;
+            CUmemoryPool p;
+            CUdeviceptr d;
+            CUresult r = api.cuMemPoolCreate(&p, &props);
+            if (r == CUDA_SUCCESS) r = api.cuMemAllocFromPoolAsync(&d, b, p, NULL);
+            printf("poolon %d\n", r);
         } else if (sscanf(op, "pool:%llu", &a) == 1) {
             if (!pool) {
                 CUmemPoolProps props;
@@ -270,10 +423,7 @@ int main(int argc, char **argv) {
             if (r == CUDA_SUCCESS) push(L_ASYNC, d);
             printf("pool %d\n", r);
         } else if (sscanf(op, "vmm:%llu", &a) == 1) {
-            CUmemAllocationProp prop;
-            memset(&prop, 0, sizeof prop);
-            prop.type = 1;
-            prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+            CUmemAllocationProp prop = device_prop();
             CUmemGenericAllocationHandle h;
             CUresult r = api.cuMemCreate(&h, a, &prop, 0);
             if (r == CUDA_SUCCESS) push(L_VMM, h);
@@ -355,7 +505,10 @@ int main(int argc, char **argv) {
             unsigned long long n = 0;
             CUdeviceptr d;
             CUresult r;
-            while ((r = api.cuMemAlloc_v2(&d, a)) == CUDA_SUCCESS) push(L_PTR, d), n++;
+            while ((r = api.cuMemAlloc_v2(&d, a)) == CUDA_SUCCESS) {
+                push(L_PTR, d);
+                n++;
+            }
             printf("fill %llu %d\n", n, r);
         } else if (sscanf(op, "threads:%llu:%llu", &a, &b) == 2) {
             pthread_t t[64];
@@ -366,7 +519,10 @@ int main(int argc, char **argv) {
                 args[k] = (thread_arg){b, 0};
                 pthread_create(&t[k], NULL, thread_fill, &args[k]);
             }
-            for (unsigned k = 0; k < a; k++) pthread_join(t[k], NULL), total += args[k].total;
+            for (unsigned k = 0; k < a; k++) {
+                pthread_join(t[k], NULL);
+                total += args[k].total;
+            }
             printf("threads %llu\n", total);
         } else if (strcmp(op, "ready") == 0) {
             printf("ready\n");
@@ -405,6 +561,113 @@ int main(int argc, char **argv) {
             int status = 0;
             waitpid(pid, &status, 0);
             printf("fork-alloc %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        } else if (sscanf(op, "deepbind:%llu", &a) == 1 || sscanf(op, "dlmopen:%llu", &a) == 1 ||
+                   sscanf(op, "next:%llu", &a) == 1) {
+            char how[16];
+            snprintf(how, sizeof how, "%.*s", (int)(strchr(op, ':') - op), op);
+            printf("%s %lld\n", how, deep(how, a));
+        } else if (sscanf(op, "rawclone-alloc:%llu", &a) == 1 || strcmp(op, "rawclone-free") == 0) {
+            /* A child made with the clone system call itself: no fork handlers run in it. It
+             * allocates (or frees the parent's last allocation) and exits normally. */
+            fflush(stdout);
+            pid_t pid = (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+            if (pid == 0) {
+                CUdeviceptr d;
+                CUresult r = a ? api.cuMemAlloc_v2(&d, a) : free_one(live[nlive - 1]);
+                printf("child %d\n", r);
+                exit(0);
+            }
+            int status = 0;
+            waitpid(pid, &status, 0);
+            printf("rawclone %d\n", WIFEXITED(status) ? WEXITSTATUS(status) : -1);
+        } else if (sscanf(op, "zombie-alloc:%llu", &a) == 1) {
+            /* A child allocates and ends without its exit handlers; it stays a zombie, unreaped. */
+            fflush(stdout);
+            pid_t pid = fork();
+            if (pid == 0) {
+                CUdeviceptr d;
+                printf("child %d\n", api.cuMemAlloc_v2(&d, a));
+                fflush(stdout);
+                _exit(0);
+            }
+            siginfo_t si;
+            waitid(P_PID, (id_t)pid, &si, WEXITED | WNOWAIT);
+            printf("zombie %d\n", (int)pid);
+        } else if (sscanf(op, "module:%llu", &a) == 1 || sscanf(op, "modulefile:%llu", &a) == 1 ||
+                   sscanf(op, "fatbin:%llu", &a) == 1 || sscanf(op, "library:%llu", &a) == 1 ||
+                   sscanf(op, "libraryfile:%llu", &a) == 1) {
+            /* An image holding a bytes of device globals, loaded each way the driver offers. */
+            char image[64], path[64], how[16];
+            snprintf(image, sizeof image, "fake globals=%llu", a);
+            snprintf(how, sizeof how, "%.*s", (int)(strchr(op, ':') - op), op);
+            snprintf(path, sizeof path, "/tmp/fracgpu-probe-%d.image", (int)getpid());
+            if (strstr(how, "file")) {
+                FILE *f = fopen(path, "w");
+                if (!f || fputs(image, f) < 0 || fclose(f) != 0) die("image file");
+            }
+            void *h = NULL;
+            CUresult r;
+            if (strcmp(how, "module") == 0)
+                r = api.cuModuleLoadData((CUmodule *)&h, image);
+            else if (strcmp(how, "modulefile") == 0)
+                r = api.cuModuleLoad((CUmodule *)&h, path);
+            else if (strcmp(how, "fatbin") == 0)
+                r = api.cuModuleLoadFatBinary((CUmodule *)&h, image);
+            else if (strcmp(how, "library") == 0)
+                r = api.cuLibraryLoadData((CUlibrary *)&h, image, NULL, NULL, 0, NULL, NULL, 0);
+            else
+                r = api.cuLibraryLoadFromFile((CUlibrary *)&h, path, NULL, NULL, 0, NULL, NULL, 0);
+            if (strstr(how, "file")) unlink(path);
+            if (r == CUDA_SUCCESS) push(strncmp(how, "lib", 3) == 0 ? L_LIBRARY : L_MODULE,
+                                        (uint64_t)(uintptr_t)h);
+            printf("%s %d\n", how, r);
+        } else if (sscanf(op, "graphalloc:%llu", &a) == 1 ||
+                   sscanf(op, "capture:%llu:%llu", &a, &b) == 2) {
+            /* A graph with memory nodes, added explicitly or recorded by capturing b
+             * cuMemAllocAsync calls on a stream; instantiated and launched once. The launch's
+             * allocations are left live (freed by "free" as pointers). */
+            CUgraph g = NULL;
+            CUgraphExec x;
+            CUDA_MEM_ALLOC_NODE_PARAMS p;
+            memset(&p, 0, sizeof p);
+            CUresult r;
+            bool capture = op[0] == 'c';
+            if (!capture) {
+                CUgraphNode node;
+                p.poolProps.allocType = 1;
+                p.poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+                p.bytesize = a;
+                r = api.cuGraphCreate(&g, 0);
+                if (r == CUDA_SUCCESS) r = api.cuGraphAddMemAllocNode(&node, g, NULL, 0, &p);
+                if (r == CUDA_SUCCESS) push(L_PTR, p.dptr);
+            } else {
+                CUstream st;
+                r = api.cuStreamCreate(&st, 0);
+                if (r == CUDA_SUCCESS) r = api.cuStreamBeginCapture_v2(st, 0);
+                for (unsigned long long k = 0; r == CUDA_SUCCESS && k < b; k++) {
+                    CUdeviceptr d;
+                    r = api.cuMemAllocAsync(&d, a, st);
+                    if (r == CUDA_SUCCESS) push(L_PTR, d);
+                }
+                if (r == CUDA_SUCCESS) r = api.cuStreamEndCapture(st, &g);
+            }
+            if (r != CUDA_SUCCESS) die("graph setup");
+            /* Out of memory may come at instantiation or at launch. */
+            r = api.cuGraphInstantiateWithFlags(&x, g, 0);
+            if (r == CUDA_SUCCESS) r = api.cuGraphLaunch(x, NULL);
+            printf("%s %d\n", capture ? "capture" : "graphalloc", r);
+        } else if (strcmp(op, "ctxdestroy") == 0) {
+            /* The driver frees the context's linear memory; a new context takes its place. */
+            CUresult r = api.cuCtxDestroy_v2(ctx);
+            if (r == CUDA_SUCCESS) r = api.cuCtxCreate_v2(&ctx, 0, 0);
+            nlive = 0;
+            printf("ctxdestroy %d\n", r);
+        } else if (strcmp(op, "graphtrim") == 0) {
+            printf("graphtrim %d\n", api.cuDeviceGraphMemTrim(0));
+        } else if (strncmp(op, "await:", 6) == 0) {
+            struct stat st;
+            while (stat(op + 6, &st) != 0) usleep(1000);
+            printf("await 0\n");
         } else if (sscanf(op, "sleep:%llu", &a) == 1) {
             usleep((useconds_t)(a * 1000));
             printf("sleep 0\n");
