@@ -67,6 +67,8 @@ PRODUCTION_LOOPS = {
     name: getattr(Config(), name)
     for name in (
         "reconcile_interval_s",
+        "reconcile_confirm_s",
+        "reconcile_grace_s",
         "watch_interval_s",
         "health_wait_ms",
         "health_probe_interval_s",
@@ -454,7 +456,6 @@ def main(argv: list[str] | None = None) -> int:
             metrics_address="127.0.0.1",
             metrics_port=port,
             **PRODUCTION_LOOPS,
-            reconcile_grace_s=1.0,  # ended pods are freed at the next pass (default 30 s)
         ) as node,
         plugin_process(node),
     ):

@@ -22,8 +22,9 @@ import grpc
 
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import AllocationError, ListedDevice
+from deviceplugin.allocator import AllocationError
 from deviceplugin.ids import Kind
+from deviceplugin.listing import ListedDevice
 from deviceplugin.plugin import DevicePlugin, NotListedError
 from deviceplugin.podresources import PodResourcesError
 from deviceplugin.prestart import PreStartError

@@ -46,7 +46,6 @@ def take(alloc: Allocator, core: int, memory: int, *, memory_first: bool = False
         assert len(chosen) == size
         alloc.allocate(kind, chosen, CORE if kind is Kind.CORE else MEMORY)
         ids += chosen
-    alloc._half = None  # the next container comes later than the pair window
     return ids
 
 
@@ -100,8 +99,8 @@ def test_pending_half_keeps_its_partner_allocatable() -> None:
 
 
 def test_pending_half_expires() -> None:
-    alloc = make(1, 4096)
-    clock: Clock = alloc._clock
+    clock = Clock()
+    alloc = Allocator([Card(0, "GPU-0", "Fake", 4096, 0, None)], clock=clock, wall=Clock())
     alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
     assert len(free(alloc, Kind.MEMORY)) == 16
     clock.now += alloc.pair_window_s + 1
@@ -172,7 +171,9 @@ def test_reconcile_frees_gone_containers_and_adopts_unknown_ones() -> None:
     core = [i for i in kept if "-c" in i]
     memory = [i for i in kept if "-m" in i]
     stranger = ([core_id(1, n) for n in range(5)], [memory_id(1, 0)])
-    freed = alloc.reconcile([(core, memory), stranger], listed_at=5000.0, grace_s=1.0)
+    freed = alloc.reconcile(
+        [(core, memory), stranger], listed_at=5000.0, grace_s=1.0, confirm_s=0.0
+    ).freed
     assert [set(a.ids()) for a in freed] == [set(gone)]
     assert {a.dir_name for a in alloc.allocations()} == {
         container_dir_name(core),
@@ -183,7 +184,7 @@ def test_reconcile_frees_gone_containers_and_adopts_unknown_ones() -> None:
 def test_reconcile_spares_allocations_younger_than_the_grace_period() -> None:
     alloc = make(1)
     take(alloc, 30, 2)
-    assert alloc.reconcile([], listed_at=1000.5, grace_s=10.0) == []
+    assert alloc.reconcile([], listed_at=1000.5, grace_s=10.0, confirm_s=0.0).freed == []
     assert len(alloc.allocations()) == 1
 
 
@@ -206,7 +207,7 @@ def test_reconcile_replaces_a_record_whose_ids_kubelet_gave_to_another_container
     # While the plugin was not looking, the pod ended and a new container got part of its IDs.
     core = [core_id(0, n) for n in range(10)]
     memory = [memory_id(0, 0)]
-    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     assert [(set(a.core), set(a.memory)) for a in alloc.allocations()] == [(set(core), set(memory))]
 
 
@@ -240,7 +241,7 @@ def test_reconcile_leaves_exactly_what_kubelet_lists(listing: object, after: obj
     a, b = (([i for i in x if "-c" in i], [i for i in x if "-m" in i]) for x in ids)
     listed = listing(a, b)  # type: ignore[operator]
     before, keys = alloc.version, {x.key for x in alloc.allocations()}
-    alloc.reconcile(listed, listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile(listed, listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     expected = {(frozenset(c), frozenset(m)) for c, m in after(a, b)}  # type: ignore[operator]
     assert {(frozenset(x.core), frozenset(x.memory)) for x in alloc.allocations()} == expected
     owned = {i for x in alloc.allocations() for i in x.ids()}
@@ -263,7 +264,7 @@ def test_reconcile_repairs_records_that_share_ids(claimed: str) -> None:
     if claimed == "core":
         second = Allocation((core[2],), (), (0,), 0.0)
     alloc.restore([first, second])  # the second now owns one of the first's IDs
-    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     (only,) = alloc.allocations()
     assert (set(only.core), set(only.memory)) == (set(core), set(memory))
     assert all(

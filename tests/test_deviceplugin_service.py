@@ -169,15 +169,40 @@ def test_honest_arithmetic_strands_memory_of_a_card_without_core() -> None:
             kubelet.admit(pod("late", (1, 1)))
 
 
-def test_fragmentation_refuses_a_fraction_that_no_single_card_fits() -> None:
-    with gpu_node(cards(2)) as node:
-        run(node, pod("a", (60, 40)))
-        run(node, pod("b", (60, 40)))
-        # 80 core are free in total, 40 per card: kubelet picks across cards with no
-        # preference, and Allocate refuses the split (final, as UnexpectedAdmissionError).
-        with pytest.raises(AdmissionError, match=r"span cards|same card"):
-            node.kubelet.admit(pod("c", (50, 20)))
-        assert len(node.plugin.allocator.allocations()) == 2
+# (case, cards, containers already running, the pod that comes next, whether it fits one card)
+MULTI_CARD = [
+    pytest.param(2, [(60, 40), (60, 40)], (50, 20), False, id="two cards 0.6 used, 0.5 pod"),
+    pytest.param(
+        4, [(60, 40)] * 4, (50, 20), False, id="four cards 0.6 used, 0.5 pod (seen on a cluster)"
+    ),
+    pytest.param(4, [(60, 40)] * 4, (40, 20), True, id="four cards 0.6 used, 0.4 pod"),
+    pytest.param(3, [(60, 40), (60, 40)], (50, 20), True, id="a whole free card takes it"),
+    pytest.param(3, [(30, 10)], (200, 192), True, id="two whole cards beside a share"),
+    pytest.param(3, [(60, 40), (60, 40)], (200, 192), False, id="two whole cards, one is free"),
+]
+
+
+@pytest.mark.parametrize(("count", "running", "incoming", "fits"), MULTI_CARD)
+def test_a_multi_card_node_advertises_only_what_one_card_can_host(
+    count: int, running: list[tuple[int, int]], incoming: tuple[int, int], fits: bool
+) -> None:
+    """A pod the scheduler would place is one that Allocate accepts, and the reverse: what
+    a node advertises beyond its allocated IDs fits one card (or k whole free cards)."""
+    with gpu_node(cards(count)) as node:
+        kubelet = node.kubelet
+        for i, share in enumerate(running):
+            # one card each: the scheduler's arithmetic alone could put two on one card
+            held = run(node, pod(f"r{i}", share))["c0"]
+            assert len(card_of(held[CORE])) == 1
+        nxt = pod("next", incoming)
+        assert kubelet.wait_for(lambda: kubelet.schedulable(nxt) is fits)
+        if fits:
+            held = run(node, nxt)["c0"]
+            assert len(card_of(held[CORE] + held[MEMORY])) == len(card_of(held[CORE]))
+        else:
+            with pytest.raises(AdmissionError, match="available"):
+                kubelet.admit(nxt)
+        assert not kubelet.violations
 
 
 def test_kubelet_restart_reregisters_within_two_seconds_and_keeps_allocations() -> None:
@@ -436,8 +461,7 @@ def test_early_verification_lists_once_after_both_allocates() -> None:
 def test_prestart_right_after_allocate_is_not_listed_twice() -> None:
     """When PreStartContainer beats the early verification, the verifier finds the
     allocation verified and leaves PodResources alone."""
-    with gpu_node(cards(1)) as node:
-        node.plugin.verify_delay_s = 0.2
+    with gpu_node(cards(1), verify_delay_s=0.2) as node:
         before = node.kubelet.list_calls
         held = run(node, pod("fast", (30, 20)))["c0"]
         assert node.kubelet.list_calls - before == 1  # PreStart's own
