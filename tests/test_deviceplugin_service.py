@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +17,10 @@ from core import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import Allocator, container_dir_name
+from deviceplugin.config import Config
 from deviceplugin.ids import Kind, core_id, memory_id
 from deviceplugin.inventory import Card
-from deviceplugin.service import DevicePluginServicer
+from deviceplugin.service import MAX_STREAMS, DevicePluginServicer
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
 
@@ -534,3 +537,130 @@ def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
         # a full core strands memory, not core: the core list shows no change
         expected = changed if kind is Kind.MEMORY or "strands" not in name else set()
         assert reused == set(range(4)) - expected, name
+
+
+def test_whole_cards_without_memory_take_entirely_free_cards_and_all_their_memory() -> None:
+    with gpu_node(cards(4, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        run(node, pod("share", (30, 10)))  # card 0 is partly used
+        whole = Pod("default", "whole", [Container("c0", {CORE: 200})])
+        calls = len(kubelet.calls)
+        held = run(node, whole)["c0"]
+        assert set(held) == {CORE}
+        assert card_of(held[CORE]) == {1, 2}
+        # one resource, one Allocate: no wait for a memory call that never comes
+        assert [rpc for _, rpc in kubelet.calls[calls:]].count("Allocate") == 1
+        limits = limits_of(node, held[CORE])
+        assert limits.memory_bytes == 24 * GIB * 2**20
+        assert limits.compute_percent == 100
+        assert len(limits.devices) == 2
+        # the cards' memory is no one else's: hidden while their core is taken
+        assert kubelet.wait_for(
+            lambda: not {card_of([i]).pop() for i in kubelet.free(MEMORY)} & {1, 2}
+        )
+
+
+def test_an_init_containers_limits_log_names_the_pod_not_the_app_container(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with gpu_node(cards(1), verify_retries=0) as node:
+        p = Pod(
+            "default",
+            "init",
+            [Container("app", {CORE: 30, MEMORY: 10})],
+            init_containers=[Container("fetch", {CORE: 30, MEMORY: 10})],
+        )
+        held = node.kubelet.admit(p)
+        # the app container reuses the init container's IDs
+        assert {r: set(i) for r, i in held["fetch"].items()} == {
+            r: set(i) for r, i in held["app"].items()
+        }
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="deviceplugin")
+        node.kubelet.start_container(p, "fetch")
+        (record,) = [r for r in caplog.records if r.getMessage() == "limits written"]
+        assert record.pod == "default/init"  # type: ignore[attr-defined]
+        assert record.listed_container == "app"  # type: ignore[attr-defined]
+        assert not hasattr(record, "container")
+
+
+@pytest.mark.parametrize(
+    ("fault", "config"),
+    [
+        pytest.param(1, {}, id="one empty listing, confirmed wrong by the next"),
+        pytest.param(
+            3, {"kubelet_settle_s": 3600.0}, id="empty listings of a kubelet just started"
+        ),
+    ],
+)
+def test_an_empty_listing_frees_nothing_until_confirmed(
+    fault: int, config: dict[str, float]
+) -> None:
+    """kubelet answers List with no pods right after it restarts: the containers it still runs
+    keep their devices and their limits."""
+    with gpu_node(cards(1), reconcile_confirm_s=0.05, **config) as node:
+        p = pod("running", (30, 10))
+        held = run(node, p)["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        node.kubelet.empty_listings(fault)
+        for _ in range(fault):
+            node.plugin.reconcile_once()
+            time.sleep(0.06)
+        node.plugin.reconcile_once()  # kubelet lists its pods again (or is still settling)
+        assert len(node.plugin.allocator.allocations()) == 1
+        assert path.is_file()
+
+
+def test_a_container_adopted_after_its_files_went_gets_its_limits_back() -> None:
+    with gpu_node(cards(1)) as node:
+        held = run(node, pod("running", (30, 10)))["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        node.stop_plugin()
+        node.config.checkpoint_path.unlink()
+        shutil.rmtree(node.config.containers_dir)  # as an older plugin's collection left it
+        node.start_plugin()
+        assert node.wait_registered()
+        assert path.is_file()
+        assert limits_of(node, held[CORE]).compute_percent == 30
+
+
+def test_capacity_of_an_ended_pod_returns_within_two_seconds() -> None:
+    """With the plugin's own reconciliation settings; the grace for young allocations (an
+    Allocate racing a List) is left out, so that the test need not wait for it."""
+    defaults = Config()
+    with gpu_node(
+        cards(1),
+        reconcile_interval_s=defaults.reconcile_interval_s,
+        reconcile_confirm_s=defaults.reconcile_confirm_s,
+    ) as node:
+        kubelet = node.kubelet
+        p = pod("short", (100, 96))
+        run(node, p)
+        time.sleep(0.2)
+        assert kubelet.allocatable(MEMORY) == 96
+        assert kubelet.free(CORE) == set()
+        kubelet.remove(p)
+        ended = time.monotonic()
+        assert kubelet.wait_for(lambda: len(kubelet.free(CORE)) == 100, timeout=5.0)
+        assert time.monotonic() - ended < 2.0
+
+
+def test_idle_listandwatch_streams_cannot_starve_allocate() -> None:
+    with gpu_node(cards(1)) as node:
+        channel = grpc.insecure_channel(f"unix://{node.config.plugin_dir / 'fracgpu-core.sock'}")
+        stub = pb_grpc.DevicePluginStub(channel)
+        streams = [stub.ListAndWatch(pb.Empty()) for _ in range(12)]
+        try:
+            refused = 0
+            for stream in streams:
+                try:
+                    next(stream)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    refused += 1
+            assert refused >= 12 - MAX_STREAMS
+            started = time.monotonic()
+            run(node, pod("still", (30, 10)))
+            assert time.monotonic() - started < 2.0
+        finally:
+            channel.close()
