@@ -271,3 +271,14 @@ def test_reconcile_repairs_records_that_share_ids(claimed: str) -> None:
         alloc.find(kind, [i]) is only
         for kind, i in [*((Kind.CORE, i) for i in core), (Kind.MEMORY, memory[0])]
     )
+
+
+def test_a_pair_that_failed_teaches_where_the_next_of_its_shape_goes() -> None:
+    """Memory first, a share whose core does not fit the partly used card: the first call
+    cannot know, and that container fails; the next container of the same shape does not."""
+    alloc = make(2, 24 * 1024)  # 96 blocks per card
+    take(alloc, 70, 10)  # card 0: 30 core and 86 blocks left; card 1 free
+    with pytest.raises(AllocationError, match="same card"):
+        take(alloc, 50, 10, memory_first=True)
+    ids = take(alloc, 50, 10, memory_first=True)
+    assert cards_of(ids) == {1}
