@@ -192,7 +192,8 @@ def choose_cards(
         return numa_pick(whole, need, {c: cards[c].numa_node for c in whole})
     fitting = [c for c in candidates if free[c] >= size]
     if other_size is not None:
-        fitting = [c for c in fitting if cards[c].free(other(kind)) >= other_size]
+        # a shape learnt from another workload may fit nowhere: then it says nothing
+        fitting = [c for c in fitting if cards[c].free(other(kind)) >= other_size] or fitting
     if not fitting:
         return []
     # The other resource comes next and must fit on the same card, but its size may be unknown.
