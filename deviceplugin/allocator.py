@@ -34,7 +34,7 @@ from deviceplugin import placement
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
 from deviceplugin.listing import CardListState, ListedDevice, ListingCache
-from deviceplugin.pairing import Clock, Pairing
+from deviceplugin.pairing import Clock, Half, Pairing
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,12 @@ def _text(value: object) -> str:
         raise TypeError(f"device ID {value!r} is not a string")
     return value
 
+
+WHOLE_CORE_PAIR_S = 0.5
+"""How long whole cards' core waits for a memory call. Whole cards come without memory now, and
+while a half is pending its cards' memory is listed Healthy, which the scheduler would count:
+kubelet makes a container's second call within milliseconds, so a moment is enough for pods that
+still carry memory."""
 
 ADOPTED = 0.0
 """``Allocation.created`` of a container learnt from PodResources: old enough to be freed."""
@@ -233,6 +239,24 @@ class Allocator:
     def _pending(self) -> placement.Pending | None:
         half = self.pairing.pending
         return None if half is None else placement.Pending(half.kind, half.cards)
+
+    def _partner(self, kind: Kind, size: int, cards: frozenset[int] | None = None) -> Half | None:
+        """The pending half that a call of ``kind`` for ``size`` IDs (on ``cards``, once
+        known) completes, or None. Lock held.
+
+        A half of whole cards' core pairs only with all of those cards' memory: whole cards
+        come without memory now, so another container's memory call after one is no partner,
+        and pairing it would put that container on the whole cards' card.
+        """
+        half = self.pairing.partner_of(kind)
+        if half is None or half.kind is not Kind.CORE or half.size % CORE_PER_CARD:
+            return half
+        whole_memory = sum(self.blocks[c] for c in half.cards)
+        if size == whole_memory and (cards is None or cards == half.cards):
+            return half
+        self.pairing.end()  # its container had no memory: this call is another container's
+        self._changed()
+        return None
 
     def _own(self, device: str, key: str) -> None:
         if device not in self._owner:
@@ -362,7 +386,7 @@ class Allocator:
                     # kubelet is the authority on what is free: it reused IDs of a container
                     # that ended before the reconciler noticed.
                     self._drop(stale, why="kubelet reassigned its devices")
-            half = self.pairing.partner_of(kind)
+            half = self._partner(kind, len(ids), cards)
             if half is not None and half.key in self._allocations:
                 self.pairing.end(second_size=len(ids))
                 partner = self._allocations[half.key]
@@ -393,7 +417,14 @@ class Allocator:
                 created=self._wall(),
             )
             self._add(allocation)
-            self.pairing.begin(kind, cards, allocation.key, len(ids))
+            whole_core = kind is Kind.CORE and len(ids) == CORE_PER_CARD * len(cards)
+            self.pairing.begin(
+                kind,
+                cards,
+                allocation.key,
+                len(ids),
+                window_s=WHOLE_CORE_PAIR_S if whole_core else None,
+            )
             self._changed()
             return allocation
 
@@ -449,6 +480,7 @@ class Allocator:
         with self._cond:  # one snapshot for the whole decision
             self._expire_half()
             cards = self._snapshot()
+            self._partner(kind, size)
             pending = self._pending()
             other_size = self.pairing.expected_other(kind, size) if pending is None else None
             allowed = placement.advertised(

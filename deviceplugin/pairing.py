@@ -63,8 +63,17 @@ class Pairing:
     def seconds_left(self) -> float | None:
         return None if self._half is None else self._half.deadline - self._clock()
 
-    def begin(self, kind: Kind, cards: frozenset[int], key: str, size: int) -> None:
-        self._half = Half(kind, cards, key, size, self._clock() + self.window_s)
+    def begin(
+        self,
+        kind: Kind,
+        cards: frozenset[int],
+        key: str,
+        size: int,
+        *,
+        window_s: float | None = None,
+    ) -> None:
+        window = self.window_s if window_s is None else min(window_s, self.window_s)
+        self._half = Half(kind, cards, key, size, self._clock() + window)
 
     def partner_of(self, kind: Kind) -> Half | None:
         """The pending half this call of ``kind`` would complete (one of the other resource)."""

@@ -14,7 +14,8 @@ together (:func:`advertised`):
 - on each of those cards, free memory only while the card has free core and free core only
   while it has free memory (a card without one of the two can host no new container);
 - while a container's first Allocate is pending, the other resource on its card(s), so that the
-  second Allocate finds it.
+  second Allocate finds it (after whole cards' core, which may come without memory, only for a
+  moment: see ``pairing``).
 
 IDs kubelet has allocated stay Healthy (their pods keep running), so allocatable minus what the
 scheduler counts as requested is exactly the advertised free capacity. A fraction that fits that
@@ -71,19 +72,20 @@ def other(kind: Kind) -> Kind:
 def open_partial_card(cards: Collection[CardState], current: int | None = None) -> int | None:
     """The one partly used card whose free IDs are advertised, or None.
 
-    It stays the same card for as long as it can host a new share (``current``). kubelet's view
-    of the lists trails the plugin by a message, so a card that was advertised and is hidden
-    again could still be offered a container's first resource, whose second would then find
-    that card hidden. Keeping the open card until it fills makes hiding rare: only a whole card
-    that a share had to go to, as the open one was too small, is hidden after it. A new open
-    card is the one with the most free core, ties broken by free memory, then the lower index.
+    The partly used card with the most free core, then the most free memory; among equals the
+    ``current`` open card stays open, else the lower index wins. The most free core keeps the
+    most capacity on offer (a card with 0.1 left must not hide one with 0.7). Staying among
+    equals avoids needless flips: kubelet's view of the lists trails the plugin by a message,
+    and a card listed and hidden again could still receive a container's first resource whose
+    second would then find it hidden.
     """
     partial = [c for c in cards if c.healthy and not c.entirely_free and c.hosts_new_share]
-    if any(c.index == current for c in partial):
-        return current
     if not partial:
         return None
-    best = max(partial, key=lambda c: (c.free(Kind.CORE), c.free(Kind.MEMORY), -c.index))
+    best = max(
+        partial,
+        key=lambda c: (c.free(Kind.CORE), c.free(Kind.MEMORY), c.index == current, -c.index),
+    )
     return best.index
 
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
+from deviceplugin.allocator import (
+    WHOLE_CORE_PAIR_S,
+    Allocation,
+    AllocationError,
+    Allocator,
+    container_dir_name,
+)
 from deviceplugin.ids import Kind, core_id, memory_id
 from deviceplugin.inventory import Card
 
@@ -79,7 +85,8 @@ def test_fractions_pack_best_fit() -> None:
 
 def test_exhausted_core_strands_free_memory_and_the_reverse() -> None:
     alloc = make(1, 4096)  # 100 core, 16 blocks
-    take(alloc, 100, 4)
+    take(alloc, 60, 2)
+    take(alloc, 40, 2)
     assert free(alloc, Kind.MEMORY) == []  # 12 blocks free, but no core left to use them
     assert len(healthy(alloc, Kind.MEMORY)) == 4  # allocated IDs stay Healthy
     other = make(1, 4096)
@@ -282,3 +289,31 @@ def test_a_pair_that_failed_teaches_where_the_next_of_its_shape_goes() -> None:
         take(alloc, 50, 10, memory_first=True)
     ids = take(alloc, 50, 10, memory_first=True)
     assert cards_of(ids) == {1}
+
+
+@pytest.mark.parametrize(
+    ("memory", "paired"),
+    [
+        pytest.param([memory_id(0, n) for n in range(16)], True, id="all its memory: one pod"),
+        pytest.param([memory_id(1, 0)], False, id="another container's memory"),
+    ],
+)
+def test_whole_cards_core_pairs_only_with_all_of_their_memory(
+    memory: list[str], paired: bool
+) -> None:
+    """Whole cards come without memory: a memory call after them may be the next container's."""
+    alloc = make(2, 4096)
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
+    alloc.allocate(Kind.MEMORY, memory, MEMORY)
+    assert len(alloc.allocations()) == (1 if paired else 2)
+
+
+def test_whole_cards_core_lists_their_memory_only_for_a_moment() -> None:
+    clock = Clock()
+    alloc = Allocator([Card(0, "GPU-0", "Fake", 4096, 0, None)], clock=clock, wall=Clock())
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
+    assert len(free(alloc, Kind.MEMORY)) == 16  # in case a memory call follows at once
+    clock.now += WHOLE_CORE_PAIR_S
+    assert free(alloc, Kind.MEMORY) == []  # no one else can use it: the core is taken
+    (whole,) = alloc.allocations()
+    assert whole.whole_cards_only

@@ -37,7 +37,8 @@ OPEN_CARD = [
     pytest.param([card(0, 60, 40), card(1, 30, 40)], None, 1, id="most free core"),
     pytest.param([card(0, 60, 40), card(1, 60, 10)], None, 1, id="ties: most free memory"),
     pytest.param([card(0, 60, 40), card(1, 60, 40)], None, 0, id="ties: lower index"),
-    pytest.param([card(0, 60, 40), card(1, 30, 40)], 0, 0, id="the open card stays open"),
+    pytest.param([card(0, 60, 40), card(1, 60, 40)], 1, 1, id="among equals the open one stays"),
+    pytest.param([card(0, 90, 40), card(1, 30, 40)], 0, 1, id="more free core elsewhere: it moves"),
     pytest.param([card(0, 100, 40), card(1, 30, 40)], 0, 1, id="a full open card hands over"),
     pytest.param([card(0, 60, B), card(1, 90, 1)], None, 1, id="no free memory: cannot host"),
     pytest.param([card(0, 10, 1, healthy=False), card(1, 90, 1)], None, 1, id="unhealthy: no"),
@@ -69,6 +70,7 @@ ADVERTISED = [
         [card(0, 30, 10), card(1, 60, 40)], Kind.CORE, 0, Pending(Kind.CORE, frozenset({1})),
         {0}, id="a pending half lists only the other resource",
     ),
+
     pytest.param([card(0, healthy=False), card(1)], Kind.CORE, None, None, {1}, id="unhealthy"),
 ]  # fmt: skip
 

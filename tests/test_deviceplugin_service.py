@@ -506,8 +506,10 @@ LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
     (
         "card 2's core fills up (its free memory strands)",
         lambda a: (
-            a.allocate(Kind.CORE, [core_id(2, n) for n in range(100)], CORE),
+            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60)], CORE),
             a.allocate(Kind.MEMORY, [memory_id(2, 0)], MEMORY),
+            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60, 100)], CORE),
+            a.allocate(Kind.MEMORY, [memory_id(2, 1)], MEMORY),
         ),
         {2},
     ),
