@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import random
 import shutil
 import threading
 import time
@@ -666,3 +667,40 @@ def test_idle_listandwatch_streams_cannot_starve_allocate() -> None:
             assert time.monotonic() - started < 2.0
         finally:
             channel.close()
+
+
+def test_pods_that_the_scheduler_places_are_admitted_through_churn() -> None:
+    """Single-container pods with proportional shares and whole cards (with memory and
+    without), created and deleted at random on a four-card node: every pod that kube-scheduler's
+    check lets onto the node (once kubelet has the plugin's latest lists) is admitted."""
+    rng = random.Random(7)
+    with gpu_node(cards(4, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        live: list[Pod] = []
+        placed = failed = 0
+        for i in range(40):
+            if live and rng.random() < 0.3:
+                kubelet.remove(live.pop(rng.randrange(len(live))))
+                node.plugin.reconcile_once()
+            roll = rng.random()
+            if roll < 0.05:
+                requests = {CORE: 100}
+            elif roll < 0.1:
+                requests = {CORE: 100, MEMORY: 96}
+            else:
+                core = rng.randint(5, 90)
+                requests = {CORE: core, MEMORY: max(1, core * 96 // 100)}
+            p = Pod("default", f"p{i}", [Container("c0", requests)])
+            time.sleep(0.05)  # the scheduler's view: lists as the plugin last sent them
+            if not kubelet.schedulable(p):
+                continue
+            placed += 1
+            try:
+                kubelet.admit(p)
+            except AdmissionError:
+                failed += 1
+                continue
+            live.append(p)
+        assert placed >= 10
+        assert failed == 0
+        assert not kubelet.violations
