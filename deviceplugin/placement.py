@@ -172,7 +172,8 @@ def choose_cards(
     (learnt from earlier containers of the same shape), when known. ``allowed`` are the cards
     the plugin advertises for both resources now: kubelet's ``free`` may still hold IDs of a
     card hidden since its last message, and a first resource placed there would find its second
-    hidden.
+    hidden. IDs kubelet must include (an init container's, which the app container reuses) pin
+    the card(s) whatever is advertised.
     """
     if pending is not None and pending.kind is not kind:
         hinted = sorted(pending.cards)
@@ -182,9 +183,7 @@ def choose_cards(
         if len(hinted) > 1 and all_free and size == sum(cards[c].total(kind) for c in hinted):
             return hinted
     candidates = [
-        c
-        for c in free
-        if c in cards and (not must or c in must) and (allowed is None or c in allowed)
+        c for c in free if c in cards and (c in must if must else allowed is None or c in allowed)
     ]
     whole = [c for c in candidates if cards[c].entirely_free and free[c] == cards[c].total(kind)]
     need = whole_cards_needed(kind, size, [cards[c] for c in whole])

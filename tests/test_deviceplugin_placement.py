@@ -132,6 +132,8 @@ CHOICES = [
                  {"other_size": 101}, [0], id="a learnt size that fits nowhere says nothing"),
     pytest.param(Kind.CORE, 30, {0: 70, 1: 100}, [card(0, 30, 10), card(1)],
                  {"allowed": {1}}, [1], id="only cards advertised now"),
+    pytest.param(Kind.CORE, 30, {0: 70, 1: 100}, [card(0, 30, 10), card(1)],
+                 {"allowed": {1}, "must": {0}}, [0], id="must-include IDs pin their card"),
     pytest.param(Kind.MEMORY, 20, {0: 56, 1: 96}, [card(0, 60, 40), card(1)],
                  {"pending": Pending(Kind.CORE, frozenset({1}))}, [1],
                  id="the second resource follows the first"),
