@@ -579,8 +579,11 @@ class Allocator:
                     continue
                 if allocation.created > listed_at - grace_s:
                     continue
+                if not may_free:  # a listing that cannot be believed confirms nothing either
+                    self._missing.pop(key, None)
+                    continue
                 first_missed = self._missing.setdefault(key, listed_at)
-                if not may_free or listed_at - first_missed < confirm_s:
+                if listed_at - first_missed < confirm_s:
                     continue
                 freed.append(allocation)
                 self._drop(key, why="no longer listed by kubelet")

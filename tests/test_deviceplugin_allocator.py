@@ -317,3 +317,27 @@ def test_whole_cards_core_lists_their_memory_only_for_a_moment() -> None:
     assert free(alloc, Kind.MEMORY) == []  # no one else can use it: the core is taken
     (whole,) = alloc.allocations()
     assert whole.whole_cards_only
+
+
+# (listings as (seconds, whether kubelet has settled), whether the allocation is freed after them)
+CONFIRMATIONS = [
+    pytest.param([(0.0, True)], False, id="one listing that misses it"),
+    pytest.param([(0.0, True), (0.2, True)], False, id="a second one too soon"),
+    pytest.param([(0.0, True), (0.5, True)], True, id="a second one 0.5 s later"),
+    pytest.param([(0.0, True), (1.0, False)], False, id="the second while kubelet settles"),
+    pytest.param(
+        [(0.0, False), (30.0, True)], False, id="a listing while settling confirms nothing"
+    ),
+    pytest.param([(0.0, False), (30.0, True), (30.5, True)], True, id="two after settling"),
+]
+
+
+@pytest.mark.parametrize(("listings", "freed"), CONFIRMATIONS)
+def test_a_missing_container_is_freed_once_a_second_listing_confirms(
+    listings: list[tuple[float, bool]], freed: bool
+) -> None:
+    alloc = make(1)
+    take(alloc, 30, 2)
+    for at, settled in listings:
+        alloc.reconcile([], 5000.0 + at, grace_s=1.0, confirm_s=0.5, may_free=settled)
+    assert (alloc.allocations() == []) is freed
