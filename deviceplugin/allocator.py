@@ -196,7 +196,9 @@ class Allocator:
                 self._cond.wait(remaining)
 
     def _changed(self) -> None:
-        self._open = placement.open_partial_card(self._snapshot().values(), self._open)
+        self._open = placement.open_partial_card(
+            self._snapshot().values(), self._open, keep=self.pairing.pending is not None
+        )
         self.version += 1
         self._cond.notify_all()
 

@@ -69,7 +69,9 @@ def other(kind: Kind) -> Kind:
     return Kind.MEMORY if kind is Kind.CORE else Kind.CORE
 
 
-def open_partial_card(cards: Collection[CardState], current: int | None = None) -> int | None:
+def open_partial_card(
+    cards: Collection[CardState], current: int | None = None, *, keep: bool = False
+) -> int | None:
     """The one partly used card whose free IDs are advertised, or None.
 
     The partly used card with the most free core, then the most free memory; among equals the
@@ -78,8 +80,14 @@ def open_partial_card(cards: Collection[CardState], current: int | None = None) 
     equals avoids needless flips: kubelet's view of the lists trails the plugin by a message,
     and a card listed and hidden again could still receive a container's first resource whose
     second would then find it hidden.
+
+    With ``keep`` (a container's first Allocate is pending) the current open card stays while it
+    can host a share: the pending half changes the counts, and letting that flip the open card
+    would list a second partly used card beside the pending one until the pair completes.
     """
     partial = [c for c in cards if c.healthy and not c.entirely_free and c.hosts_new_share]
+    if keep and any(c.index == current for c in partial):
+        return current
     if not partial:
         return None
     best = max(

@@ -50,6 +50,13 @@ def test_open_partial_card(cards: list[CardState], current: int | None, expected
     assert open_partial_card(cards, current) == expected
 
 
+def test_a_pending_half_keeps_the_open_card() -> None:
+    # card 1's first half took memory: by the counts card 0 would now be the open card
+    cards = [card(0, 60, 40), card(1, 60, 60)]
+    assert open_partial_card(cards, 1) == 0
+    assert open_partial_card(cards, 1, keep=True) == 1
+
+
 # (cards, kind, open card, pending half, cards whose free IDs of that kind are listed)
 ADVERTISED = [
     pytest.param([card(0), card(1)], Kind.CORE, None, None, {0, 1}, id="free cards"),
