@@ -4,22 +4,16 @@ One lock guards all of it; the gRPC handlers, the health thread and the reconcil
 their own threads. Every change bumps ``version`` and wakes ListAndWatch streams, which then send
 the complete list again (kubelet replaces its view with each message).
 
-Honest arithmetic (design §2). kubelet and kube-scheduler count the two resources independently,
-so a node whose card 0 has no core left but 40 free memory blocks would advertise 40 blocks that no
-container can use. The plugin therefore reports a card's *free* memory IDs Unhealthy while the card
-has no free core, and its free core IDs Unhealthy while it has no free memory. Allocated IDs stay
-Healthy (their pods keep running). Unhealthy lowers allocatable, so the scheduler sees only capacity
-that one card can really host (exact on one-card nodes).
-
-A container's two resources arrive as two Allocate calls, one right after the other, in either order
-and never interleaved with another container's. Between them the first half is *pending*: the
-counterpart resource on the pending card is not stranded (the container is about to take it), the
-preference for the second resource follows the card of the first, and the second Allocate is
-checked against the first (core and memory on the same card). A pending half that sees no partner
-within ``pair_window_s`` stands alone (a container with one resource only).
+The allocator owns ID ownership, card health and reconciliation with kubelet's PodResources. It
+delegates the rest to units that hold no lock of their own: which free IDs are advertised and
+which card a container should get (``placement``, pure functions over a snapshot taken here), the
+pairing of a container's two Allocate calls (``pairing``) and the per-card ListAndWatch lists
+(``listing``).
 
 Allocations are freed when kubelet's PodResources no longer lists their IDs (``reconcile``):
-kubelet never tells a device plugin that a pod ended.
+kubelet never tells a device plugin that a pod ended. A listing that misses an allocation is
+only believed when a second listing, at least ``confirm_s`` later, misses it too: a kubelet that
+has just restarted can answer with an empty or partial list while its containers still run.
 """
 
 from __future__ import annotations
@@ -35,9 +29,12 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from core.units import BLOCK_MIB, CORE_PER_CARD, card_blocks
+from core.units import CORE_PER_CARD, card_blocks
+from deviceplugin import placement
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
+from deviceplugin.listing import CardListState, ListedDevice, ListingCache
+from deviceplugin.pairing import Clock, Half, Pairing
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +44,6 @@ UNHEALTHY = "Unhealthy"
 
 class AllocationError(ValueError):
     """A request that can never work on this node (Allocate fails the pod; it is final)."""
-
-
-def blocks_per_card(memory_mib: int, block_mib: int) -> int:
-    """Memory IDs a card advertises: whole blocks of ``block_mib``."""
-    if block_mib == BLOCK_MIB:
-        return card_blocks(memory_mib)
-    return memory_mib // block_mib
 
 
 def container_dir_name(core_ids: Iterable[str]) -> str:
@@ -72,7 +62,7 @@ class Allocation:
     core: tuple[str, ...]
     memory: tuple[str, ...]
     cards: tuple[int, ...]
-    created: float  # wall-clock seconds
+    created: float  # wall-clock seconds; ADOPTED for a container learnt from a listing
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
     # PodResources confirmed that one container holds exactly these core and memory IDs
     verified: bool = False
@@ -83,6 +73,15 @@ class Allocation:
 
     def ids(self) -> set[str]:
         return {*self.core, *self.memory}
+
+    @property
+    def whole_cards_only(self) -> bool:
+        """Whole cards admitted without memory: all core IDs of each card, no memory IDs."""
+        return (
+            bool(self.core)
+            and not self.memory
+            and len(self.core) == CORE_PER_CARD * len(self.cards)
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,9 +95,13 @@ class Allocation:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Allocation:
+        """Raises KeyError, TypeError or ValueError for a record of another shape."""
+        core, memory = data["core"], data["memory"]
+        if not isinstance(core, list) or not isinstance(memory, list):
+            raise TypeError("core and memory must be lists of device IDs")
         return cls(
-            core=tuple(str(i) for i in data["core"]),
-            memory=tuple(str(i) for i in data["memory"]),
+            core=tuple(_text(i) for i in core),
+            memory=tuple(_text(i) for i in memory),
             cards=tuple(int(c) for c in data["cards"]),
             created=float(data["created"]),
             key=str(data["key"]),
@@ -106,14 +109,20 @@ class Allocation:
         )
 
 
-@dataclass(frozen=True, slots=True)
-class _Half:
-    """The first of a container's two Allocate calls, waiting for its partner."""
+def _text(value: object) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"device ID {value!r} is not a string")
+    return value
 
-    kind: Kind
-    cards: frozenset[int]
-    key: str
-    deadline: float  # monotonic
+
+WHOLE_CORE_PAIR_S = 0.5
+"""How long whole cards' core waits for a memory call. Whole cards come without memory now, and
+while a half is pending its cards' memory is listed Healthy, which the scheduler would count:
+kubelet makes a container's second call within milliseconds, so a moment is enough for pods that
+still carry memory."""
+
+ADOPTED = 0.0
+"""``Allocation.created`` of a container learnt from PodResources: old enough to be freed."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,10 +136,12 @@ class CardUsage:
 
 
 @dataclass(frozen=True, slots=True)
-class ListedDevice:
-    id: str
-    healthy: bool
-    numa_node: int | None
+class Reconciled:
+    """What one reconciliation changed."""
+
+    freed: list[Allocation]
+    adopted: list[Allocation]
+    unconfirmed: int  # allocations the listing missed, kept until a second listing agrees
 
 
 class Allocator:
@@ -138,17 +149,15 @@ class Allocator:
         self,
         cards: Iterable[Card],
         *,
-        block_mib: int = BLOCK_MIB,
         pair_window_s: float = 5.0,
-        clock: Any = time.monotonic,
-        wall: Any = time.time,
+        clock: Clock = time.monotonic,
+        wall: Clock = time.time,
     ) -> None:
         self.cards = {c.index: c for c in cards}
-        self.block_mib = block_mib
-        self.blocks = {i: blocks_per_card(c.memory_mib, block_mib) for i, c in self.cards.items()}
-        self.pair_window_s = pair_window_s
-        self._clock = clock
+        self.blocks = {i: card_blocks(c.memory_mib) for i, c in self.cards.items()}
         self._wall = wall
+        self._clock = clock
+        self.pairing = Pairing(pair_window_s, clock)
         self._health: dict[int, tuple[bool, str]] = {i: (True, "") for i in self.cards}
         self._allocations: dict[str, Allocation] = {}
         self._owner: dict[str, str] = {}  # device ID -> allocation key
@@ -156,12 +165,17 @@ class Allocator:
         self._in_use: dict[int, dict[Kind, set[int]]] = {
             i: {Kind.CORE: set(), Kind.MEMORY: set()} for i in self.cards
         }
-        # (kind, card) -> (that card's state, its devices as listed): a change to one card
-        # rebuilds one card's list, not the node's thousands of entries
-        self._lists: dict[tuple[Kind, int], tuple[object, tuple[ListedDevice, ...]]] = {}
-        self._half: _Half | None = None
+        # allocation key -> when a listing first missed it (wall clock of that listing)
+        self._missing: dict[str, float] = {}
+        totals = {Kind.CORE: {i: CORE_PER_CARD for i in self.cards}, Kind.MEMORY: self.blocks}
+        self._lists = ListingCache(totals, {i: c.numa_node for i, c in self.cards.items()})
+        self._open: int | None = None  # the one partly used card advertised (placement)
         self._cond = threading.Condition()
         self.version = 0
+
+    @property
+    def pair_window_s(self) -> float:
+        return self.pairing.window_s
 
     # ---- observation -------------------------------------------------------------------
 
@@ -176,17 +190,20 @@ class Allocator:
                 remaining = deadline - self._clock()
                 if remaining <= 0:
                     return self.version
-                if self._half is not None:
-                    remaining = min(remaining, max(self._half.deadline - self._clock(), 0.001))
+                left = self.pairing.seconds_left()
+                if left is not None:
+                    remaining = min(remaining, max(left, 0.001))
                 self._cond.wait(remaining)
 
     def _changed(self) -> None:
+        self._open = placement.open_partial_card(
+            self._snapshot().values(), self._open, keep=self.pairing.pending is not None
+        )
         self.version += 1
         self._cond.notify_all()
 
     def _expire_half(self) -> None:
-        if self._half is not None and self._clock() >= self._half.deadline:
-            self._half = None
+        if self.pairing.expire():
             self._changed()
 
     def allocations(self) -> list[Allocation]:
@@ -195,21 +212,53 @@ class Allocator:
 
     def usage(self) -> list[CardUsage]:
         with self._cond:
-            used = self._used()
             return [
                 CardUsage(
                     card=card,
                     blocks=self.blocks[i],
-                    core_used=len(used[i][Kind.CORE]),
-                    memory_used=len(used[i][Kind.MEMORY]),
+                    core_used=len(self._in_use[i][Kind.CORE]),
+                    memory_used=len(self._in_use[i][Kind.MEMORY]),
                     healthy=self._health[i][0],
                     reason=self._health[i][1],
                 )
                 for i, card in sorted(self.cards.items())
             ]
 
-    def _used(self) -> dict[int, dict[Kind, set[int]]]:
-        return self._in_use
+    def _snapshot(self) -> dict[int, placement.CardState]:
+        """The cards as placement sees them. Lock held."""
+        return {
+            i: placement.CardState(
+                index=i,
+                blocks=self.blocks[i],
+                core_used=len(self._in_use[i][Kind.CORE]),
+                memory_used=len(self._in_use[i][Kind.MEMORY]),
+                healthy=self._health[i][0],
+                numa_node=card.numa_node,
+            )
+            for i, card in self.cards.items()
+        }
+
+    def _pending(self) -> placement.Pending | None:
+        half = self.pairing.pending
+        return None if half is None else placement.Pending(half.kind, half.cards)
+
+    def _partner(self, kind: Kind, size: int, cards: frozenset[int] | None = None) -> Half | None:
+        """The pending half that a call of ``kind`` for ``size`` IDs (on ``cards``, once
+        known) completes, or None. Lock held.
+
+        A half of whole cards' core pairs only with all of those cards' memory: whole cards
+        come without memory now, so another container's memory call after one is no partner,
+        and pairing it would put that container on the whole cards' card.
+        """
+        half = self.pairing.partner_of(kind)
+        if half is None or half.kind is not Kind.CORE or half.size % CORE_PER_CARD:
+            return half
+        whole_memory = sum(self.blocks[c] for c in half.cards)
+        if size == whole_memory and (cards is None or cards == half.cards):
+            return half
+        self.pairing.end()  # its container had no memory: this call is another container's
+        self._changed()
+        return None
 
     def _own(self, device: str, key: str) -> None:
         if device not in self._owner:
@@ -224,56 +273,37 @@ class Allocator:
             if parsed.card in self._in_use:
                 self._in_use[parsed.card][parsed.kind].discard(parsed.number)
 
-    def _card_states(self, kind: Kind) -> tuple[tuple[bool, frozenset[int] | None], ...]:
-        """Per card: (healthy, allocated numbers when the free ones are stranded, else None).
-
-        The device list is a function of this alone, so it is cheap to tell whether a change
-        (most allocations) altered anything kubelet sees. Lock held.
-        """
-        self._expire_half()
-        half = self._half
-        other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
-        states = []
-        for i in sorted(self.cards):
-            other_total = self.blocks[i] if kind is Kind.CORE else CORE_PER_CARD
-            other_free = other_total - len(self._in_use[i][other])
-            partner_pending = half is not None and half.kind is other and i in half.cards
-            stranded = not (other_free > 0 or partner_pending)
-            states.append(
-                (self._health[i][0], frozenset(self._in_use[i][kind]) if stranded else None)
-            )
-        return tuple(states)
-
     def devices(self, kind: Kind) -> list[ListedDevice]:
-        """The complete ListAndWatch list for one resource, with the honesty rule applied."""
+        """The complete ListAndWatch list for one resource, with the placement rules applied."""
         return [device for card in self.listing(kind)[1] for device in card]
 
     def listing(self, kind: Kind) -> tuple[object, list[tuple[ListedDevice, ...]]]:
         """A signature of the device list and the list itself per card, from one snapshot.
 
         Equal signatures mean equal lists (ListAndWatch skips identical resends). A card's
-        tuple is the same object for as long as that card's state holds, so callers may cache
-        what they derive from it by identity; a change to one card rebuilds that card only.
+        tuple is the same object for as long as that card's state holds (see ``listing``).
         """
         with self._cond:
-            states = self._card_states(kind)
-            lists = []
-            for (i, card), state in zip(sorted(self.cards.items()), states, strict=True):
-                cached = self._lists.get((kind, i))
-                if cached is None or cached[0] != state:
-                    healthy, stranded = state
-                    total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[i]
-                    listed = tuple(
-                        ListedDevice(
-                            str(DeviceId(i, kind, n)),
-                            healthy and (stranded is None or n in stranded),
-                            card.numa_node,
-                        )
-                        for n in range(total)
-                    )
-                    cached = self._lists[(kind, i)] = (state, listed)
-                lists.append(cached[1])
-            return states, lists
+            self._expire_half()
+            shown = placement.advertised(
+                self._snapshot().values(), kind, open_card=self._open, pending=self._pending()
+            )
+            total = CORE_PER_CARD if kind is Kind.CORE else 0
+            states = tuple(
+                (
+                    i,
+                    CardListState(
+                        self._health[i][0],
+                        # a card with nothing free lists the same either way: one state
+                        None
+                        if i in shown or len(used) == (total or self.blocks[i])
+                        else frozenset(used),
+                    ),
+                )
+                for i in sorted(self.cards)
+                for used in (self._in_use[i][kind],)
+            )
+            return states, self._lists.lists(kind, states)
 
     # ---- health ------------------------------------------------------------------------
 
@@ -347,7 +377,7 @@ class Allocator:
             by_card = self._parse(kind, ids, resource)
             self._check_shape(kind, by_card, resource)
         except AllocationError:
-            self._abandon_half(kind)
+            self._abandon_half(kind, len(ids))
             raise
         cards = frozenset(by_card)
         with self._cond:
@@ -358,9 +388,9 @@ class Allocator:
                     # kubelet is the authority on what is free: it reused IDs of a container
                     # that ended before the reconciler noticed.
                     self._drop(stale, why="kubelet reassigned its devices")
-            half = self._half
-            if half is not None and half.kind is not kind and half.key in self._allocations:
-                self._half = None
+            half = self._partner(kind, len(ids), cards)
+            if half is not None and half.key in self._allocations:
+                self.pairing.end(second_size=len(ids))
                 partner = self._allocations[half.key]
                 if half.cards != cards:
                     self._drop(half.key, why="partner allocation failed")
@@ -377,6 +407,7 @@ class Allocator:
                     partner.core = tuple(ids)
                 else:
                     partner.memory = tuple(ids)
+                partner.verified = False  # what PodResources confirmed was the first half
                 for device in ids:
                     self._own(device, partner.key)
                 self._changed()
@@ -388,17 +419,24 @@ class Allocator:
                 created=self._wall(),
             )
             self._add(allocation)
-            self._half = _Half(kind, cards, allocation.key, self._clock() + self.pair_window_s)
+            whole_core = kind is Kind.CORE and len(ids) == CORE_PER_CARD * len(cards)
+            self.pairing.begin(
+                kind,
+                cards,
+                allocation.key,
+                len(ids),
+                window_s=WHOLE_CORE_PAIR_S if whole_core else None,
+            )
             self._changed()
             return allocation
 
-    def _abandon_half(self, kind: Kind) -> None:
+    def _abandon_half(self, kind: Kind, size: int) -> None:
         """The container's second Allocate failed: kubelet rejects the pod and frees its first."""
         with self._cond:
             self._expire_half()
-            half = self._half
-            if half is not None and half.kind is not kind:
-                self._half = None
+            half = self.pairing.partner_of(kind)
+            if half is not None:
+                self.pairing.end(second_size=size)
                 self._drop(half.key, why="partner allocation failed")
                 self._changed()
 
@@ -409,6 +447,7 @@ class Allocator:
 
     def _drop(self, key: str, *, why: str) -> None:
         allocation = self._allocations.pop(key, None)
+        self._missing.pop(key, None)
         if allocation is None:
             return
         for device in allocation.ids():
@@ -440,101 +479,27 @@ class Allocator:
             except DeviceIdError:
                 return []
             must[parsed.card].append(parsed.number)
-        with self._cond:
+        with self._cond:  # one snapshot for the whole decision
             self._expire_half()
-            half = self._half
-        hint = half.cards if half is not None and half.kind is not kind else None
-        cards = self._choose_cards(kind, free, set(must), size, hint)
-        if not cards:
-            return []
-        chosen: list[str] = []
-        remaining = size
-        for card in cards:
-            take = self._per_card_amount(kind, card, size, len(cards))
-            numbers = sorted(set(must.get(card, [])))
-            rest = sorted(set(free[card]) - set(numbers))
-            numbers += rest[: max(take - len(numbers), 0)]
-            chosen += [str(DeviceId(card, kind, n)) for n in numbers]
-            remaining -= len(numbers)
-        return chosen if remaining == 0 else []
-
-    def _per_card_amount(self, kind: Kind, card: int, size: int, cards: int) -> int:
-        if cards == 1:
-            return size
-        return CORE_PER_CARD if kind is Kind.CORE else self.blocks[card]
-
-    def _choose_cards(
-        self,
-        kind: Kind,
-        free: Mapping[int, list[int]],
-        must: set[int],
-        size: int,
-        hint: frozenset[int] | None,
-    ) -> list[int]:
-        def full(card: int) -> bool:
-            total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[card]
-            return len(free.get(card, ())) == total
-
-        if hint is not None:
-            if len(hint) == 1:
-                (card,) = hint
-                if len(free.get(card, ())) >= size:
-                    return [card]
-            elif size == sum(self._per_card_amount(kind, c, size, len(hint)) for c in hint) and all(
-                full(c) for c in hint
-            ):
-                return sorted(hint)
-        candidates = [c for c in free if not must or c in must]
-        largest = max((len(free[c]) for c in candidates), default=0)
-        single_limit = CORE_PER_CARD if kind is Kind.CORE else largest
-        if size <= single_limit:
-            fitting = [c for c in candidates if len(free[c]) >= size]
-            if not fitting:
-                return []
-            # The other resource comes next and must fit on the same card, but its size is not
-            # known yet. Requests are close to proportional (the webhook's defaults make them
-            # so), so prefer cards whose other resource has at least the same share free.
-            share = size / (CORE_PER_CARD if kind is Kind.CORE else max(self.blocks.values()))
-            balanced = [c for c in fitting if self._other_free_share(kind, c) >= share]
-            # Best fit: the card left with the least free after this container, so fractions
-            # pack onto partly used cards and whole cards stay whole.
-            return [min(balanced or fitting, key=lambda c: (len(free[c]) - size, c))]
-        whole = [c for c in candidates if full(c)]
-        if kind is Kind.CORE:
-            if size % CORE_PER_CARD:
-                return []
-            need = size // CORE_PER_CARD
-        else:
-            per = {self.blocks[c] for c in whole}
-            if len(per) != 1 or size % next(iter(per)):
-                return []
-            need = size // next(iter(per))
-        if len(whole) < need:
-            return []
-        return self._numa_pick(whole, need)
-
-    def _other_free_share(self, kind: Kind, card: int) -> float:
-        other = Kind.MEMORY if kind is Kind.CORE else Kind.CORE
-        total = self.blocks[card] if other is Kind.MEMORY else CORE_PER_CARD
-        with self._cond:
-            used = len(self._in_use[card][other])
-        return (total - used) / total if total else 0.0
-
-    def _numa_pick(self, whole: list[int], need: int) -> list[int]:
-        """Whole cards, as few NUMA nodes as possible: best-fitting node first."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for card in sorted(whole):
-            node = self.cards[card].numa_node
-            groups[-1 if node is None else node].append(card)
-        fitting = [g for g in groups.values() if len(g) >= need]
-        if fitting:
-            return min(fitting, key=lambda g: (len(g), g[0]))[:need]
-        picked: list[int] = []
-        for group in sorted(groups.values(), key=lambda g: (-len(g), g[0])):
-            picked += group[: need - len(picked)]
-            if len(picked) == need:
-                break
-        return picked
+            cards = self._snapshot()
+            self._partner(kind, size)
+            pending = self._pending()
+            other_size = self.pairing.expected_other(kind, size) if pending is None else None
+            allowed = placement.advertised(
+                cards.values(), kind, open_card=self._open
+            ) & placement.advertised(cards.values(), placement.other(kind), open_card=self._open)
+        chosen = placement.choose_cards(
+            kind,
+            size,
+            {c: len(n) for c, n in free.items()},
+            cards,
+            must=set(must),
+            allowed=allowed,
+            pending=pending,
+            other_size=other_size,
+        )
+        picked = placement.pick_ids(kind, size, chosen, free=free, must=must, cards=cards)
+        return [str(DeviceId(card, kind, n)) for card, n in picked]
 
     # ---- PodResources reconciliation and the checkpoint --------------------------------
 
@@ -548,7 +513,7 @@ class Allocator:
     def verify(self, core: Iterable[str], memory: Iterable[str]) -> Allocation:
         """Record that PodResources lists one container holding exactly these IDs."""
         core, memory = sorted(core), sorted(memory)
-        known = self.find(Kind.CORE, core)
+        known = self.find(Kind.CORE, core) if core else self.find(Kind.MEMORY, memory)
         with self._cond:
             if (
                 known is not None
@@ -570,7 +535,12 @@ class Allocator:
                 stale = self._owner.get(device)
                 if stale is not None:
                     self._drop(stale, why="superseded by PodResources")
-            allocation = Allocation(tuple(core), tuple(memory), tuple(sorted(cards)), self._wall())
+            allocation = Allocation(
+                core=tuple(core),
+                memory=tuple(memory),
+                cards=tuple(sorted(cards)),
+                created=self._wall(),
+            )
             self._add(allocation)
             self._changed()
             return allocation
@@ -579,13 +549,17 @@ class Allocator:
         self,
         listed: Iterable[tuple[Collection[str], Collection[str]]],
         listed_at: float,
+        *,
         grace_s: float,
-    ) -> list[Allocation]:
+        confirm_s: float,
+        may_free: bool = True,
+    ) -> Reconciled:
         """Align with PodResources ``List`` (core IDs, memory IDs per container).
 
-        Frees allocations none of whose IDs are listed (unless younger than ``grace_s`` at the
-        time of the listing: an Allocate can race the List) and adopts listed containers that
-        are unknown. Returns the freed allocations.
+        Frees allocations none of whose IDs are listed, once a listing at least ``confirm_s``
+        after the first one that missed them misses them too (never younger than ``grace_s`` at
+        the time of the listing: an Allocate can race the List; never when ``may_free`` is
+        false). Adopts listed containers that are unknown.
 
         It runs every pass over a full node (thousands of IDs) while RPCs wait for the
         interpreter lock, so the common case, a container listed exactly as recorded, is
@@ -596,15 +570,22 @@ class Allocator:
         for core, memory in containers:
             listed_ids |= core
             listed_ids |= memory
-        freed = []
-        adopted = 0
+        freed: list[Allocation] = []
+        adopted: list[Allocation] = []
         with self._cond:
             for key, allocation in list(self._allocations.items()):
                 if not listed_ids.isdisjoint(allocation.core) or not listed_ids.isdisjoint(
                     allocation.memory
                 ):
+                    self._missing.pop(key, None)
                     continue
                 if allocation.created > listed_at - grace_s:
+                    continue
+                if not may_free:  # a listing that cannot be believed confirms nothing either
+                    self._missing.pop(key, None)
+                    continue
+                first_missed = self._missing.setdefault(key, listed_at)
+                if listed_at - first_missed < confirm_s:
                     continue
                 freed.append(allocation)
                 self._drop(key, why="no longer listed by kubelet")
@@ -624,12 +605,17 @@ class Allocator:
                 for stale in {owner[i] for i in (*core, *memory) if i in owner}:
                     self._drop(stale, why="superseded by PodResources")
                 cards = {DeviceId.parse(i).card for i in (*core, *memory)}
-                listed_as = (tuple(sorted(core)), tuple(sorted(memory)))
-                self._add(Allocation(*listed_as, tuple(sorted(cards)), 0.0))
-                adopted += 1
+                allocation = Allocation(
+                    core=tuple(sorted(core)),
+                    memory=tuple(sorted(memory)),
+                    cards=tuple(sorted(cards)),
+                    created=ADOPTED,
+                )
+                self._add(allocation)
+                adopted.append(allocation)
             if freed or adopted:  # a quiet pass wakes no ListAndWatch stream
                 self._changed()
-        return freed
+            return Reconciled(freed, adopted, len(self._missing))
 
     def restore(self, allocations: Iterable[Allocation]) -> None:
         with self._cond:

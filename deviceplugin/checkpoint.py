@@ -17,7 +17,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from core.units import CORE_PER_CARD, card_blocks
 from deviceplugin.allocator import Allocation
+from deviceplugin.ids import DeviceId, Kind
 from deviceplugin.inventory import Card
 
 log = logging.getLogger(__name__)
@@ -71,10 +73,37 @@ def read(path: Path, cards: Mapping[int, Card]) -> list[Allocation]:
         raise CheckpointError(
             f"checkpoint {path} was written for cards {recorded}, this node has {expected}"
         )
-    try:
-        return [Allocation.from_json(a) for a in document["allocations"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} has a malformed allocation: {exc}") from exc
+    records = document.get("allocations")
+    if not isinstance(records, list):
+        raise CheckpointError(f"checkpoint {path} has no list of allocations")
+    allocations = []
+    for number, record in enumerate(records):
+        # One bad record must not stop the plugin (a crash loop until someone deletes the file):
+        # it is dropped, and PodResources tells recovery what that container holds.
+        try:
+            allocations.append(_valid(Allocation.from_json(record), cards))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            log.warning(
+                "checkpoint record dropped",
+                extra={"path": str(path), "record": number, "error": str(exc)[:200]},
+            )
+    return allocations
+
+
+def _valid(allocation: Allocation, cards: Mapping[int, Card]) -> Allocation:
+    """The allocation, if every ID is one this plugin advertises; else ValueError."""
+    for kind, ids in ((Kind.CORE, allocation.core), (Kind.MEMORY, allocation.memory)):
+        for text in ids:
+            parsed = DeviceId.parse(text)  # DeviceIdError is a ValueError
+            card = cards.get(parsed.card)
+            total = 0 if card is None else card_blocks(card.memory_mib)
+            if kind is Kind.CORE and card is not None:
+                total = CORE_PER_CARD
+            if parsed.kind is not kind or parsed.number >= total:
+                raise ValueError(f"{text!r} is no {kind.name.lower()} device ID of this node")
+    if not allocation.core and not allocation.memory:
+        raise ValueError("the allocation holds no device IDs")
+    return allocation
 
 
 class CheckpointWriter:

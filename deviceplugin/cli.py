@@ -8,9 +8,9 @@ from pathlib import Path
 
 from core import contract
 from core.flags import add_kube_flags
-from core.units import BLOCK_MIB, DOMAIN
 from deviceplugin.config import (
     DEFAULT_IGNORED_XIDS,
+    DEFAULT_RECONCILE_INTERVAL_S,
     KUBELET_DEVICE_PLUGIN_DIR,
     KUBELET_PODRESOURCES_SOCKET,
     Config,
@@ -76,10 +76,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="node directory for the hook, limits, accounting and checkpoint",
     )
     parser.add_argument("--dev-root", type=Path, default=Path("/dev"))
-    parser.add_argument("--resource-domain", default=DOMAIN)
-    parser.add_argument(
-        "--block-mib", type=_positive, default=BLOCK_MIB, help="MiB per memory device ID"
-    )
     parser.add_argument(
         "--ignore-xids",
         type=_xids,
@@ -98,7 +94,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="publish the inventory on this Node (default: $NODE_NAME; unset: do not publish)",
     )
     add_kube_flags(parser, context=False)
-    parser.add_argument("--reconcile-interval", type=float, default=10.0, metavar="SECONDS")
+    parser.add_argument(
+        "--reconcile-interval",
+        type=float,
+        default=DEFAULT_RECONCILE_INTERVAL_S,
+        metavar="SECONDS",
+        help="how often kubelet's PodResources is read to free the devices of ended pods",
+    )
     parser.add_argument(
         "--health-quiet",
         type=float,
@@ -157,8 +159,6 @@ def config_from(args: argparse.Namespace) -> Config:
         podresources_socket=args.pod_resources_socket,
         host_root=args.host_root,
         dev_root=args.dev_root,
-        domain=args.resource_domain,
-        block_mib=args.block_mib,
         ignored_xids=args.ignore_xids,
         nvml_library=args.nvml_library,
         metrics_address=args.metrics_address,

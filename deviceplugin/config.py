@@ -1,4 +1,9 @@
-"""Configuration of the device plugin (flags of ``fracgpu device-plugin``)."""
+"""Configuration of the device plugin (flags of ``fracgpu device-plugin``, and the tunables the
+tests and the benchmark set).
+
+The resource names and the memory block size are not settings: the webhook, quota and the hook
+count in the same units, defined once in ``core.units``.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import contract
-from core.units import BLOCK_MIB, DOMAIN
+from core.units import CORE, MEMORY
 
 KUBELET_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 KUBELET_PODRESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
 # XIDs caused by the application (illegal address, MMU faults from user code, reset channel by
 # the program, preemptive cleanup, video processor): the card is fine, the program is not.
 DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68)
+DEFAULT_RECONCILE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,20 +27,31 @@ class Config:
     podresources_socket: Path = KUBELET_PODRESOURCES_SOCKET
     host_root: Path = Path(contract.HOST_ROOT)
     dev_root: Path = Path("/dev")
-    domain: str = DOMAIN
-    block_mib: int = BLOCK_MIB
     ignored_xids: frozenset[int] = field(default_factory=lambda: frozenset(DEFAULT_IGNORED_XIDS))
     nvml_library: Path | None = None
     metrics_address: str = "0.0.0.0"
     metrics_port: int = 9402  # 0 disables the HTTP endpoint
     node_name: str | None = None  # publish inventory labels on this Node when set
-    kubeconfig: Path | None = None  # in-cluster configuration when None
+    kubeconfig: Path | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
     watch_interval_s: float = 0.25  # kubelet.sock / own socket polling
-    reconcile_interval_s: float = 10.0  # PodResources reconciliation
-    reconcile_grace_s: float = 30.0  # allocations younger than this are never freed
+    # PodResources reconciliation: how often kubelet's List is read, and when a missing
+    # container counts as gone (a second listing at least confirm_s after the first miss; never
+    # within grace_s of its Allocate, which a List can race; never while kubelet's PodResources
+    # socket is younger than settle_s, as a restarted kubelet lists its pods only once it has
+    # read them back)
+    reconcile_interval_s: float = DEFAULT_RECONCILE_INTERVAL_S
+    reconcile_confirm_s: float = 0.5
+    reconcile_grace_s: float = 2.0
+    kubelet_settle_s: float = 30.0
     podresources_timeout_s: float = 5.0
     register_timeout_s: float = 10.0
     pair_window_s: float = 5.0
+    # kubelet records a container's devices once its second Allocate has *answered*, so a List
+    # at once mostly shows half of them: the early verifier's first look waits verify_delay_s,
+    # then retries verify_retries times, verify_spacing_s apart, doubled after each miss
+    verify_delay_s: float = 0.02
+    verify_retries: int = 5
+    verify_spacing_s: float = 0.05
     health_wait_ms: int = 200
     health_probe_interval_s: float = 5.0
     health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
@@ -49,11 +66,11 @@ class Config:
 
     @property
     def core_resource(self) -> str:
-        return f"{self.domain}/core"
+        return CORE
 
     @property
     def memory_resource(self) -> str:
-        return f"{self.domain}/memory"
+        return MEMORY
 
     @property
     def checkpoint_path(self) -> Path:

@@ -103,15 +103,22 @@ class Daemon:
             self.publisher.poke()
 
     def _reconcile(self) -> None:
+        """Read PodResources every interval; sooner while a missed container awaits the
+        second listing that confirms it gone (its devices come back that much sooner)."""
         assert self.plugin is not None
-        while not self._stop.wait(self.config.reconcile_interval_s):
+        wait = self.config.reconcile_interval_s
+        while not self._stop.wait(wait):
+            wait = self.config.reconcile_interval_s
             try:
                 with self.plugin.metrics.reconcile_seconds.time():
-                    self.plugin.reconcile_once()
+                    result = self.plugin.reconcile_once()
             except PodResourcesError as exc:
                 log.warning("reconciliation skipped", extra={"error": str(exc)})
             except Exception:
                 log.exception("reconciliation failed")
+            else:
+                if result.unconfirmed:
+                    wait = min(wait, max(self.config.reconcile_confirm_s, 0.05))
 
     def healthz(self) -> tuple[bool, str]:
         if self.supervisor is None or not self.supervisor.registered:

@@ -150,7 +150,6 @@ def grant_of(config: Config, cards: Mapping[int, Card]) -> Grant:
             container.ids(config.core_resource),
             container.ids(config.memory_resource),
             cards,
-            block_mib=config.block_mib,
             core_resource=config.core_resource,
             memory_resource=config.memory_resource,
         )

@@ -7,6 +7,12 @@ every card (index, uuid, product, memoryMiB, minor, numaNode, healthy).
 
 Written with one JSON merge patch (labels and the annotation together), again whenever a card's
 health changes, and retried with backoff while the API server is unreachable.
+
+The plugin is threaded (gRPC's server runs handlers on threads), and a publish is rare (start,
+health changes), so the publisher is a plain thread that runs each PATCH to completion in its own
+short event loop, through the project's one client factory (``core.kube.kube_client``: the same
+configuration order as every other component). No event loop outlives a publish, and each publish
+reads the configuration afresh, so a rotated service-account token is picked up.
 """
 
 from __future__ import annotations
@@ -19,9 +25,7 @@ import threading
 from collections.abc import Iterable
 from typing import Any
 
-from kubernetes_asyncio import client
-from kubernetes_asyncio import config as kube_config
-
+from core.kube import NODES, call_json, kube_client
 from core.labels import (
     COUNT_LABEL,
     INVENTORY_ANNOTATION,
@@ -72,21 +76,14 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 
-async def load_kube_config(config: Config) -> None:
-    """The plugin's API access: ``--kubeconfig`` when given, else the pod's service account."""
-    if config.kubeconfig is not None:
-        await kube_config.load_kube_config(config_file=str(config.kubeconfig))
-    else:
-        kube_config.load_incluster_config()  # type: ignore[no-untyped-call]
-
 
 async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
-    """Apply the patch to the Node (``api``: a kubernetes_asyncio CoreV1Api)."""
-    await api.patch_node(node_name, patch, _content_type=MERGE_PATCH)
+    """Merge-patch the Node (``api``: an ApiClient from ``core.kube.kube_client``)."""
+    await call_json(api, "PATCH", NODES.path(name=node_name), body=patch, content_type=MERGE_PATCH)
 
 
 class NodePublisher:
-    """Keeps the Node's labels and annotation current, from its own thread and event loop."""
+    """Keeps the Node's labels and annotation current, from its own thread."""
 
     def __init__(self, config: Config, cards: list[Card], allocator: Allocator) -> None:
         self.config = config
@@ -112,29 +109,29 @@ class NodePublisher:
             self._thread.join(timeout=5)
 
     def _run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        await load_kube_config(self.config)
-        assert self.config.node_name is not None
+        node = self.config.node_name
+        assert node is not None
         backoff = 1.0
-        async with client.ApiClient() as api_client:
-            api = client.CoreV1Api(api_client)
-            while not self._stop.is_set():
-                await asyncio.to_thread(self._wake.wait)
-                if self._stop.is_set():
-                    break
-                self._wake.clear()
-                healthy = {u.card.index: u.healthy for u in self.allocator.usage()}
-                try:
-                    await publish(api, self.config.node_name, node_patch(self.cards, healthy))
-                    self.published += 1
-                    backoff = 1.0
-                except Exception as exc:  # network, 5xx, RBAC: log and retry
-                    log.warning(
-                        "publishing the node inventory failed; retrying",
-                        extra={"node": self.config.node_name, "error": str(exc)},
-                    )
-                    await asyncio.sleep(backoff)
-                    backoff = min(backoff * 2, 60.0)
-                    self._wake.set()
+        while True:
+            self._wake.wait()
+            if self._stop.is_set():
+                return
+            self._wake.clear()
+            healthy = {u.card.index: u.healthy for u in self.allocator.usage()}
+            try:
+                asyncio.run(self._publish(node, node_patch(self.cards, healthy)))
+            except Exception as exc:  # configuration, network, 5xx, RBAC: log and retry
+                log.warning(
+                    "publishing the node inventory failed; retrying",
+                    extra={"node": node, "error": str(exc)},
+                )
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 60.0)
+                self._wake.set()
+                continue
+            self.published += 1
+            backoff = 1.0
+
+    async def _publish(self, node: str, patch: dict[str, Any]) -> None:
+        async with kube_client(self.config.kubeconfig) as api:
+            await publish(api, node, patch)

@@ -30,7 +30,13 @@ from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
 from deviceplugin import checkpoint
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
+from deviceplugin.allocator import (
+    Allocation,
+    AllocationError,
+    Allocator,
+    Reconciled,
+    container_dir_name,
+)
 from deviceplugin.config import Config
 from deviceplugin.ids import Kind
 from deviceplugin.inventory import Card
@@ -58,9 +64,7 @@ class DevicePlugin:
     ) -> None:
         self.config = config
         self.cards = {c.index: c for c in cards}
-        self.allocator = Allocator(
-            self.cards.values(), block_mib=config.block_mib, pair_window_s=config.pair_window_s
-        )
+        self.allocator = Allocator(self.cards.values(), pair_window_s=config.pair_window_s)
         self.metrics = metrics or Metrics()
         self.metrics.watch_cards(self.allocator.usage)
         self.podresources = podresources or PodResourcesClient(
@@ -72,14 +76,10 @@ class DevicePlugin:
         )
         self.reconciled = False  # one successful reconciliation since start
         self._collected_at = -1  # allocator version at the last directory collection
-        self._young_dirs = False  # the last collection left directories inside the grace period
+        self._young_dirs = False  # the last collection left directories to look at again
+        self._orphans: dict[str, float] = {}  # directory -> when first found unnamed
         self._verify: queue.Queue[tuple[Allocation, float] | None] = queue.Queue()
         self._verifier: threading.Thread | None = None
-        # kubelet records a container's devices once the second Allocate has *answered*, so a
-        # List at once mostly shows half of them; the first look waits this long after it.
-        self.verify_delay_s = 0.02
-        self.verify_retries = 5
-        self.verify_spacing_s = 0.05  # doubled after each miss: 0.05 … 0.8 s in all
 
     def resource(self, kind: Kind) -> str:
         return self.resources[kind]
@@ -122,9 +122,10 @@ class DevicePlugin:
         response = pb.ContainerAllocateResponse()
         if kind is Kind.CORE:
             self._core_response(allocation, ids, response)
-        if allocation.core and allocation.memory and self._verifier is not None:
-            # both halves are in: prepare PreStartContainer
-            self._verify.put((allocation, time.monotonic() + self.verify_delay_s))
+        complete = (allocation.core and allocation.memory) or allocation.whole_cards_only
+        if complete and self._verifier is not None:
+            # both halves are in (or whole cards, which need no memory): prepare PreStart
+            self._verify.put((allocation, time.monotonic() + self.config.verify_delay_s))
         # The memory resource's response is empty on purpose: the core resource's response
         # already carries every mount, and two resources mounting the same container path
         # would conflict.
@@ -187,7 +188,7 @@ class DevicePlugin:
             # The second resource's call, or a container restart: PodResources already told
             # us which container holds exactly these IDs, and IDs are exclusive until kubelet
             # reassigns them (in an Allocate, which replaces this record).
-            return self._write_limits(f"container {known.dir_name}", known.core, known.memory)
+            return self._write_limits(None, known.core, known.memory)
         container = self.podresources.find(resource, wanted, set(self.resources.values()))
         if container is None:
             raise NotListedError(
@@ -196,20 +197,30 @@ class DevicePlugin:
             )
         core = container.ids(self.config.core_resource)
         memory = container.ids(self.config.memory_resource)
-        path = self._write_limits(container.name, core, memory)
+        path = self._write_limits(container, core, memory)
         before = len(self.allocator.allocations())
         self.allocator.verify(core, memory)
         if len(self.allocator.allocations()) != before or known is None:
             self.save()
         return path
 
-    def _write_limits(self, name: str, core: Iterable[str], memory: Iterable[str]) -> Path:
+    def _write_limits(
+        self, listed: ContainerDevices | None, core: Iterable[str], memory: Iterable[str]
+    ) -> Path:
+        """Write the limits of the container holding these IDs (``listed``: as PodResources
+        lists it, when it was just looked up).
+
+        The log names the pod and the container PodResources lists with the IDs, not the
+        container kubelet is starting: PreStartContainer names only IDs, and an init
+        container's IDs are listed under the app container that reuses them (PodResources
+        lists no plain init container).
+        """
+        dir_name = container_dir_name(core)
         limits = limits_for(
-            name,
+            dir_name if listed is None else listed.name,
             frozenset(core),
             frozenset(memory),
             self.cards,
-            block_mib=self.config.block_mib,
             core_resource=self.config.core_resource,
             memory_resource=self.config.memory_resource,
         )
@@ -221,10 +232,18 @@ class DevicePlugin:
             current = None
         if current != limits.render():  # PreStart repeats per resource and per restart
             limits.write_atomic(limits_dir)
+            where = (
+                {}
+                if listed is None
+                else {
+                    "pod": f"{listed.namespace}/{listed.pod}",
+                    "listed_container": listed.container,
+                }
+            )
             log.info(
                 "limits written",
                 extra={
-                    "container": name,
+                    **where,
                     "devices": list(limits.devices),
                     "memory_bytes": limits.memory_bytes,
                     "compute_percent": limits.compute_percent,
@@ -255,9 +274,9 @@ class DevicePlugin:
         while (item := self._verify.get()) is not None:
             allocation, due = item
             time.sleep(max(0.0, due - time.monotonic()))
-            for attempt in range(self.verify_retries):
+            for attempt in range(self.config.verify_retries):
                 if attempt:
-                    time.sleep(self.verify_spacing_s * 2 ** (attempt - 1))
+                    time.sleep(self.config.verify_spacing_s * 2 ** (attempt - 1))
                 if allocation.verified:
                     break  # PreStartContainer came first and listed it itself
                 try:
@@ -282,7 +301,7 @@ class DevicePlugin:
         )
         if container is None or container.ids(self.config.memory_resource) != memory:
             return False
-        self._write_limits(container.name, core, memory)
+        self._write_limits(container, core, memory)
         self.allocator.verify(core, memory)
         return True
 
@@ -305,7 +324,7 @@ class DevicePlugin:
         except PodResourcesError as exc:
             log.warning("PodResources unavailable at start", extra={"error": str(exc)})
 
-    def reconcile_once(self) -> list[Allocation]:
+    def reconcile_once(self) -> Reconciled:
         """Free what kubelet no longer lists, adopt what it lists, collect stale directories.
 
         A pass that changes nothing writes nothing and scans no directory: on a busy node it
@@ -316,38 +335,83 @@ class DevicePlugin:
         core, memory = self.config.core_resource, self.config.memory_resource
         listed = [(c.ids(core), c.ids(memory)) for c in containers]
         version = self.allocator.version
-        freed = self.allocator.reconcile(listed, started, self.config.reconcile_grace_s)
+        settled = self._kubelet_settled(started)
+        result = self.allocator.reconcile(
+            listed,
+            started,
+            grace_s=self.config.reconcile_grace_s,
+            confirm_s=self.config.reconcile_confirm_s,
+            may_free=settled,
+        )
         first = not self.reconciled
         self.reconciled = True
+        by_ids = {(c.ids(core), c.ids(memory)): c for c in containers}
+        # A container adopted from the listing (after a restart, or after a listing that
+        # missed it) gets its limits file back, whatever happened to its directory meanwhile;
+        # after a start, so does every container the checkpoint restored.
+        for allocation in self.allocator.allocations() if first else result.adopted:
+            holder = by_ids.get((frozenset(allocation.core), frozenset(allocation.memory)))
+            if holder is not None:
+                self._restore_limits(holder, allocation)
         # Directories go stale only when an allocation goes (freed here, or replaced since the
         # last pass), and young ones are left for a later pass.
-        if first or self.allocator.version != self._collected_at or self._young_dirs:
+        if settled and (first or self.allocator.version != self._collected_at or self._young_dirs):
             self._collected_at = self.allocator.version
             self.collect_dirs()
         if first or self.allocator.version != version:
             self.save()
-        return freed
+        return result
+
+    def _kubelet_settled(self, now: float) -> bool:
+        """Whether kubelet's PodResources socket is older than ``kubelet_settle_s``.
+
+        kubelet makes the socket anew when it starts, and lists a pod only once it has read it
+        back from its sources: until then an empty listing says nothing about running pods.
+        """
+        try:
+            made = os.stat(self.config.podresources_socket).st_ctime
+        except OSError:
+            return False
+        return now - made >= self.config.kubelet_settle_s
+
+    def _restore_limits(self, holder: ContainerDevices, allocation: Allocation) -> None:
+        try:
+            self._write_limits(holder, allocation.core, allocation.memory)
+        except (PreStartError, OSError) as exc:
+            log.warning(
+                "limits of a listed container not restored",
+                extra={"pod": f"{holder.namespace}/{holder.pod}", "error": str(exc)},
+            )
+            return
+        allocation.verified = True
 
     def collect_dirs(self) -> list[str]:
-        """Remove container directories that no allocation names (after a reconciliation)."""
+        """Remove container directories that no allocation names (after a reconciliation).
+
+        A directory is removed only when two collections at least ``reconcile_confirm_s``
+        apart found it unnamed, and it is older than the grace period (it may belong to an
+        Allocate that raced this collection).
+        """
         live = {a.dir_name for a in self.allocator.allocations()}
         removed: list[str] = []
         root = self.config.containers_dir
         if not root.is_dir():
             return removed
-        # A directory younger than the grace period may belong to an Allocate that raced this
-        # collection; it is collected next time if it is really orphaned.
-        young = time.time() - self.config.reconcile_grace_s
+        now = time.time()
+        young = now - self.config.reconcile_grace_s
         self._young_dirs = False
+        orphans: dict[str, float] = {}
         for entry in root.iterdir():
             if not entry.is_dir() or not entry.name.startswith("c-") or entry.name in live:
                 continue
-            if entry.stat().st_mtime > young:
-                self._young_dirs = True
+            first_seen = orphans[entry.name] = self._orphans.get(entry.name, now)
+            if entry.stat().st_mtime > young or now - first_seen < self.config.reconcile_confirm_s:
+                self._young_dirs = True  # look again at the next pass
                 continue
-            if entry.name not in live:
-                shutil.rmtree(entry, ignore_errors=True)
-                removed.append(entry.name)
+            shutil.rmtree(entry, ignore_errors=True)
+            del orphans[entry.name]
+            removed.append(entry.name)
+        self._orphans = orphans
         if removed:
             log.info("container directories collected", extra={"dirs": removed})
         return removed

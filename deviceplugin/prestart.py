@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Mapping
 
 from core.contract import Limits
-from core.units import CORE_PER_CARD, MIB
+from core.units import BLOCK_MIB, CORE_PER_CARD, MIB
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
 
@@ -34,17 +34,25 @@ def limits_for(
     memory: frozenset[str],
     cards: Mapping[int, Card],
     *,
-    block_mib: int,
     core_resource: str,
     memory_resource: str,
 ) -> Limits:
-    """The limits of container ``name`` (namespace/pod/container) holding these device IDs."""
+    """The limits of container ``name`` (namespace/pod/container) holding these device IDs.
+
+    Whole cards may come without memory IDs (admission sizes them without knowing the model):
+    they get all of each card's memory, as NVML reports it. A share of a card needs both.
+    """
+    if core and not memory:
+        core_cards = _cards_of(core, Kind.CORE)
+        if all(n == CORE_PER_CARD for n in core_cards.values()):
+            return _whole_cards(name, core_cards, cards)
     if not core or not memory:
         missing = core_resource if not core else memory_resource
         raise PreStartError(
-            f"container {name} holds no {missing}: fracgpu needs both {core_resource} and "
-            f"{memory_resource}; the fracgpu admission webhook adds them, so create the pod "
-            f"through it (or request both)"
+            f"container {name} holds no {missing}: a share of a card needs both "
+            f"{core_resource} and {memory_resource} (only whole cards, {CORE_PER_CARD} "
+            f"{core_resource} per card, may come without memory); the fracgpu admission webhook "
+            f"sizes the request, so create the pod through it"
         )
     core_cards = _cards_of(core, Kind.CORE)
     memory_cards = _cards_of(memory, Kind.MEMORY)
@@ -64,6 +72,17 @@ def limits_for(
     memory_blocks = min(memory_cards.values())
     return Limits(
         devices=tuple(cards[i].uuid for i in sorted(core_cards)),
-        memory_bytes=memory_blocks * block_mib * MIB,
+        memory_bytes=memory_blocks * BLOCK_MIB * MIB,
         compute_percent=min(compute, CORE_PER_CARD),
+    )
+
+
+def _whole_cards(name: str, core_cards: Counter[int], cards: Mapping[int, Card]) -> Limits:
+    unknown = sorted(set(core_cards) - set(cards))
+    if unknown:
+        raise PreStartError(f"container {name} holds devices of unknown cards {unknown}")
+    return Limits(
+        devices=tuple(cards[i].uuid for i in sorted(core_cards)),
+        memory_bytes=min(cards[i].memory_mib for i in core_cards) * MIB,
+        compute_percent=CORE_PER_CARD,
     )

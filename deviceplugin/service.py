@@ -22,8 +22,9 @@ import grpc
 
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import AllocationError, ListedDevice
+from deviceplugin.allocator import AllocationError
 from deviceplugin.ids import Kind
+from deviceplugin.listing import ListedDevice
 from deviceplugin.plugin import DevicePlugin, NotListedError
 from deviceplugin.podresources import PodResourcesError
 from deviceplugin.prestart import PreStartError
@@ -33,6 +34,12 @@ log = logging.getLogger(__name__)
 API_VERSION = "v1beta1"
 KUBELET_SOCKET = "kubelet.sock"
 HEALTH = {True: "Healthy", False: "Unhealthy"}
+# The synchronous gRPC server holds one worker thread per open ListAndWatch stream. kubelet opens
+# one; any local client that can reach the socket could open more and, with a shared pool, leave
+# no thread for kubelet's Allocate. Streams beyond MAX_STREAMS are refused at once, and the pool
+# keeps UNARY_WORKERS threads for the unary RPCs whatever the streams hold.
+MAX_STREAMS = 4
+UNARY_WORKERS = 8
 
 
 def _encode(devices: tuple[ListedDevice, ...]) -> bytes:
@@ -54,6 +61,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self._stopping = stopping
         # per card: the allocator's device list (compared by identity) and its encoding
         self._pieces: list[tuple[tuple[ListedDevice, ...], bytes]] = []
+        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
 
     def _fail(
         self, context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, msg: str
@@ -72,6 +80,20 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     def ListAndWatch(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> Iterator[pb.ListAndWatchResponse]:
+        if not self._streams.acquire(blocking=False):
+            self._fail(
+                context,
+                "ListAndWatch",
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self.resource}: {MAX_STREAMS} ListAndWatch streams are open already; kubelet "
+                f"needs one. Close the others (a client other than kubelet holds them)",
+            )
+        try:
+            yield from self._watch(context)
+        finally:
+            self._streams.release()
+
+    def _watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         allocator = self.plugin.allocator
         seen = -1
         sent: object = None
@@ -177,7 +199,10 @@ class Endpoint:
     def start(self) -> None:
         self.socket.unlink(missing_ok=True)
         self._stopping = threading.Event()
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="dp"))
+        pool = futures.ThreadPoolExecutor(
+            max_workers=MAX_STREAMS + UNARY_WORKERS, thread_name_prefix="dp"
+        )
+        server = grpc.server(pool)
         pb_grpc.add_DevicePluginServicer_to_server(
             DevicePluginServicer(self.plugin, self.kind, self._stopping), server
         )

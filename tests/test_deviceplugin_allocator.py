@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.allocator import Allocation, AllocationError, Allocator, container_dir_name
+from deviceplugin.allocator import (
+    WHOLE_CORE_PAIR_S,
+    Allocation,
+    AllocationError,
+    Allocator,
+    container_dir_name,
+)
 from deviceplugin.ids import Kind, core_id, memory_id
 from deviceplugin.inventory import Card
 
@@ -46,7 +52,6 @@ def take(alloc: Allocator, core: int, memory: int, *, memory_first: bool = False
         assert len(chosen) == size
         alloc.allocate(kind, chosen, CORE if kind is Kind.CORE else MEMORY)
         ids += chosen
-    alloc._half = None  # the next container comes later than the pair window
     return ids
 
 
@@ -80,7 +85,8 @@ def test_fractions_pack_best_fit() -> None:
 
 def test_exhausted_core_strands_free_memory_and_the_reverse() -> None:
     alloc = make(1, 4096)  # 100 core, 16 blocks
-    take(alloc, 100, 4)
+    take(alloc, 60, 2)
+    take(alloc, 40, 2)
     assert free(alloc, Kind.MEMORY) == []  # 12 blocks free, but no core left to use them
     assert len(healthy(alloc, Kind.MEMORY)) == 4  # allocated IDs stay Healthy
     other = make(1, 4096)
@@ -100,8 +106,8 @@ def test_pending_half_keeps_its_partner_allocatable() -> None:
 
 
 def test_pending_half_expires() -> None:
-    alloc = make(1, 4096)
-    clock: Clock = alloc._clock
+    clock = Clock()
+    alloc = Allocator([Card(0, "GPU-0", "Fake", 4096, 0, None)], clock=clock, wall=Clock())
     alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
     assert len(free(alloc, Kind.MEMORY)) == 16
     clock.now += alloc.pair_window_s + 1
@@ -172,7 +178,9 @@ def test_reconcile_frees_gone_containers_and_adopts_unknown_ones() -> None:
     core = [i for i in kept if "-c" in i]
     memory = [i for i in kept if "-m" in i]
     stranger = ([core_id(1, n) for n in range(5)], [memory_id(1, 0)])
-    freed = alloc.reconcile([(core, memory), stranger], listed_at=5000.0, grace_s=1.0)
+    freed = alloc.reconcile(
+        [(core, memory), stranger], listed_at=5000.0, grace_s=1.0, confirm_s=0.0
+    ).freed
     assert [set(a.ids()) for a in freed] == [set(gone)]
     assert {a.dir_name for a in alloc.allocations()} == {
         container_dir_name(core),
@@ -183,7 +191,7 @@ def test_reconcile_frees_gone_containers_and_adopts_unknown_ones() -> None:
 def test_reconcile_spares_allocations_younger_than_the_grace_period() -> None:
     alloc = make(1)
     take(alloc, 30, 2)
-    assert alloc.reconcile([], listed_at=1000.5, grace_s=10.0) == []
+    assert alloc.reconcile([], listed_at=1000.5, grace_s=10.0, confirm_s=0.0).freed == []
     assert len(alloc.allocations()) == 1
 
 
@@ -206,7 +214,7 @@ def test_reconcile_replaces_a_record_whose_ids_kubelet_gave_to_another_container
     # While the plugin was not looking, the pod ended and a new container got part of its IDs.
     core = [core_id(0, n) for n in range(10)]
     memory = [memory_id(0, 0)]
-    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     assert [(set(a.core), set(a.memory)) for a in alloc.allocations()] == [(set(core), set(memory))]
 
 
@@ -240,7 +248,7 @@ def test_reconcile_leaves_exactly_what_kubelet_lists(listing: object, after: obj
     a, b = (([i for i in x if "-c" in i], [i for i in x if "-m" in i]) for x in ids)
     listed = listing(a, b)  # type: ignore[operator]
     before, keys = alloc.version, {x.key for x in alloc.allocations()}
-    alloc.reconcile(listed, listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile(listed, listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     expected = {(frozenset(c), frozenset(m)) for c, m in after(a, b)}  # type: ignore[operator]
     assert {(frozenset(x.core), frozenset(x.memory)) for x in alloc.allocations()} == expected
     owned = {i for x in alloc.allocations() for i in x.ids()}
@@ -263,10 +271,73 @@ def test_reconcile_repairs_records_that_share_ids(claimed: str) -> None:
     if claimed == "core":
         second = Allocation((core[2],), (), (0,), 0.0)
     alloc.restore([first, second])  # the second now owns one of the first's IDs
-    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0)
+    alloc.reconcile([(core, memory)], listed_at=5000.0, grace_s=1.0, confirm_s=0.0)
     (only,) = alloc.allocations()
     assert (set(only.core), set(only.memory)) == (set(core), set(memory))
     assert all(
         alloc.find(kind, [i]) is only
         for kind, i in [*((Kind.CORE, i) for i in core), (Kind.MEMORY, memory[0])]
     )
+
+
+def test_a_pair_that_failed_teaches_where_the_next_of_its_shape_goes() -> None:
+    """Memory first, a share whose core does not fit the partly used card: the first call
+    cannot know, and that container fails; the next container of the same shape does not."""
+    alloc = make(2, 24 * 1024)  # 96 blocks per card
+    take(alloc, 70, 10)  # card 0: 30 core and 86 blocks left; card 1 free
+    with pytest.raises(AllocationError, match="same card"):
+        take(alloc, 50, 10, memory_first=True)
+    ids = take(alloc, 50, 10, memory_first=True)
+    assert cards_of(ids) == {1}
+
+
+@pytest.mark.parametrize(
+    ("memory", "paired"),
+    [
+        pytest.param([memory_id(0, n) for n in range(16)], True, id="all its memory: one pod"),
+        pytest.param([memory_id(1, 0)], False, id="another container's memory"),
+    ],
+)
+def test_whole_cards_core_pairs_only_with_all_of_their_memory(
+    memory: list[str], paired: bool
+) -> None:
+    """Whole cards come without memory: a memory call after them may be the next container's."""
+    alloc = make(2, 4096)
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
+    alloc.allocate(Kind.MEMORY, memory, MEMORY)
+    assert len(alloc.allocations()) == (1 if paired else 2)
+
+
+def test_whole_cards_core_lists_their_memory_only_for_a_moment() -> None:
+    clock = Clock()
+    alloc = Allocator([Card(0, "GPU-0", "Fake", 4096, 0, None)], clock=clock, wall=Clock())
+    alloc.allocate(Kind.CORE, [core_id(0, n) for n in range(100)], CORE)
+    assert len(free(alloc, Kind.MEMORY)) == 16  # in case a memory call follows at once
+    clock.now += WHOLE_CORE_PAIR_S
+    assert free(alloc, Kind.MEMORY) == []  # no one else can use it: the core is taken
+    (whole,) = alloc.allocations()
+    assert whole.whole_cards_only
+
+
+# (listings as (seconds, whether kubelet has settled), whether the allocation is freed after them)
+CONFIRMATIONS = [
+    pytest.param([(0.0, True)], False, id="one listing that misses it"),
+    pytest.param([(0.0, True), (0.2, True)], False, id="a second one too soon"),
+    pytest.param([(0.0, True), (0.5, True)], True, id="a second one 0.5 s later"),
+    pytest.param([(0.0, True), (1.0, False)], False, id="the second while kubelet settles"),
+    pytest.param(
+        [(0.0, False), (30.0, True)], False, id="a listing while settling confirms nothing"
+    ),
+    pytest.param([(0.0, False), (30.0, True), (30.5, True)], True, id="two after settling"),
+]
+
+
+@pytest.mark.parametrize(("listings", "freed"), CONFIRMATIONS)
+def test_a_missing_container_is_freed_once_a_second_listing_confirms(
+    listings: list[tuple[float, bool]], freed: bool
+) -> None:
+    alloc = make(1)
+    take(alloc, 30, 2)
+    for at, settled in listings:
+        alloc.reconcile([], 5000.0 + at, grace_s=1.0, confirm_s=0.5, may_free=settled)
+    assert (alloc.allocations() == []) is freed

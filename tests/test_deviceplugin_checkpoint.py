@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,32 @@ def test_failed_write_keeps_the_old_checkpoint(tmp_path: Path) -> None:
         checkpoint.write(path, CARDS.values(), [Boom((), (), (), 0.0)])
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["checkpoint.json"]
+
+
+GOOD = {"key": "k1", "core": ["g0-c1"], "memory": ["g0-m0"], "cards": [0], "created": 1.0}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        pytest.param({**GOOD, "core": ["bogus"]}, id="an ID that is no fracgpu ID"),
+        pytest.param({**GOOD, "core": "g0-c1"}, id="core as a string"),
+        pytest.param({**GOOD, "core": [1]}, id="an ID that is no string"),
+        pytest.param({**GOOD, "memory": ["g0-c2"]}, id="a core ID as memory"),
+        pytest.param({**GOOD, "core": ["g7-c1"]}, id="a card this node lacks"),
+        pytest.param({**GOOD, "memory": ["g0-m999"]}, id="a block the card lacks"),
+        pytest.param({**GOOD, "core": [], "memory": []}, id="no IDs"),
+        pytest.param({"core": ["g0-c1"]}, id="fields missing"),
+        pytest.param("g0-c1", id="not an object"),
+    ],
+)
+def test_a_bad_record_is_dropped_and_the_rest_restored(
+    tmp_path: Path, bad: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "checkpoint.json"
+    good = {**GOOD, "key": "k2", "core": ["g1-c3"], "memory": ["g1-m1"], "cards": [1]}
+    document = {"version": 1, "cards": {"0": "GPU-a", "1": "GPU-b"}, "allocations": [bad, good]}
+    path.write_text(json.dumps(document))
+    restored = checkpoint.read(path, CARDS)
+    assert [a.key for a in restored] == ["k2"]
+    assert [r.getMessage() for r in caplog.records] == ["checkpoint record dropped"]

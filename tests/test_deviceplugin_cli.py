@@ -22,20 +22,18 @@ def test_defaults_match_kubelet_and_the_contract(monkeypatch: pytest.MonkeyPatch
     assert config.host_root == Path("/var/lib/fracgpu")
     assert config.core_resource == "fracgpu.io/core"
     assert config.memory_resource == "fracgpu.io/memory"
-    assert config.block_mib == 256
     assert config.ignored_xids == frozenset({13, 31, 43, 45, 68})
     assert config.node_name is None
 
 
 def test_options(tmp_path: Path) -> None:
     args = parse(
-        "--plugin-dir", str(tmp_path), "--resource-domain", "example.com", "--block-mib", "512",
-        "--ignore-xids", "13,43", "--metrics-port", "0", "--node-name", "n1",
+        "--plugin-dir", str(tmp_path), "--ignore-xids", "13,43", "--metrics-port", "0",
+        "--node-name", "n1", "--reconcile-interval", "2.5",
     )  # fmt: skip
     config = config_from(args)
     assert config.plugin_dir == tmp_path
-    assert config.core_resource == "example.com/core"
-    assert config.block_mib == 512
+    assert config.reconcile_interval_s == 2.5
     assert config.ignored_xids == frozenset({13, 43})
     assert config.metrics_port == 0
     assert config.node_name == "n1"
@@ -74,13 +72,14 @@ def test_guard_options(argv: tuple[str, ...], field: str, value: object) -> None
 @pytest.mark.parametrize(
     "argv",
     [
-        ("--ignore-xids", "13,x"),
-        ("--ignore-xids", "-1"),
-        ("--block-mib", "0"),
-        ("--guard-interval", "-1"),
-        ("--guard-interval", "soon"),
-        ("--guard-grace", "nan"),
-        ("--guard-process-overhead-mib", "-5"),
+        pytest.param(("--ignore-xids", "13,x"), id="an XID that is no number"),
+        pytest.param(("--ignore-xids", "-1"), id="a negative XID"),
+        pytest.param(("--resource-domain", "example.com"), id="the resource names are fixed"),
+        pytest.param(("--block-mib", "512"), id="the block size is fixed"),
+        pytest.param(("--guard-interval", "-1"), id="a negative guard interval"),
+        pytest.param(("--guard-interval", "soon"), id="a guard interval that is no number"),
+        pytest.param(("--guard-grace", "nan"), id="a grace that is not a number of seconds"),
+        pytest.param(("--guard-process-overhead-mib", "-5"), id="a negative overhead"),
     ],
 )
 def test_bad_options_are_refused(argv: tuple[str, ...], capsys: pytest.CaptureFixture[str]) -> None:

@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kubernetes_asyncio import client
-
 from core.labels import COUNT_LABEL, INVENTORY_ANNOTATION, MEMORY_LABEL, PRODUCT_LABEL
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
@@ -61,7 +59,7 @@ async def test_publish_merges_into_the_node() -> None:
     async with FakeApiServer() as fake:
         fake.put(node())
         async with fake.api_client() as api_client:
-            await publish(client.CoreV1Api(api_client), "gpu-1", node_patch(CARDS, {0: True}))
+            await publish(api_client, "gpu-1", node_patch(CARDS, {0: True}))
         stored = fake.get("nodes", "gpu-1")
         assert stored is not None
         assert stored["metadata"]["labels"]["a"] == "b"  # other labels untouched

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import random
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -15,9 +18,10 @@ from core import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import Allocator, container_dir_name
+from deviceplugin.config import Config
 from deviceplugin.ids import Kind, core_id, memory_id
 from deviceplugin.inventory import Card
-from deviceplugin.service import DevicePluginServicer
+from deviceplugin.service import MAX_STREAMS, DevicePluginServicer
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
 
@@ -169,15 +173,40 @@ def test_honest_arithmetic_strands_memory_of_a_card_without_core() -> None:
             kubelet.admit(pod("late", (1, 1)))
 
 
-def test_fragmentation_refuses_a_fraction_that_no_single_card_fits() -> None:
-    with gpu_node(cards(2)) as node:
-        run(node, pod("a", (60, 40)))
-        run(node, pod("b", (60, 40)))
-        # 80 core are free in total, 40 per card: kubelet picks across cards with no
-        # preference, and Allocate refuses the split (final, as UnexpectedAdmissionError).
-        with pytest.raises(AdmissionError, match=r"span cards|same card"):
-            node.kubelet.admit(pod("c", (50, 20)))
-        assert len(node.plugin.allocator.allocations()) == 2
+# (case, cards, containers already running, the pod that comes next, whether it fits one card)
+MULTI_CARD = [
+    pytest.param(2, [(60, 40), (60, 40)], (50, 20), False, id="two cards 0.6 used, 0.5 pod"),
+    pytest.param(
+        4, [(60, 40)] * 4, (50, 20), False, id="four cards 0.6 used, 0.5 pod (seen on a cluster)"
+    ),
+    pytest.param(4, [(60, 40)] * 4, (40, 20), True, id="four cards 0.6 used, 0.4 pod"),
+    pytest.param(3, [(60, 40), (60, 40)], (50, 20), True, id="a whole free card takes it"),
+    pytest.param(3, [(30, 10)], (200, 192), True, id="two whole cards beside a share"),
+    pytest.param(3, [(60, 40), (60, 40)], (200, 192), False, id="two whole cards, one is free"),
+]
+
+
+@pytest.mark.parametrize(("count", "running", "incoming", "fits"), MULTI_CARD)
+def test_a_multi_card_node_advertises_only_what_one_card_can_host(
+    count: int, running: list[tuple[int, int]], incoming: tuple[int, int], fits: bool
+) -> None:
+    """A pod the scheduler would place is one that Allocate accepts, and the reverse: what
+    a node advertises beyond its allocated IDs fits one card (or k whole free cards)."""
+    with gpu_node(cards(count)) as node:
+        kubelet = node.kubelet
+        for i, share in enumerate(running):
+            # one card each: the scheduler's arithmetic alone could put two on one card
+            held = run(node, pod(f"r{i}", share))["c0"]
+            assert len(card_of(held[CORE])) == 1
+        nxt = pod("next", incoming)
+        assert kubelet.wait_for(lambda: kubelet.schedulable(nxt) is fits)
+        if fits:
+            held = run(node, nxt)["c0"]
+            assert len(card_of(held[CORE] + held[MEMORY])) == len(card_of(held[CORE]))
+        else:
+            with pytest.raises(AdmissionError, match="available"):
+                kubelet.admit(nxt)
+        assert not kubelet.violations
 
 
 def test_kubelet_restart_reregisters_within_two_seconds_and_keeps_allocations() -> None:
@@ -436,8 +465,7 @@ def test_early_verification_lists_once_after_both_allocates() -> None:
 def test_prestart_right_after_allocate_is_not_listed_twice() -> None:
     """When PreStartContainer beats the early verification, the verifier finds the
     allocation verified and leaves PodResources alone."""
-    with gpu_node(cards(1)) as node:
-        node.plugin.verify_delay_s = 0.2
+    with gpu_node(cards(1), verify_delay_s=0.2) as node:
         before = node.kubelet.list_calls
         held = run(node, pod("fast", (30, 20)))["c0"]
         assert node.kubelet.list_calls - before == 1  # PreStart's own
@@ -479,8 +507,10 @@ LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
     (
         "card 2's core fills up (its free memory strands)",
         lambda a: (
-            a.allocate(Kind.CORE, [core_id(2, n) for n in range(100)], CORE),
+            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60)], CORE),
             a.allocate(Kind.MEMORY, [memory_id(2, 0)], MEMORY),
+            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60, 100)], CORE),
+            a.allocate(Kind.MEMORY, [memory_id(2, 1)], MEMORY),
         ),
         {2},
     ),
@@ -510,3 +540,167 @@ def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
         # a full core strands memory, not core: the core list shows no change
         expected = changed if kind is Kind.MEMORY or "strands" not in name else set()
         assert reused == set(range(4)) - expected, name
+
+
+def test_whole_cards_without_memory_take_entirely_free_cards_and_all_their_memory() -> None:
+    with gpu_node(cards(4, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        run(node, pod("share", (30, 10)))  # card 0 is partly used
+        whole = Pod("default", "whole", [Container("c0", {CORE: 200})])
+        calls = len(kubelet.calls)
+        held = run(node, whole)["c0"]
+        assert set(held) == {CORE}
+        assert card_of(held[CORE]) == {1, 2}
+        # one resource, one Allocate: no wait for a memory call that never comes
+        assert [rpc for _, rpc in kubelet.calls[calls:]].count("Allocate") == 1
+        limits = limits_of(node, held[CORE])
+        assert limits.memory_bytes == 24 * GIB * 2**20
+        assert limits.compute_percent == 100
+        assert len(limits.devices) == 2
+        # the cards' memory is no one else's: hidden while their core is taken
+        assert kubelet.wait_for(
+            lambda: not {card_of([i]).pop() for i in kubelet.free(MEMORY)} & {1, 2}
+        )
+
+
+def test_an_init_containers_limits_log_names_the_pod_not_the_app_container(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    with gpu_node(cards(1), verify_retries=0) as node:
+        p = Pod(
+            "default",
+            "init",
+            [Container("app", {CORE: 30, MEMORY: 10})],
+            init_containers=[Container("fetch", {CORE: 30, MEMORY: 10})],
+        )
+        held = node.kubelet.admit(p)
+        # the app container reuses the init container's IDs
+        assert {r: set(i) for r, i in held["fetch"].items()} == {
+            r: set(i) for r, i in held["app"].items()
+        }
+        caplog.clear()
+        caplog.set_level(logging.INFO, logger="deviceplugin")
+        node.kubelet.start_container(p, "fetch")
+        (record,) = [r for r in caplog.records if r.getMessage() == "limits written"]
+        assert record.pod == "default/init"  # type: ignore[attr-defined]
+        assert record.listed_container == "app"  # type: ignore[attr-defined]
+        assert not hasattr(record, "container")
+
+
+@pytest.mark.parametrize(
+    ("fault", "config"),
+    [
+        pytest.param(1, {}, id="one empty listing, confirmed wrong by the next"),
+        pytest.param(
+            3, {"kubelet_settle_s": 3600.0}, id="empty listings of a kubelet just started"
+        ),
+    ],
+)
+def test_an_empty_listing_frees_nothing_until_confirmed(
+    fault: int, config: dict[str, float]
+) -> None:
+    """kubelet answers List with no pods right after it restarts: the containers it still runs
+    keep their devices and their limits."""
+    with gpu_node(cards(1), reconcile_confirm_s=0.05, **config) as node:
+        p = pod("running", (30, 10))
+        held = run(node, p)["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        node.kubelet.empty_listings(fault)
+        for _ in range(fault):
+            node.plugin.reconcile_once()
+            time.sleep(0.06)
+        node.plugin.reconcile_once()  # kubelet lists its pods again (or is still settling)
+        assert len(node.plugin.allocator.allocations()) == 1
+        assert path.is_file()
+
+
+def test_a_container_adopted_after_its_files_went_gets_its_limits_back() -> None:
+    with gpu_node(cards(1)) as node:
+        held = run(node, pod("running", (30, 10)))["c0"]
+        path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
+        node.stop_plugin()
+        node.config.checkpoint_path.unlink()
+        shutil.rmtree(node.config.containers_dir)  # as an older plugin's collection left it
+        node.start_plugin()
+        assert node.wait_registered()
+        assert path.is_file()
+        assert limits_of(node, held[CORE]).compute_percent == 30
+
+
+def test_capacity_of_an_ended_pod_returns_within_two_seconds() -> None:
+    """With the plugin's own reconciliation settings; the grace for young allocations (an
+    Allocate racing a List) is left out, so that the test need not wait for it."""
+    defaults = Config()
+    with gpu_node(
+        cards(1),
+        reconcile_interval_s=defaults.reconcile_interval_s,
+        reconcile_confirm_s=defaults.reconcile_confirm_s,
+    ) as node:
+        kubelet = node.kubelet
+        p = pod("short", (100, 96))
+        run(node, p)
+        time.sleep(0.2)
+        assert kubelet.allocatable(MEMORY) == 96
+        assert kubelet.free(CORE) == set()
+        kubelet.remove(p)
+        ended = time.monotonic()
+        assert kubelet.wait_for(lambda: len(kubelet.free(CORE)) == 100, timeout=5.0)
+        assert time.monotonic() - ended < 2.0
+
+
+def test_idle_listandwatch_streams_cannot_starve_allocate() -> None:
+    with gpu_node(cards(1)) as node:
+        channel = grpc.insecure_channel(f"unix://{node.config.plugin_dir / 'fracgpu-core.sock'}")
+        stub = pb_grpc.DevicePluginStub(channel)
+        streams = [stub.ListAndWatch(pb.Empty()) for _ in range(12)]
+        try:
+            refused = 0
+            for stream in streams:
+                try:
+                    next(stream)
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                    refused += 1
+            assert refused >= 12 - MAX_STREAMS
+            started = time.monotonic()
+            run(node, pod("still", (30, 10)))
+            assert time.monotonic() - started < 2.0
+        finally:
+            channel.close()
+
+
+def test_pods_that_the_scheduler_places_are_admitted_through_churn() -> None:
+    """Single-container pods with proportional shares and whole cards (with memory and
+    without), created and deleted at random on a four-card node: every pod that kube-scheduler's
+    check lets onto the node (once kubelet has the plugin's latest lists) is admitted."""
+    rng = random.Random(7)
+    with gpu_node(cards(4, 24 * GIB)) as node:
+        kubelet = node.kubelet
+        live: list[Pod] = []
+        placed = failed = 0
+        for i in range(40):
+            if live and rng.random() < 0.3:
+                kubelet.remove(live.pop(rng.randrange(len(live))))
+                node.plugin.reconcile_once()
+            roll = rng.random()
+            if roll < 0.05:
+                requests = {CORE: 100}
+            elif roll < 0.1:
+                requests = {CORE: 100, MEMORY: 96}
+            else:
+                core = rng.randint(5, 90)
+                requests = {CORE: core, MEMORY: max(1, core * 96 // 100)}
+            p = Pod("default", f"p{i}", [Container("c0", requests)])
+            time.sleep(0.05)  # the scheduler's view: lists as the plugin last sent them
+            if not kubelet.schedulable(p):
+                continue
+            placed += 1
+            try:
+                kubelet.admit(p)
+            except AdmissionError:
+                failed += 1
+                continue
+            live.append(p)
+        assert placed >= 10
+        assert failed == 0
+        assert not kubelet.violations

@@ -12,7 +12,7 @@ from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin._proto import podresources_v1_pb2 as pr
 from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
-from tests.fakes.kubelet import FakeKubelet, ProtocolViolation, _Resource
+from tests.fakes.kubelet import Container, FakeKubelet, Pod, ProtocolViolation, _Resource
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"
@@ -112,4 +112,47 @@ def test_listandwatch_messages_are_checked_as_kubelet_would(
         with pytest.raises(ProtocolViolation, match=violation):
             kubelet._accept_list(resource, message)
         assert resource.messages == 0
+    resource.channel.close()
+
+
+def test_empty_listings_answer_no_pods_then_list_again(
+    kubelet: FakeKubelet, lister: pr_grpc.PodResourcesListerStub
+) -> None:
+    kubelet.allocations = {"ns/p": {"c": {CORE: ["g0-c1"]}}}
+    kubelet.empty_listings(2)
+    counts = [
+        len(lister.List(pr.ListPodResourcesRequest(), timeout=5).pod_resources) for _ in "abc"
+    ]
+    assert counts == [0, 0, 1]
+
+
+def test_plain_init_containers_are_not_listed(
+    kubelet: FakeKubelet, lister: pr_grpc.PodResourcesListerStub
+) -> None:
+    """kubelet lists app containers (and sidecars) only; an init container's IDs show under the
+    app container that reuses them."""
+    kubelet.allocations = {"ns/p": {"init": {CORE: ["g0-c1"]}, "app": {CORE: ["g0-c1"]}}}
+    kubelet.init_names = {"ns/p": {"init"}}
+    response = lister.List(pr.ListPodResourcesRequest(), timeout=5)
+    names = [c.name for pod in response.pod_resources for c in pod.containers]
+    assert names == ["app"]
+
+
+def test_schedulable_is_allocatable_minus_what_is_held(kubelet: FakeKubelet) -> None:
+    resource = _resource()
+    kubelet.resources[CORE] = resource
+    kubelet._accept_list(
+        resource,
+        pb.ListAndWatchResponse(
+            devices=[pb.Device(ID=f"g0-c{n}", health="Healthy") for n in range(3)]
+            + [pb.Device(ID="g0-c3", health="Unhealthy")]
+        ),
+    )
+    kubelet.allocations = {"ns/held": {"c": {CORE: ["g0-c0"]}}}
+    fits = Pod("ns", "two", [Container("c", {CORE: 2})])
+    too_big = Pod("ns", "three", [Container("c", {CORE: 3})])
+    init_bigger = Pod("ns", "init", [Container("c", {CORE: 1})], [Container("i", {CORE: 3})])
+    assert kubelet.schedulable(fits)
+    assert not kubelet.schedulable(too_big)
+    assert not kubelet.schedulable(init_bigger)
     resource.channel.close()

@@ -50,6 +50,8 @@ class GpuNode:
             "watch_interval_s": 0.05,
             "reconcile_interval_s": 3600.0,
             "reconcile_grace_s": 0.0,
+            "reconcile_confirm_s": 0.0,  # tests of the confirmation set their own
+            "kubelet_settle_s": 0.0,  # the fake kubelet's socket is as young as the test
             "register_timeout_s": 5.0,
             "health_wait_ms": 50,
             "health_probe_interval_s": 0.1,

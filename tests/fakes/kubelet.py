@@ -1,7 +1,8 @@
 """FakeKubelet: a strict test double of kubelet's device manager and PodResources server.
 
-Real gRPC on unix sockets in a temporary directory, behaving as reference/kubernetes.md §3 and
-"Observed behaviour of a real kubelet" describe, and refusing what a real kubelet refuses:
+Real gRPC on unix sockets in a temporary directory, behaving as kubelet's device manager
+(``pkg/kubelet/cm/devicemanager``) and PodResources server do and as a real kubelet v1.36 was seen
+to behave, and refusing what a real kubelet refuses:
 
 - Registration server on ``<dir>/kubelet.sock``: Register rejects a version other than v1beta1,
   a resource name that is not an extended resource name, and an endpoint that is not a file name;
@@ -10,15 +11,28 @@ Real gRPC on unix sockets in a temporary directory, behaving as reference/kubern
 - One ListAndWatch consumer per registered resource; every message replaces the device list
   (IDs must be unique and at most 63 characters, health exactly "Healthy"/"Unhealthy"). When the
   stream ends, the resource's devices all count as unhealthy (allocatable 0).
-- ``admit(pod)``: for each container in turn, for each of its resources in a *random order* (map
-  order): GetPreferredAllocation (when the plugin asked for it) with the healthy free IDs, then
-  Allocate with the preferred set in random order (or a random choice across cards when the
-  preference is empty). A preference that is not a subset of the available IDs or has the wrong
-  size is a protocol violation. An Allocate error rejects the pod and releases its devices.
+- ``admit(pod)``: for each init container, then each app container, for each of its resources in
+  a *random order* (map order): GetPreferredAllocation (when the plugin asked for it) with the
+  healthy free IDs, then Allocate with the preferred set in random order. As kubelet's device
+  manager does (``devicesToAllocate``), IDs come only from Healthy, unallocated devices, and when
+  the preference is empty the IDs are drawn at random (Go map order) from those, across cards.
+  An app container first reuses the IDs of the pod's init containers (kubelet's
+  ``devicesToReuse``) and takes the rest afresh; Allocate is called for it all the same. A
+  preference that is not a subset of the available IDs or has the wrong size is a protocol
+  violation (kubelet would take what is usable and fill up). An Allocate error rejects the pod
+  and releases its devices.
+- ``schedulable(pod)``: what kube-scheduler computes for the node: for each resource the pod's
+  request (the larger of its app containers' sum and its largest init container) fits
+  allocatable (Healthy devices) minus what admitted pods hold.
 - ``start(pod, container)``: PreStartContainer once per resource (random order), 30 s timeout;
   the allocation is recorded (and listed by PodResources) before it. Container restarts call it
   again with the same IDs.
+- ``remove(pod)``: the pod was deleted or has terminated. kubelet lists only active pods in
+  PodResources ``List`` and frees a gone pod's IDs for new allocations (``UpdateAllocatedDevices``
+  before each admission); this double does both at once. It never tells the plugin.
 - PodResources ``List``: one ContainerDevices entry per device ID, as a real kubelet sends them,
+  for app containers only (kubelet lists no plain init container: their IDs appear under the app
+  container that reuses them),
   in an order shuffled once per pod and holding. Each pod is serialised once and joined into
   every answer as bytes: kubelet answers List in Go, beside its device manager, and a double
   that spent milliseconds of this process's interpreter per call would put its own cost into
@@ -26,7 +40,9 @@ Real gRPC on unix sockets in a temporary directory, behaving as reference/kubern
 - ``restart()``: closes the streams, stops serving, deletes every socket in the directory except
   ``kubelet_internal_checkpoint``, and serves a new ``kubelet.sock``; allocations survive.
 
-Fault injection: ``fail_podresources(n)`` makes the next n List calls fail with UNAVAILABLE.
+Fault injection: ``fail_podresources(n)`` makes the next n List calls fail with UNAVAILABLE;
+``empty_listings(n)`` makes the next n List calls answer with no pods at all, as a kubelet does
+right after it restarts, before it has read its pods back.
 """
 
 from __future__ import annotations
@@ -79,6 +95,7 @@ class Pod:
     namespace: str
     name: str
     containers: list[Container]
+    init_containers: list[Container] = field(default_factory=list)
 
     @property
     def key(self) -> str:
@@ -117,6 +134,8 @@ class FakeKubelet:
         self._server: grpc.Server | None = None
         self._pr_server: grpc.Server | None = None
         self._pr_failures = 0
+        self._pr_empty = 0
+        self.init_names: dict[str, set[str]] = {}  # pod key -> its init containers (not listed)
         self.list_calls = 0
         # (pod key, what its containers hold) -> that pod as a serialised one-pod List answer
         self._listed: dict[tuple[str, tuple[tuple[str, Holding], ...]], bytes] = {}
@@ -275,38 +294,58 @@ class FakeKubelet:
         if pod.key in self.allocations:
             raise ValueError(f"pod {pod.key} is already admitted")
         self.allocations[pod.key] = {}
+        self.init_names[pod.key] = {c.name for c in pod.init_containers}
+        reusable: dict[str, list[str]] = {}
         try:
-            for container in pod.containers:
+            for container in [*pod.init_containers, *pod.containers]:
                 held: dict[str, list[str]] = {}
                 self.allocations[pod.key][container.name] = held
                 names = list(container.requests)
                 self.random.shuffle(names)  # map order: varies from run to run
                 for name in names:
-                    held[name] = self._allocate(pod, container, name, container.requests[name])
+                    size = container.requests[name]
+                    reuse = reusable.get(name, [])[:size]
+                    held[name] = self._allocate(pod, container, name, size, reuse)
+                    if container in pod.init_containers:
+                        reusable[name] = held[name]
         except BaseException:
             del self.allocations[pod.key]
+            self.init_names.pop(pod.key, None)
             raise
         return self.allocations[pod.key]
 
-    def _allocate(self, pod: Pod, container: Container, name: str, size: int) -> list[str]:
+    def schedulable(self, pod: Pod) -> bool:
+        """Whether kube-scheduler's resource check passes for this node."""
+        for name in {r for c in [*pod.init_containers, *pod.containers] for r in c.requests}:
+            apps = sum(c.requests.get(name, 0) for c in pod.containers)
+            inits = max((c.requests.get(name, 0) for c in pod.init_containers), default=0)
+            if max(apps, inits) > self.allocatable(name) - len(self.allocated_ids(name)):
+                return False
+        return True
+
+    def _allocate(
+        self, pod: Pod, container: Container, name: str, size: int, reuse: list[str]
+    ) -> list[str]:
         with self._lock:
             resource = self.resources.get(name)
         if resource is None or not resource.connected:
             raise AdmissionError(f"{name}: no healthy devices present; cannot allocate unhealthy")
-        available = sorted(self.free(name))
+        available = sorted(self.free(name) | set(reuse))
         if len(available) < size:
             raise AdmissionError(
                 f"{pod.key}/{container.name}: requested {name}: {size}, available {len(available)}"
             )
-        chosen: list[str] = []
-        if resource.options.get_preferred_allocation_available:
+        chosen: list[str] = list(reuse)
+        if len(chosen) < size and resource.options.get_preferred_allocation_available:
             self.random.shuffle(available)
             self.calls.append((name, "GetPreferredAllocation"))
             answer = resource.stub.GetPreferredAllocation(
                 pb.PreferredAllocationRequest(
                     container_requests=[
                         pb.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=available, allocation_size=size
+                            available_deviceIDs=available,
+                            must_include_deviceIDs=reuse,
+                            allocation_size=size,
                         )
                     ]
                 ),
@@ -314,11 +353,17 @@ class FakeKubelet:
             )
             if len(answer.container_responses) != 1:
                 self._violation(f"{name}: {len(answer.container_responses)} preference answers")
-            chosen = list(answer.container_responses[0].deviceIDs)
-            if chosen and (len(set(chosen)) != size or not set(chosen) <= set(available)):
-                self._violation(f"{name}: preference {chosen[:5]}… is not {size} available IDs")
-        if not chosen:
-            chosen = self.random.sample(available, size)
+            preferred = list(answer.container_responses[0].deviceIDs)
+            if preferred and (
+                len(set(preferred)) != size
+                or not set(preferred) <= set(available)
+                or not set(reuse) <= set(preferred)
+            ):
+                self._violation(f"{name}: preference {preferred[:5]}… is not {size} available IDs")
+            chosen = preferred or chosen
+        if len(chosen) < size:
+            rest = sorted(set(available) - set(chosen))
+            chosen += self.random.sample(rest, size - len(chosen))
         self.random.shuffle(chosen)
         self.calls.append((name, "Allocate"))
         try:
@@ -359,13 +404,18 @@ class FakeKubelet:
                 raise PreStartFailed(exc.code(), exc.details() or "") from None
 
     def remove(self, pod: Pod) -> None:
+        """The pod was deleted (or terminated): gone from List, its IDs free for new pods."""
         self.allocations.pop(pod.key, None)
         self.responses.pop(pod.key, None)
+        self.init_names.pop(pod.key, None)
 
     # ---- PodResources ------------------------------------------------------------------
 
     def fail_podresources(self, count: int) -> None:
         self._pr_failures = count
+
+    def empty_listings(self, count: int) -> None:
+        self._pr_empty = count
 
     def _podresources_handler(self) -> grpc.GenericRpcHandler:
         """PodResourcesLister with List only (Get and GetAllocatableResources: UNIMPLEMENTED).
@@ -400,12 +450,17 @@ class FakeKubelet:
         if self._pr_failures > 0:
             self._pr_failures -= 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "kubelet busy (injected)")
+        if self._pr_empty > 0:
+            self._pr_empty -= 1
+            return b""  # an empty ListPodResourcesResponse
         return b"".join(self._listed_pod(k, c) for k, c in list(self.allocations.items()))
 
     def _listed_pod(self, key: str, containers: dict[str, dict[str, list[str]]]) -> bytes:
+        hidden = self.init_names.get(key, set())
         holding = tuple(
             (name, tuple((r, tuple(ids)) for r, ids in held.items()))
             for name, held in list(containers.items())
+            if name not in hidden
         )
         listed = self._listed.get((key, holding))
         if listed is None:
