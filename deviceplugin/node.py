@@ -76,7 +76,6 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 
-
 async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
     """Merge-patch the Node (``api``: an ApiClient from ``core.kube.kube_client``)."""
     await call_json(api, "PATCH", NODES.path(name=node_name), body=patch, content_type=MERGE_PATCH)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
+from core.units import ENV_MEMORY_MIB
 from deviceplugin import checkpoint
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.allocator import (
@@ -140,7 +141,20 @@ class DevicePlugin:
         # PreStartContainer, which kubelet completes before it creates the container. Allocate
         # stays in memory, off the disk, while kubelet admits the pod.
         limits_dir, shared_dir = self._container_dirs(core)
-        response.envs[VISIBLE_DEVICES_ENV] = ",".join(c.uuid for c in cards)
+        # The cards reach the container as the NVIDIA toolkit's device-list mounts, which only
+        # the node agent can make; the variable names their directory and selects nothing by
+        # itself, so one a user sets (envFrom) hands out no card (install guide).
+        response.envs[VISIBLE_DEVICES_ENV] = contract.DEVICE_LIST_MOUNT_ROOT
+        for card in cards:
+            response.mounts.add(
+                container_path=f"{contract.DEVICE_LIST_MOUNT_ROOT}/{card.uuid}",
+                host_path=contract.DEVICE_LIST_HOST_PATH,
+                read_only=True,
+            )
+        if allocation.whole_cards_only:
+            # Whole cards carry no memory resource: all of each card is theirs, and only the
+            # node knows how much that is.
+            response.envs[ENV_MEMORY_MIB] = str(min(c.memory_mib for c in cards))
         dev = self.config.dev_root
         for card in cards:
             path = f"/dev/nvidia{card.minor}"

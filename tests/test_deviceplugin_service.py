@@ -74,7 +74,14 @@ def test_allocate_answers_with_card_devices_and_mounts_and_prestart_writes_limit
         (card,) = card_of(held[CORE])
         answer = node.kubelet.responses[p.key]["c0"][CORE]
         uuid = f"GPU-{card:08x}-fake-4000-8000-{card:012x}"
-        assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+        # The card is named by a device-list mount, not by the variable (which a user could set).
+        assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == contract.DEVICE_LIST_MOUNT_ROOT
+        device_list = {m.container_path: m for m in answer.mounts}[
+            f"{contract.DEVICE_LIST_MOUNT_ROOT}/{uuid}"
+        ]
+        assert device_list.host_path == contract.DEVICE_LIST_HOST_PATH
+        assert device_list.read_only
+        assert "FRACGPU_MEMORY_MIB" not in answer.envs  # a share: admission set it
         assert [d.container_path for d in answer.devices] == [
             f"/dev/nvidia{card}",
             "/dev/nvidiactl",
@@ -557,6 +564,14 @@ def test_whole_cards_without_memory_take_entirely_free_cards_and_all_their_memor
         assert limits.memory_bytes == 24 * GIB * 2**20
         assert limits.compute_percent == 100
         assert len(limits.devices) == 2
+        answer = kubelet.responses[whole.key]["c0"][CORE]
+        assert answer.envs["FRACGPU_MEMORY_MIB"] == str(24 * GIB)
+        device_lists = [
+            m.container_path
+            for m in answer.mounts
+            if m.container_path.startswith(contract.DEVICE_LIST_MOUNT_ROOT)
+        ]
+        assert len(device_lists) == 2
         # the cards' memory is no one else's: hidden while their core is taken
         assert kubelet.wait_for(
             lambda: not {card_of([i]).pop() for i in kubelet.free(MEMORY)} & {1, 2}
