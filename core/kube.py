@@ -230,6 +230,13 @@ VALIDATING_WEBHOOK_CONFIGURATIONS = Resource(
     "admissionregistration.k8s.io", "v1", "validatingwebhookconfigurations", namespaced=False
 )
 GPUQUOTAS = Resource(DOMAIN, "v1", "gpuquotas", namespaced=True)
+# Dynamic resource allocation (DRA mode), served by default from Kubernetes 1.34 on.
+RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", namespaced=False)
+RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", namespaced=True)
+RESOURCE_CLAIM_TEMPLATES = Resource(
+    "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True
+)
+DEVICE_CLASSES = Resource("resource.k8s.io", "v1", "deviceclasses", namespaced=False)
 
 
 async def open_request(

@@ -35,6 +35,11 @@ def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) 
         "cards": {str(c.index): c.uuid for c in cards},
         "allocations": [a.to_json() for a in allocations],
     }
+    write_document(path, document)
+
+
+def write_document(path: Path, document: Mapping[str, Any]) -> None:
+    """Write a JSON checkpoint durably: a crash leaves the old file or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
     try:

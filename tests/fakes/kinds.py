@@ -174,6 +174,47 @@ GPUQUOTA = Kind(
     returns_deleted_object=True,
 )
 
+# resource.k8s.io/v1 (dynamic resource allocation), served by default from Kubernetes 1.34 on.
+RESOURCE_SLICE = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceSlice",
+    "resourceslices",
+    namespaced=False,
+    field_labels=frozenset({"metadata.name", "spec.nodeName", "spec.driver"}),
+    top_fields=frozenset({"spec"}),
+)
+RESOURCE_CLAIM = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaim",
+    "resourceclaims",
+    namespaced=True,
+    status_subresource=True,
+    returns_deleted_object=True,
+)
+RESOURCE_CLAIM_TEMPLATE = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaimTemplate",
+    "resourceclaimtemplates",
+    namespaced=True,
+    returns_deleted_object=True,
+    top_fields=frozenset({"spec"}),
+)
+DEVICE_CLASS = Kind(
+    "resource.k8s.io",
+    "v1",
+    "DeviceClass",
+    "deviceclasses",
+    namespaced=False,
+    tracks_generation=True,
+    returns_deleted_object=True,
+    field_labels=frozenset({"metadata.name"}),
+    top_fields=frozenset({"spec"}),
+)
+DRA_KINDS = (RESOURCE_SLICE, RESOURCE_CLAIM, RESOURCE_CLAIM_TEMPLATE, DEVICE_CLASS)
+
 DEFAULT_KINDS: tuple[Kind, ...] = (
     POD,
     NODE,
@@ -185,4 +226,5 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     MUTATING_WEBHOOK_CONFIGURATION,
     VALIDATING_WEBHOOK_CONFIGURATION,
     GPUQUOTA,
+    *DRA_KINDS,
 )
