@@ -38,7 +38,7 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterable, Mapping
-from decimal import Decimal
+from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from core.quantity import QuantityError, parse_quantity
@@ -383,7 +383,7 @@ def _capacity(key: str, entry: Any, path: str, multi: bool, causes: Causes) -> N
         if step is None or step <= 0:
             return
         # 1.36 does its step arithmetic on integer values, rounded up.
-        istep = int(-(-step // 1))
+        istep = int(step.to_integral_value(rounding=ROUND_CEILING))
         if low + istep > value:
             causes.append(
                 (f"{rpath}.step", "Invalid value: min + step must not exceed the capacity value")
@@ -622,7 +622,7 @@ def _charge(capacity: Mapping[str, Any], requested: Mapping[str, Any]) -> dict[s
                 high = parse_quantity(rng["max"]).value if rng.get("max") else value
                 amount = max(amount, low)
                 if step:
-                    steps = -(-(amount - low) // step)
+                    steps = ((amount - low) / step).to_integral_value(rounding=ROUND_CEILING)
                     amount = low + steps * step
                 if amount > high:
                     return None
