@@ -104,7 +104,8 @@ class FakeDraKubelet:
         self.violations: list[str] = []
         self.getinfo_seconds: list[float] = []
         self.prepared: dict[str, tuple[ClaimKey, list[dra.Device]]] = {}  # kubelet checkpoint
-        self._sockets: dict[Path, int] = {}  # socket -> inode seen
+        self._sockets: dict[Path, tuple[int, int]] = {}  # socket -> (inode, ctime) seen
+        self.registrations = 0
         self._task: asyncio.Task[None] | None = None
         self._wipes: dict[str, asyncio.TimerHandle] = {}
         self.wiped: list[str] = []
@@ -145,7 +146,7 @@ class FakeDraKubelet:
 
     async def _watch(self) -> None:
         while True:
-            present: dict[Path, int] = {}
+            present: dict[Path, tuple[int, int]] = {}
             for path in sorted(self.registry.iterdir()):
                 if path.name.startswith("."):
                     continue
@@ -154,7 +155,8 @@ class FakeDraKubelet:
                 except FileNotFoundError:
                     continue
                 if stat.S_ISSOCK(info.st_mode):
-                    present[path] = info.st_ino
+                    # inode and change time: a re-created socket may reuse the inode number
+                    present[path] = (info.st_ino, info.st_ctime_ns)
             for path in list(self._sockets):
                 if present.get(path) != self._sockets[path]:
                     del self._sockets[path]
@@ -221,6 +223,7 @@ class FakeDraKubelet:
                 self._violation(f"{info.name}: NotifyRegistrationStatus failed: {exc.details()}")
                 await self._drop(info.name, schedule_wipe=True)
                 return
+            self.registrations += 1
             plugin.health_task = asyncio.create_task(self._health(plugin))
 
     def _check_info(self, info: reg.PluginInfo) -> str | None:
