@@ -328,11 +328,12 @@ async def test_a_failed_claim_writes_no_cdi_spec() -> None:
         assert list(node.config.cdi_root.iterdir()) == []
 
 
-async def test_the_api_server_down_fails_the_claim_for_a_retry() -> None:
+@pytest.mark.parametrize("mode", [pytest.param("503", id="503"), pytest.param("drop", id="drop")])
+async def test_the_api_server_down_fails_the_claim_for_a_retry(mode: str) -> None:
     async with dra_node() as node:
         node.create_claim(share_claim("a", cores=30, memory="8Gi"))
         key = node.key(node.allocate("a"))
-        node.fake.down("503")
+        node.fake.down(mode)
         try:
             answer = await _raw_prepare(node, key)
         finally:

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from core import contract
 from core.kube import KubeError, KubeNotFound
 from deviceplugin.checkpoint import CheckpointError, write_document
@@ -236,15 +238,22 @@ class DraDriver:
 
     # ---- kubelet's calls -------------------------------------------------------------------
 
+    async def _read(self, ref: ClaimRef) -> dict[str, Any]:
+        try:
+            return await asyncio.wait_for(self._get_claim(ref), self.config.claim_timeout_s)
+        except aiohttp.ServerDisconnectedError:
+            # A pooled keep-alive connection the server had already closed: one fresh try.
+            return await asyncio.wait_for(self._get_claim(ref), self.config.claim_timeout_s)
+
     async def _fetch(self, ref: ClaimRef) -> dict[str, Any] | str:
         """The claim, or the error text for kubelet."""
         try:
-            return await asyncio.wait_for(self._get_claim(ref), self.config.claim_timeout_s)
+            return await self._read(ref)
         except KubeNotFound:
             return f"{ref}: not found on the API server (deleted?)"
         except KubeError as exc:
             return f"{ref}: reading it from the API server failed: {exc}; kubelet retries"
-        except (OSError, TimeoutError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             return (
                 f"{ref}: the API server did not answer ({type(exc).__name__}: {exc}); "
                 "kubelet retries"
@@ -353,13 +362,11 @@ class DraDriver:
         stale: list[ClaimRef] = []
         for prepared in list(self.prepared.values()):
             try:
-                claim = await asyncio.wait_for(
-                    self._get_claim(prepared.ref), self.config.claim_timeout_s
-                )
+                claim = await self._read(prepared.ref)
             except KubeNotFound:
                 stale.append(prepared.ref)
                 continue
-            except (KubeError, OSError, TimeoutError) as exc:
+            except (KubeError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning(
                     "claim check skipped", extra={"claim": str(prepared.ref), "error": str(exc)}
                 )

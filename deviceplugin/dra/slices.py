@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+import aiohttp
+
 from core.kube import (
     NODES,
     RESOURCE_SLICES,
@@ -320,7 +322,7 @@ class SlicePublisher:
                 # The cache is behind our own write or kubelet's; the watch event re-pokes.
                 self._dirty.set()
                 await asyncio.sleep(0.05)
-            except (KubeError, OSError, TimeoutError) as exc:
+            except (KubeError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 self.stats.errors += 1
                 log.warning(
                     "publishing the ResourceSlice failed; retrying",
