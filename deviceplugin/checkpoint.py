@@ -38,8 +38,12 @@ def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) 
     write_document(path, document)
 
 
-def write_document(path: Path, document: Mapping[str, Any]) -> None:
-    """Write a JSON checkpoint durably: a crash leaves the old file or the new one."""
+def write_document(path: Path, document: Mapping[str, Any], *, durable: bool = True) -> None:
+    """Write a JSON checkpoint atomically: a reader sees the old file or the new one.
+
+    ``durable`` (fsync of the file and its directory) makes that hold across a crash of the
+    node too; without it a crash may leave the old file, or an empty one that reads as corrupt.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
     try:
@@ -47,12 +51,15 @@ def write_document(path: Path, document: Mapping[str, Any]) -> None:
             # dumps, not dump: dump streams through the pure-Python encoder, several times
             # slower, and this runs beside the RPC handlers under the same interpreter lock
             fh.write(json.dumps(document, separators=(",", ":")))
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

@@ -122,16 +122,26 @@ def spec(
     }
 
 
-def write(path: Path, document: dict[str, Any]) -> bool:
-    """Write the spec unless the file already holds exactly it; True when written."""
-    text = json.dumps(document, indent=1, sort_keys=True) + "\n"
+def write(path: Path, document: dict[str, Any], *, fresh: bool = False) -> bool:
+    """Write the spec unless the file already holds exactly it; True when written.
+
+    ``fresh``: the claim was not prepared before, so there is nothing to compare with. The
+    directory is made by the plugin at start; it is made again only if it vanished since.
+    """
+    # Compact, one line: the C encoder (an indented dump runs the pure-Python one, which cost
+    # more than the rest of a prepare).
+    text = json.dumps(document, separators=(",", ":"), sort_keys=True) + "\n"
+    if not fresh:
+        try:
+            if path.read_text(encoding="utf-8") == text:
+                return False
+        except (OSError, UnicodeDecodeError):
+            pass
     try:
-        if path.read_text(encoding="utf-8") == text:
-            return False
-    except (OSError, UnicodeDecodeError):
-        pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".fracgpu-", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=".fracgpu-", suffix=".tmp", dir=path.parent)
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".fracgpu-", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)

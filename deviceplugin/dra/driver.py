@@ -98,16 +98,27 @@ class DraDriver:
         base = self.config.claims_dir / uid
         return base / "limits", base / "shared"
 
-    def _write_files(self, ref: ClaimRef, granted: list[Result]) -> tuple[str, ...]:
-        """The claim's limits file and CDI spec (rewritten only when they differ); its CDI IDs."""
+    def _write_files(
+        self, ref: ClaimRef, granted: list[Result], *, fresh: bool = False
+    ) -> tuple[str, ...]:
+        """The claim's limits file and CDI spec; its CDI IDs.
+
+        ``fresh``: a claim not prepared before, whose files are written without reading what
+        is there (a prepare of eight claims is dominated by these few file operations on a
+        slow disk). Otherwise they are rewritten only where they differ.
+        """
         claim_limits = limits(ref, granted)
         limits_dir, shared_dir = self._claim_dirs(ref.uid)
+        if fresh:
+            limits_dir.parent.mkdir(exist_ok=True)
         make_grant_dirs(limits_dir, shared_dir)
         target = limits_dir / contract.LIMITS_FILE
-        try:
-            current = target.read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError):
-            current = None
+        current = None
+        if not fresh:
+            try:
+                current = target.read_text(encoding="ascii")
+            except (OSError, UnicodeDecodeError):
+                current = None
         if current != claim_limits.render():
             claim_limits.write_atomic(limits_dir)
             log.info(
@@ -130,7 +141,8 @@ class DraDriver:
             ld_so_preload=self.config.ld_so_preload,
             dev_root=self.config.dev_root,
         )
-        cdi.write(cdi.spec_path(self.config.cdi_root, self.config.driver_name, ref.uid), document)
+        path = cdi.spec_path(self.config.cdi_root, self.config.driver_name, ref.uid)
+        cdi.write(path, document, fresh=fresh)
         return tuple(cdi.qualified(self.config.driver_name, ref.uid, r) for r in granted)
 
     def _remove_files(self, uid: str) -> None:
@@ -147,6 +159,11 @@ class DraDriver:
     # ---- checkpoint ------------------------------------------------------------------------
 
     def _save(self) -> None:
+        # Not fsynced: the checkpoint must survive the plugin's restarts, which the page cache
+        # does. A crash of the node loses at most the newest claims, or reads as corrupt and is
+        # ignored; either way kubelet prepares every claim again when it re-creates the pod
+        # sandboxes after the reboot, and the reconciler drops what is gone. Two fsyncs were the
+        # slowest and most variable part of a prepare.
         write_document(
             self.config.checkpoint_path,
             {
@@ -155,6 +172,7 @@ class DraDriver:
                 "bootID": boot_id(),
                 "claims": {uid: p.to_json() for uid, p in sorted(self.prepared.items())},
             },
+            durable=False,
         )
         self.checkpoint_writes += 1
 
@@ -260,87 +278,95 @@ class DraDriver:
             )
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
-        missing = [r for r in refs if r.uid not in self.prepared]
-        fetched = await asyncio.gather(*(self._fetch(r) for r in missing))
-        claims = dict(zip((r.uid for r in missing), fetched, strict=True))
         outcomes: dict[str, Outcome] = {}
         async with self._lock:
-            changed = False
-            for ref in refs:
-                known = self.prepared.get(ref.uid)
-                try:
-                    if known is not None:
-                        # Already prepared (a retry, or the same claim in a new sandbox): the
-                        # files are written again in case a reboot or a person removed them.
-                        self._write_files(known.ref, list(known.results))
-                        outcomes[ref.uid] = Outcome(known)
-                        continue
-                    claim = claims.get(ref.uid)
-                    if claim is None:  # prepared and unprepared while its GET ran
-                        claim = await self._fetch(ref)
-                    if isinstance(claim, str):
-                        outcomes[ref.uid] = Outcome(None, claim)
-                        continue
-                    granted = results(
-                        ref,
-                        claim,
-                        driver=self.config.driver_name,
-                        pool=self.config.pool_name,
-                        cards=self.cards,
-                    )
-                    ids = self._write_files(ref, granted)
-                except ClaimError as exc:
-                    outcomes[ref.uid] = Outcome(None, str(exc))
-                    continue
-                except OSError as exc:
-                    outcomes[ref.uid] = Outcome(
-                        None, f"{ref}: cannot write its limits or CDI spec on the node: {exc}"
-                    )
-                    continue
-                prepared = Prepared(ref, tuple(granted), ids)
-                self.prepared[ref.uid] = prepared
-                outcomes[ref.uid] = Outcome(prepared)
-                changed = True
-                log.info(
-                    "claim prepared",
-                    extra={
-                        "claim": f"{ref.namespace}/{ref.name}",
-                        "uid": ref.uid,
-                        "devices": [r.device for r in granted],
-                        "cores": granted[0].cores,
-                        "memory_bytes": granted[0].memory_bytes,
-                    },
-                )
-            if changed:
-                self._save_or_fail(outcomes)
+            # Each claim on its own: read (unless prepared before), check, write its files in a
+            # worker thread; the claims of one call overlap, so eight claims cost little more
+            # than the slowest one. The lock covers the reads too, as kubelet's own plugin
+            # helper does: a stale retry then never runs beside an Unprepare of its claim.
+            done = await asyncio.gather(*(self._prepare_one(r) for r in refs))
+            new: list[str] = []
+            for ref, (outcome, fresh) in zip(refs, done, strict=True):
+                outcomes[ref.uid] = outcome
+                if outcome.prepared is not None and fresh:
+                    self.prepared[ref.uid] = outcome.prepared
+                    new.append(ref.uid)
+            if new:
+                await self._save_or_undo(new, outcomes)
         for uid, outcome in outcomes.items():
             if outcome.error:
                 log.warning("prepare failed", extra={"uid": uid, "error": outcome.error})
         return outcomes
 
-    def _save_or_fail(self, outcomes: dict[str, Outcome]) -> None:
-        """Write the checkpoint; if that fails, the claims just prepared are not prepared."""
+    async def _prepare_one(self, ref: ClaimRef) -> tuple[Outcome, bool]:
+        """The claim's outcome, and whether it was prepared just now (not before)."""
+        known = self.prepared.get(ref.uid)
+        if known is not None:
+            # Already prepared (a retry, or the same claim in a new sandbox): the files are
+            # written again in case a reboot or a person removed them.
+            ref, granted, fresh = known.ref, list(known.results), False
+        else:
+            claim = await self._fetch(ref)
+            if isinstance(claim, str):
+                return Outcome(None, claim), True
+            try:
+                granted = results(
+                    ref,
+                    claim,
+                    driver=self.config.driver_name,
+                    pool=self.config.pool_name,
+                    cards=self.cards,
+                )
+            except ClaimError as exc:
+                return Outcome(None, str(exc)), True
+            fresh = True
         try:
-            self._save()
+            ids = await asyncio.to_thread(self._write_files, ref, granted, fresh=fresh)
+        except ClaimError as exc:
+            return Outcome(None, str(exc)), fresh
         except OSError as exc:
-            for uid, outcome in list(outcomes.items()):
-                if outcome.prepared is not None and uid in self.prepared:
-                    self.prepared.pop(uid)
-                    self._remove_files(uid)
-                    outcomes[uid] = Outcome(
-                        None, f"{outcome.prepared.ref}: cannot write the checkpoint: {exc}"
-                    )
+            return Outcome(
+                None, f"{ref}: cannot write its limits or CDI spec on the node: {exc}"
+            ), fresh
+        if known is not None:
+            return Outcome(known), False
+        log.info(
+            "claim prepared",
+            extra={
+                "claim": f"{ref.namespace}/{ref.name}",
+                "uid": ref.uid,
+                "devices": [r.device for r in granted],
+                "cores": granted[0].cores,
+                "memory_bytes": granted[0].memory_bytes,
+            },
+        )
+        return Outcome(Prepared(ref, tuple(granted), ids)), True
+
+    async def _save_or_undo(self, new: list[str], outcomes: dict[str, Outcome]) -> None:
+        """Write the checkpoint; if that fails, the claims just prepared are not prepared (kubelet
+        retries them), so that nothing is prepared that a restart would not know about."""
+        try:
+            await asyncio.to_thread(self._save)
+        except OSError as exc:
+            for uid in new:
+                prepared = self.prepared.pop(uid)
+                await asyncio.to_thread(self._remove_files, uid)
+                outcomes[uid] = Outcome(None, f"{prepared.ref}: cannot write the checkpoint: {exc}")
 
     async def unprepare(self, refs: list[ClaimRef]) -> dict[str, str]:
         errors: dict[str, str] = {}
         async with self._lock:
+            removed = await asyncio.gather(
+                *(asyncio.to_thread(self._remove_files, r.uid) for r in refs),
+                return_exceptions=True,
+            )
             changed = False
-            for ref in refs:
-                try:
-                    self._remove_files(ref.uid)
-                except OSError as exc:
-                    errors[ref.uid] = f"{ref}: cannot remove its files on the node: {exc}"
+            for ref, outcome in zip(refs, removed, strict=True):
+                if isinstance(outcome, OSError):
+                    errors[ref.uid] = f"{ref}: cannot remove its files on the node: {outcome}"
                     continue
+                if isinstance(outcome, BaseException):
+                    raise outcome
                 errors[ref.uid] = ""
                 if self.prepared.pop(ref.uid, None) is not None:
                     changed = True
@@ -350,7 +376,7 @@ class DraDriver:
                     )
             if changed:
                 try:
-                    self._save()
+                    await asyncio.to_thread(self._save)
                 except OSError as exc:
                     for uid, error in list(errors.items()):
                         errors[uid] = error or f"cannot write the checkpoint: {exc}"

@@ -156,6 +156,7 @@ async def dra_node(
             if start:
                 await node.start_plugin()
                 assert await node.wait_registered(), f"refused: {node.kubelet.refused}"
+                await node.wait_slice()  # claims are allocated against it
             yield node
         finally:
             await node.stop_plugin()
