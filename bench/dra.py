@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import json
 import os
 import shutil
@@ -37,6 +36,7 @@ from typing import Any, TypeVar
 
 import grpc
 
+from bench._config import from_json, to_json
 from bench._load import free_port
 from bench.deviceplugin import cpu_times, steal_percent, summary
 from deviceplugin._proto import dra_v1_pb2 as dra
@@ -81,22 +81,11 @@ class ApiThread:
         self._thread.join(timeout=5)
 
 
-def _config_json(config: DraConfig) -> str:
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    fields = {k: v for k, v in fields.items() if v is not None}
-    fields["ignored_xids"] = sorted(config.ignored_xids)
-    return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
-
-
 def serve(text: str) -> int:
     """The plugin process of the benchmark: run the daemon until stdin closes."""
     from deviceplugin.dra.daemon import DraDaemon
 
-    raw: dict[str, Any] = json.loads(text)
-    paths = {f.name for f in dataclasses.fields(DraConfig) if "Path" in str(f.type)}
-    raw = {k: Path(v) if k in paths else v for k, v in raw.items()}
-    raw["ignored_xids"] = frozenset(raw["ignored_xids"])
-    config = DraConfig(**raw)
+    config = from_json(DraConfig, text)
 
     async def main() -> None:
         daemon = DraDaemon(config)
@@ -113,7 +102,7 @@ def plugin_process(config: DraConfig, nvml: FakeNvml) -> Iterator[None]:
     path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, **nvml.env(), "PYTHONPATH": path}
     process = subprocess.Popen(
-        [sys.executable, "-m", "bench.dra", "--serve", _config_json(config)],
+        [sys.executable, "-m", "bench.dra", "--serve", to_json(config)],
         stdin=subprocess.PIPE,
         env=env,
     )
@@ -206,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.dra")
     parser.add_argument("--pods", type=int, default=200, help="pods per case")
     parser.add_argument("--wipes", type=int, default=20)
+    parser.add_argument(
+        "--host-root-on-tmpfs",
+        action="store_true",
+        help="keep the claims' limits directories and the checkpoint on /dev/shm too (to see "
+        "what this machine's disk costs)",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -215,6 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     # the checkpoint stay on this machine's disk, as /var/lib is on a node.
     shm = Path("/dev/shm")
     cdi_root = Path(tempfile.mkdtemp(prefix="fb-cdi", dir=shm if shm.is_dir() else root))
+    host_root = root / "host"
+    kubelet_root = root / "kl"
+    if args.host_root_on_tmpfs:
+        host_root, kubelet_root = cdi_root / "host", cdi_root / "kl"
     api = ApiThread()
     try:
         api.call(lambda: api.fake.put({"apiVersion": "v1", "kind": "Node",
@@ -225,9 +224,9 @@ def main(argv: list[str] | None = None) -> int:
             node_name=NODE,
             driver_name=DRIVER,
             kubeconfig=api.fake.kubeconfig(root / "kubeconfig"),
-            kubelet_root=root / "kl",
+            kubelet_root=kubelet_root,
             cdi_root=cdi_root,
-            host_root=root / "host",
+            host_root=host_root,
             nvml_library=build_cached(),
             metrics_address="127.0.0.1",
             metrics_port=free_port(),
@@ -254,7 +253,14 @@ def main(argv: list[str] | None = None) -> int:
         "wipes": summary(wipes),
     }
     report = {
-        "node": {"cards": 8, "card_memory_gib": 80, "cdi_dir": str(cdi_root.parent)},
+        "node": {
+            "cards": 8,
+            "card_memory_gib": 80,
+            "cdi_dir": str(cdi_root.parent),
+            "host_root_dir": str(
+                host_root.parent.parent if args.host_root_on_tmpfs else root.parent
+            ),
+        },
         "timed_from": "grpcio (this process)",
         "cpu_steal_percent_during_prepares": steal,
         "prepare_1_claim_per_pod": stats["one"],

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import contract
-from deviceplugin.config import DEFAULT_IGNORED_XIDS
+from deviceplugin.config import DEFAULT_IGNORED_XIDS, hook_library, ld_so_preload
 
 DEFAULT_DRIVER = "gpu.fracgpu.io"
 DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
@@ -74,11 +74,11 @@ class DraConfig:
 
     @property
     def hook_library(self) -> Path:
-        return self.host_root / "lib" / "libfracgpu.so"
+        return hook_library(self.host_root)
 
     @property
     def ld_so_preload(self) -> Path:
-        return self.host_root / "ld.so.preload"
+        return ld_so_preload(self.host_root)
 
     @property
     def pool_name(self) -> str:
