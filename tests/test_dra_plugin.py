@@ -286,14 +286,14 @@ async def test_eight_claims_in_one_call() -> None:
         assert sorted(answered) == sorted(k.uid for k in keys)
 
 
-async def _raw_prepare(node: DraNode, key: ClaimKey) -> dra.NodePrepareResourceResponse:
-    """Call the plugin directly, past kubelet's own checks."""
+async def _raw_prepare(
+    node: DraNode, key: ClaimKey, *, times: int = 1
+) -> dra.NodePrepareResourceResponse:
+    """Call the plugin directly, past kubelet's own checks (``times``: the claim named again)."""
+    claim = dra.Claim(namespace=key.namespace, name=key.name, uid=key.uid)
     async with grpc.aio.insecure_channel(f"unix://{node.config.service_socket}") as channel:
         response = await dra_grpc.DRAPluginStub(channel).NodePrepareResources(
-            dra.NodePrepareResourcesRequest(
-                claims=[dra.Claim(namespace=key.namespace, name=key.name, uid=key.uid)]
-            ),
-            timeout=10,
+            dra.NodePrepareResourcesRequest(claims=[claim] * times), timeout=10
         )
     answer: dra.NodePrepareResourceResponse = response.claims[key.uid]
     return answer
@@ -346,6 +346,13 @@ async def test_a_retried_prepare_answers_the_same_ids() -> None:
         claim, ids = await prepared(node, "a", cores=30, memory="8Gi")
         again = await _raw_prepare(node, node.key(claim))
         assert list(again.devices[0].cdi_device_ids) == ids
+
+
+async def test_a_claim_named_twice_is_prepared_once() -> None:
+    async with dra_node() as node:
+        node.create_claim(share_claim("a", cores=30, memory="8Gi"))
+        answer = await _raw_prepare(node, node.key(node.allocate("a")), times=2)
+        assert len(answer.devices) == 1
 
 
 async def test_concurrent_prepares_are_all_checkpointed() -> None:

@@ -278,6 +278,7 @@ class DraDriver:
             )
 
     async def prepare(self, refs: list[ClaimRef]) -> dict[str, Outcome]:
+        refs = list(dict.fromkeys(refs))  # a claim named twice is prepared once
         outcomes: dict[str, Outcome] = {}
         async with self._lock:
             # Each claim on its own: read (unless prepared before), check, write its files in a
