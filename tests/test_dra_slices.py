@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from core.kube import KubeNotFound
 from deviceplugin.dra.slices import (
     PCI_BUS_ID,
     CardState,
@@ -257,3 +258,12 @@ async def test_an_api_server_outage_is_retried(
     board.states[0] = CardState(card(0, 81920), NO_DETAILS, False, "lost")
     publisher.poke()
     assert await until(lambda: "taints" in slices(fake)[0]["spec"]["devices"][0], within_s=5.0)
+
+
+async def test_a_wrong_node_name_says_how_to_fix() -> None:
+    async with FakeApiServer() as fake, fake.api_client() as api:
+        publisher = SlicePublisher(
+            api, node="no-such-node", driver=DRIVER, states=lambda: [], driver_version=None
+        )
+        with pytest.raises(KubeNotFound, match=r"--node-name .* must name this node"):
+            await publisher.sync_once()

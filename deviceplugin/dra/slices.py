@@ -334,7 +334,16 @@ class SlicePublisher:
 
     async def _node_uid(self) -> str:
         if not self.node_uid:
-            node = await call_json(self.api, "GET", NODES.path(name=self.node))
+            try:
+                node = await call_json(self.api, "GET", NODES.path(name=self.node))
+            except KubeNotFound as exc:
+                raise KubeNotFound(
+                    exc.status,
+                    exc.reason,
+                    f"Node {self.node!r} does not exist, so its ResourceSlice cannot be owned by "
+                    "it; --node-name (or NODE_NAME, which the DaemonSet sets from "
+                    "spec.nodeName) must name this node",
+                ) from exc
             self.node_uid = str(node["metadata"]["uid"])
         return self.node_uid
 
