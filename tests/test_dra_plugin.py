@@ -87,6 +87,23 @@ async def test_kubelet_saw_no_protocol_violation() -> None:
         assert node.kubelet.violations == []
 
 
+async def test_registers_while_the_api_server_is_down() -> None:
+    async with dra_node(start=False) as node:
+        node.fake.down("503")
+        await node.start_plugin()
+        assert await node.wait_registered(2.0)
+
+
+async def test_the_health_list_is_repeated_without_changes() -> None:
+    async with dra_node() as node:
+        assert node.kubelet is not None
+        plugin = node.kubelet.plugins[DRIVER]
+        assert await node.kubelet.wait_for(lambda: bool(plugin.health))
+        seen = len(plugin.health)
+        resend = node.config.health_resend_s
+        assert await node.kubelet.wait_for(lambda: len(plugin.health) > seen, 3 * resend)
+
+
 # ---- the slice ---------------------------------------------------------------------------------
 
 
