@@ -5,6 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,3 +40,25 @@ def from_json(cls: type[T], text: str) -> T:
         elif "frozenset" in str(field.type):
             raw[field.name] = frozenset(raw[field.name])
     return cls(**raw)
+
+
+@contextmanager
+def agent_process(module: str, config: Any, env: Mapping[str, str]) -> Iterator[None]:
+    """Run ``python -m <module> --serve <config as JSON>`` (with ``env`` added) until the block
+    ends; the agent stops when its stdin closes."""
+    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", module, "--serve", to_json(config)],
+        stdin=subprocess.PIPE,
+        env={**os.environ, **env, "PYTHONPATH": path},
+    )
+    try:
+        yield
+    finally:
+        assert process.stdin is not None
+        process.stdin.close()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGKILL)
+            process.wait()

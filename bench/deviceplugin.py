@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from bench._config import from_json, to_json
+from bench._config import agent_process, from_json
 from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.config import Config
@@ -367,25 +366,10 @@ def serve(text: str) -> int:
 
 @contextmanager
 def plugin_process(node: GpuNode) -> Iterator[None]:
-    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, **node.nvml.env(), "PYTHONPATH": path}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.deviceplugin", "--serve", to_json(node.config)],
-        stdin=subprocess.PIPE,
-        env=env,
-    )
-    try:
+    with agent_process("bench.deviceplugin", node.config, node.nvml.env()):
         if not node.wait_registered(timeout=30):
             raise RuntimeError("the plugin process did not register")
         yield
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
 
 
 def reregistration(node: GpuNode, restarts: int) -> list[float]:

@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -36,7 +33,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from bench._config import from_json, to_json
+from bench._config import agent_process, from_json
 from bench._load import free_port
 from bench.deviceplugin import cpu_times, steal_percent, summary
 from deviceplugin._proto import dra_v1_pb2 as dra
@@ -99,23 +96,8 @@ def serve(text: str) -> int:
 
 @contextmanager
 def plugin_process(config: DraConfig, nvml: FakeNvml) -> Iterator[None]:
-    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, **nvml.env(), "PYTHONPATH": path}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.dra", "--serve", to_json(config)],
-        stdin=subprocess.PIPE,
-        env=env,
-    )
-    try:
+    with agent_process("bench.dra", config, nvml.env()):
         yield
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
 
 
 def _until(predicate: Callable[[], bool], timeout: float = 30.0, poll_s: float = 0.001) -> float:

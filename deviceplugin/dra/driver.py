@@ -258,10 +258,12 @@ class DraDriver:
 
     async def _read(self, ref: ClaimRef) -> dict[str, Any]:
         try:
-            return await asyncio.wait_for(self._get_claim(ref), self.config.claim_timeout_s)
+            async with asyncio.timeout(self.config.claim_timeout_s):
+                return await self._get_claim(ref)
         except aiohttp.ServerDisconnectedError:
             # A pooled keep-alive connection the server had already closed: one fresh try.
-            return await asyncio.wait_for(self._get_claim(ref), self.config.claim_timeout_s)
+            async with asyncio.timeout(self.config.claim_timeout_s):
+                return await self._get_claim(ref)
 
     async def _fetch(self, ref: ClaimRef) -> dict[str, Any] | str:
         """The claim, or the error text for kubelet."""

@@ -73,10 +73,10 @@ class CardBoard:
 
     async def wait_change(self, seen: int, timeout_s: float) -> int:
         async with self._changed:
+            # asyncio.timeout, not wait_for, which can swallow a cancellation in Python 3.11.
             with suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self._changed.wait_for(lambda: self.version != seen), timeout_s
-                )
+                async with asyncio.timeout(timeout_s):
+                    await self._changed.wait_for(lambda: self.version != seen)
         return self.version
 
 

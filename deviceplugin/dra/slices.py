@@ -309,8 +309,11 @@ class SlicePublisher:
     async def _run(self) -> None:
         backoff = 0.2
         while True:
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow a cancellation
+            # that arrives as the event is set, and stop() then waits for this loop forever.
             with suppress(TimeoutError):
-                await asyncio.wait_for(self._dirty.wait(), self.resync_s)
+                async with asyncio.timeout(self.resync_s):
+                    await self._dirty.wait()
             self._dirty.clear()
             try:
                 await self.informer.wait_synced()
