@@ -267,3 +267,16 @@ async def test_a_wrong_node_name_says_how_to_fix() -> None:
         )
         with pytest.raises(KubeNotFound, match=r"--node-name .* must name this node"):
             await publisher.sync_once()
+
+
+async def test_a_write_the_watch_has_not_shown_yet_is_not_repeated() -> None:
+    async with FakeApiServer() as fake, fake.api_client() as api:
+        fake.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}})
+        board = Board([CardState(card(0), NO_DETAILS)])
+        # Not started: its cache never sees the slice it creates, as a slow watch would not.
+        publisher = SlicePublisher(
+            api, node=NODE, driver=DRIVER, states=board.get, driver_version=None
+        )
+        await publisher.sync_once()
+        await publisher.sync_once()
+        assert len(slices(fake)) == 1

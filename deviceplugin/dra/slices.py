@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
@@ -285,13 +286,46 @@ class SlicePublisher:
             backoff_max_s=backoff_max_s,
         )
         self.in_sync = asyncio.Event()  # set after a pass found the slice as wanted
+        # Our last write, until the watch has shown it: (name, resourceVersion, when). A pass
+        # before that would read a cache without it and create a second slice.
+        self._pending: tuple[str, str, float] | None = None
+        self.pending_limit_s = 5.0  # a watch that shows nothing this long is not waited for
         self._task: asyncio.Task[None] | None = None
 
     def poke(self) -> None:
         self._dirty.set()
 
     def _on_event(self, kind: str, obj: RawBody) -> None:
+        meta = obj.get("metadata") or {}
+        pending = self._pending
+        if (
+            pending is not None
+            and meta.get("name") == pending[0]
+            and (kind == "DELETED" or meta.get("resourceVersion") == pending[1])
+        ):
+            self._pending = None
         self._dirty.set()
+
+    def _wrote(self, written: dict[str, Any]) -> None:
+        name = str(written["metadata"]["name"])
+        version = str(written["metadata"].get("resourceVersion") or "")
+        seen = self.informer.get(name)
+        if seen is not None and (seen.get("metadata") or {}).get("resourceVersion") == version:
+            self._pending = None  # the watch was faster than our own answer
+        else:
+            self._pending = (name, version, time.monotonic())
+
+    def _waiting_for_watch(self) -> bool:
+        if self._pending is None:
+            return False
+        if time.monotonic() - self._pending[2] > self.pending_limit_s:
+            log.warning(
+                "the ResourceSlice watch has not shown our write; going on without it",
+                extra={"slice": self._pending[0], "node": self.node},
+            )
+            self._pending = None
+            return False
+        return True
 
     async def start(self) -> None:
         self.informer.start()
@@ -356,6 +390,8 @@ class SlicePublisher:
         The pool generation goes up whenever the devices change, so the scheduler, which reads
         only a pool's newest generation, never mixes an old view of a card with a new one.
         """
+        if self._waiting_for_watch():
+            return  # its event pokes the next pass
         wanted = devices(self._states(), self.driver, self.driver_version)
         stored = sorted(
             self.informer.objects(),
@@ -373,6 +409,7 @@ class SlicePublisher:
                 devices=wanted,
             )
             created = await call_json(self.api, "POST", RESOURCE_SLICES.path(), body=body)
+            self._wrote(created)
             self._last = wanted
             self.stats.creates += 1
             log.info(
@@ -409,7 +446,7 @@ class SlicePublisher:
             "devices": wanted,
         }
         name = keep["metadata"]["name"]
-        await call_json(self.api, "PUT", RESOURCE_SLICES.path(name=name), body=updated)
+        self._wrote(await call_json(self.api, "PUT", RESOURCE_SLICES.path(name=name), body=updated))
         self._last = wanted
         self.stats.updates += 1
         log.info(
