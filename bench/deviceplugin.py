@@ -42,12 +42,10 @@ Targets: Allocate + PreStartContainer p99 < 10 ms; event -> Unhealthy < 1 s; re-
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import random
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +58,7 @@ from typing import Any, Protocol
 
 import grpc
 
+from bench._config import agent_process, from_json
 from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.config import Config
@@ -367,23 +366,9 @@ def server_side(text: str) -> dict[str, dict[str, float]]:
     return result
 
 
-def _config_json(config: Config) -> str:
-    fields = {
-        f.name: getattr(config, f.name)
-        for f in dataclasses.fields(config)
-        if getattr(config, f.name) is not None
-    }
-    fields["ignored_xids"] = sorted(config.ignored_xids)
-    return json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in fields.items()})
-
-
 def serve(text: str) -> int:
     """The plugin process of the benchmark: run the daemon until stdin closes."""
-    raw: dict[str, Any] = json.loads(text)
-    paths = {f.name for f in dataclasses.fields(Config) if "Path" in str(f.type)}
-    raw = {k: Path(v) if k in paths else v for k, v in raw.items()}
-    raw["ignored_xids"] = frozenset(raw["ignored_xids"])
-    daemon = Daemon(Config(**raw))
+    daemon = Daemon(from_json(Config, text))
     daemon.start()
     sys.stdin.read()
     daemon.stop()
@@ -392,25 +377,10 @@ def serve(text: str) -> int:
 
 @contextmanager
 def plugin_process(node: GpuNode) -> Iterator[None]:
-    path = os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, **node.nvml.env(), "PYTHONPATH": path}
-    process = subprocess.Popen(
-        [sys.executable, "-m", "bench.deviceplugin", "--serve", _config_json(node.config)],
-        stdin=subprocess.PIPE,
-        env=env,
-    )
-    try:
+    with agent_process("bench.deviceplugin", node.config, node.nvml.env()):
         if not node.wait_registered(timeout=30):
             raise RuntimeError("the plugin process did not register")
         yield
-    finally:
-        assert process.stdin is not None
-        process.stdin.close()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
 
 
 def release_latency(releases: int) -> list[float]:

@@ -161,7 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=20)
     parser.add_argument("--processes", type=int, default=64, help="for the scan's cost")
     args = parser.parse_args(argv)
-    logging.getLogger("deviceplugin").setLevel(logging.ERROR)  # each kill logs a warning
+    quiet = logging.getLogger("deviceplugin")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # each kill logs a warning
+    try:
+        return _run(args)
+    finally:
+        quiet.setLevel(level)  # the tests call main() in their own process
+
+
+def _run(args: argparse.Namespace) -> int:
     with TemporaryDirectory(prefix="fgguard") as tmp:
         procs = NodeProc(Path(tmp))
         try:

@@ -236,11 +236,13 @@ STATEFULSETS = Resource("apps", "v1", "statefulsets", namespaced=True)
 DAEMONSETS = Resource("apps", "v1", "daemonsets", namespaced=True)
 JOBS = Resource("batch", "v1", "jobs", namespaced=True)
 CRONJOBS = Resource("batch", "v1", "cronjobs", namespaced=True)
+# Dynamic resource allocation (DRA mode), served by default from Kubernetes 1.34 on.
 RESOURCE_SLICES = Resource("resource.k8s.io", "v1", "resourceslices", namespaced=False)
 RESOURCE_CLAIMS = Resource("resource.k8s.io", "v1", "resourceclaims", namespaced=True)
 RESOURCE_CLAIM_TEMPLATES = Resource(
     "resource.k8s.io", "v1", "resourceclaimtemplates", namespaced=True
 )
+DEVICE_CLASSES = Resource("resource.k8s.io", "v1", "deviceclasses", namespaced=False)
 
 
 async def open_request(

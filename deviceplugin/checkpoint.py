@@ -37,6 +37,15 @@ def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) 
         "cards": {str(c.index): c.uuid for c in cards},
         "allocations": [a.to_json() for a in allocations],
     }
+    write_document(path, document)
+
+
+def write_document(path: Path, document: Mapping[str, Any], *, durable: bool = True) -> None:
+    """Write a JSON checkpoint atomically: a reader sees the old file or the new one.
+
+    ``durable`` (fsync of the file and its directory) makes that hold across a crash of the
+    node too; without it a crash may leave the old file, or an empty one that reads as corrupt.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
     try:
@@ -44,12 +53,15 @@ def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) 
             # dumps, not dump: dump streams through the pure-Python encoder, several times
             # slower, and this runs beside the RPC handlers under the same interpreter lock
             fh.write(json.dumps(document, separators=(",", ":")))
-            fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if not durable:
+        return
     dir_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(dir_fd)

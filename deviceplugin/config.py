@@ -82,8 +82,18 @@ class Config:
 
     @property
     def hook_library(self) -> Path:
-        return self.host_root / "lib" / "libfracgpu.so"
+        return hook_library(self.host_root)
 
     @property
     def ld_so_preload(self) -> Path:
-        return self.host_root / "ld.so.preload"
+        return ld_so_preload(self.host_root)
+
+
+def hook_library(host_root: Path) -> Path:
+    """Where the node keeps the hook that containers get mounted (both modes)."""
+    return host_root / "lib" / "libfracgpu.so"
+
+
+def ld_so_preload(host_root: Path) -> Path:
+    """The preload file naming the hook's path inside containers (both modes)."""
+    return host_root / "ld.so.preload"

@@ -87,3 +87,40 @@ def discover() -> list[Card]:
         raise InventoryError(f"NVML inventory failed: {exc}") from exc
     log.info("inventory", extra={"cards": [c.to_json() for c in cards]})
     return cards
+
+
+@dataclass(frozen=True, slots=True)
+class CardDetails:
+    """What NVML may also say about a card; None where this driver or card does not say it."""
+
+    pci_bus_id: str | None
+    compute_capability: str | None  # "9.0"
+
+
+def _text(value: object) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def details(card: Card) -> CardDetails:
+    """Optional facts about a card (DRA attributes); NVML must be initialised."""
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
+    except pynvml.NVMLError:
+        return CardDetails(None, None)
+    try:
+        bus: str | None = _text(pynvml.nvmlDeviceGetPciInfo(handle).busId).lower()
+    except pynvml.NVMLError:
+        bus = None
+    try:
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(handle)
+        capability: str | None = f"{int(major)}.{int(minor)}"
+    except pynvml.NVMLError:
+        capability = None
+    return CardDetails(bus, capability)
+
+
+def driver_version() -> str | None:
+    try:
+        return _text(pynvml.nvmlSystemGetDriverVersion())
+    except pynvml.NVMLError:
+        return None

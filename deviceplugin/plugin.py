@@ -50,6 +50,28 @@ log = logging.getLogger(__name__)
 NVIDIA_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 
 
+def install_preload(preload: Path) -> None:
+    """Write the ``ld.so.preload`` file that containers get mounted over theirs (both modes)."""
+    content = f"{contract.CONTAINER_HOOK_LIBRARY}\n"
+    if not preload.exists() or preload.read_text() != content:
+        preload.parent.mkdir(parents=True, exist_ok=True)
+        tmp = preload.with_name(f".{preload.name}.tmp")
+        tmp.write_text(content)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, preload)
+
+
+def make_grant_dirs(limits_dir: Path, shared_dir: Path) -> None:
+    """Create a grant's limits and accounting directories (idempotent). The accounting one is
+    world-writable because the container's user, possibly not root, keeps its region there."""
+    limits_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        shared_dir.mkdir()
+    except FileExistsError:
+        return  # made before, with its mode
+    os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
+
+
 class NotListedError(RuntimeError):
     """PodResources does not (yet) list a container with these IDs: transient, kubelet retries."""
 
@@ -90,13 +112,7 @@ class DevicePlugin:
     def install_host_files(self) -> None:
         """Write the ld.so.preload file that Allocate mounts, and the containers directory."""
         self.config.containers_dir.mkdir(parents=True, exist_ok=True)
-        preload = self.config.ld_so_preload
-        content = f"{contract.CONTAINER_HOOK_LIBRARY}\n"
-        if not preload.exists() or preload.read_text() != content:
-            tmp = preload.with_name(f".{preload.name}.tmp")
-            tmp.write_text(content)
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, preload)
+        install_preload(self.config.ld_so_preload)
 
     def _container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
         base = self.config.containers_dir / container_dir_name(core)
@@ -106,12 +122,7 @@ class DevicePlugin:
         """Create the container's directories (idempotent); the shared one is world-writable
         because the container's user, possibly not root, keeps its accounting there."""
         limits_dir, shared_dir = self._container_dirs(core)
-        limits_dir.mkdir(parents=True, exist_ok=True)
-        try:
-            shared_dir.mkdir()
-        except FileExistsError:
-            return limits_dir, shared_dir  # made before, with its mode
-        os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
+        make_grant_dirs(limits_dir, shared_dir)
         return limits_dir, shared_dir
 
     # ---- Allocate ----------------------------------------------------------------------
@@ -431,4 +442,11 @@ class DevicePlugin:
         return removed
 
 
-__all__ = ["AllocationError", "DevicePlugin", "NotListedError", "PreStartError"]
+__all__ = [
+    "AllocationError",
+    "DevicePlugin",
+    "NotListedError",
+    "PreStartError",
+    "install_preload",
+    "make_grant_dirs",
+]

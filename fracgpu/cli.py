@@ -20,6 +20,7 @@ from certs.cli import add_parser as add_certs_parser
 from core import log
 from core.flags import add_kube_flags, add_log_flags
 from deviceplugin.cli import add_parser as add_deviceplugin_parser
+from deviceplugin.dra.cli import add_parser as add_dra_parser
 from fracgpu.review import (
     ManifestError,
     apply_quota,
@@ -48,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quota_parser(sub)
     add_certs_parser(sub)
     add_deviceplugin_parser(sub)
+    add_dra_parser(sub)
     return parser
 
 

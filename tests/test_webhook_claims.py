@@ -17,7 +17,7 @@ import pytest
 from core import dra
 from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json, kube_client
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
-from webhook.claims import ClaimPlan, SliceModels, TemplateError, env_of_template, plan_claim
+from webhook.claims import ClaimPlan, SliceModels, TemplateError, plan_claim
 from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore, referenced_templates
 from webhook.resources import Ask, Card, RequestError
 
@@ -160,16 +160,6 @@ def test_templates_are_valid_kubernetes_1_36_objects(ask: Ask) -> None:
     kubernetes_validate.validate(template, "1.36.0", strict=True)
 
 
-def test_env_describes_what_the_webhook_knows() -> None:
-    assert plan_claim("c", Ask(core=200), {}, max_cards=16).env == {"FRACGPU_GPU": "2"}
-    assert plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16).env == {
-        "FRACGPU_GPU": "0.3",
-        "FRACGPU_MEMORY_MIB": "8192",
-    }
-    # The memory depends on the card: the node agent, which knows it, sets FRACGPU_MEMORY_MIB.
-    assert plan_claim("c", Ask(core=50), MODELS, max_cards=16).env == {"FRACGPU_GPU": "0.5"}
-
-
 # --- the store, against the fake API server ---------------------------------------------------
 
 
@@ -280,34 +270,6 @@ def test_a_deleted_slice_takes_its_models_along() -> None:
     known.set_slice("a", _slice([("L4", "22784Mi")]))
     known.remove_slice("a")
     assert known.models() == {}
-
-
-@pytest.mark.parametrize(
-    "ask",
-    [
-        pytest.param(Ask(core=200), id="whole cards"),
-        pytest.param(Ask(core=30, memory_mib=8192), id="share"),
-        pytest.param(Ask(core=50), id="fraction per model"),
-        pytest.param(Ask(memory_percent=25), id="percentage per model"),
-        pytest.param(Ask(core=10, memory_percent=25), id="fraction and percentage"),
-        pytest.param(Ask(memory_mib=4096), id="memory alone"),
-    ],
-)
-def test_the_env_a_template_implies_is_read_back_from_its_name(ask: Ask) -> None:
-    plan = plan_claim("c", ask, MODELS, max_cards=16)
-    assert env_of_template(plan.name) == plan.env
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param("gpu-share", id="not ours"),
-        pytest.param("fracgpu-", id="empty shape"),
-        pytest.param("fracgpu-c30", id="exact share without memory"),
-    ],
-)
-def test_names_that_are_not_our_templates_imply_nothing(name: str) -> None:
-    assert env_of_template(name) is None
 
 
 async def test_templates_named_by_pods_and_workloads_are_referenced(client: Api) -> None:

@@ -75,10 +75,8 @@ def test_a_share_becomes_a_claim_from_a_shared_template() -> None:
         {"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-c30-m8192"}
     ]
     assert container["resources"] == {"limits": {"cpu": "1"}, "claims": [{"name": "gpu-0"}]}
-    assert container["env"] == [
-        {"name": "FRACGPU_GPU", "value": "0.3"},
-        {"name": "FRACGPU_MEMORY_MIB", "value": "8192"},
-    ]
+    # The grant's variables come from the node (the claim's CDI spec), which knows the card.
+    assert "env" not in container
     assert "fracgpu.io/request" in out["metadata"]["annotations"]
 
 
@@ -137,9 +135,9 @@ def test_a_pod_made_from_a_mutated_deployment_passes_as_it_is() -> None:
     assert outcome.patch == []
 
 
-def test_variables_that_differ_from_the_claim_are_still_the_users_and_denied() -> None:
+def test_fracgpu_variables_in_a_claimed_container_are_the_users_and_denied() -> None:
     out = apply(mutator(), pod({"fracgpu.io/gpu": "1"}))
-    out["spec"]["containers"][0]["env"] = [{"name": "FRACGPU_GPU", "value": "8"}]
+    out["spec"]["containers"][0]["env"] = [{"name": "FRACGPU_GPU", "value": "1"}]
     outcome = mutator().mutate(out, "", "Pod")
     assert len(outcome.errors) == 1
     assert "FRACGPU_GPU is set by fracgpu" in outcome.errors[0]

@@ -40,10 +40,7 @@ from core.quantity import QuantityError, parse_quantity
 from core.units import (
     BLOCK_MIB,
     CORE_PER_CARD,
-    ENV_GPU,
-    ENV_MEMORY_MIB,
     MIB,
-    format_cards,
 )
 from webhook.resources import Ask, Card, CardChoice, RequestError, container_ref, resolve
 
@@ -56,10 +53,9 @@ REQUEST_NAME = "gpu"
 
 @dataclass(frozen=True, slots=True)
 class ClaimPlan:
-    """The template a container's claim is made from, and what the container is told."""
+    """The template a container's claim is made from, and what its sizing warned about."""
 
     template: dict[str, Any]
-    env: dict[str, str]
     warnings: tuple[str, ...] = ()
 
     @property
@@ -85,12 +81,10 @@ def plan_claim(
         grant = resolve(container, ask, every, max_cards, warnings)
         if grant.whole_cards:
             request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
-            env = {ENV_GPU: str(grant.whole_cards)}
-            return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, env, warnings)
+            return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, warnings)
         mib = grant.memory_blocks * BLOCK_MIB
         request = _share_request(grant.core, grant.memory_blocks)
-        env = {ENV_GPU: format_cards(grant.core), ENV_MEMORY_MIB: str(mib)}
-        return _plan(f"c{grant.core}-m{mib}", {"exactly": request}, env, warnings)
+        return _plan(f"c{grant.core}-m{mib}", {"exactly": request}, warnings)
     alternatives = _per_model(container, ask, every.cards)
     shape = "-".join(
         part
@@ -102,9 +96,8 @@ def plan_claim(
         if part
     )
     digest = hashlib.sha256(json.dumps(alternatives, sort_keys=True).encode()).hexdigest()[:10]
-    env = {ENV_GPU: format_cards(core)} if core is not None else {}
-    # "h" marks the digest, so that no digest reads as a shape tag (env_of_template).
-    return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, env, warnings)
+    # "h" marks the digest: the name says which part is the shape and which part is not.
+    return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, warnings)
 
 
 def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict[str, Any]]:
@@ -150,9 +143,7 @@ def _share_request(core: int, blocks: int) -> dict[str, Any]:
     }
 
 
-def _plan(
-    shape: str, request: dict[str, Any], env: dict[str, str], warnings: list[str]
-) -> ClaimPlan:
+def _plan(shape: str, request: dict[str, Any], warnings: list[str]) -> ClaimPlan:
     template = {
         "apiVersion": dra.API_VERSION,
         "kind": "ResourceClaimTemplate",
@@ -162,32 +153,11 @@ def _plan(
         },
         "spec": {"spec": {"devices": {"requests": [{"name": REQUEST_NAME, **request}]}}},
     }
-    return ClaimPlan(template, env, tuple(warnings))
+    return ClaimPlan(template, tuple(warnings))
 
 
 class TemplateError(RuntimeError):
     """A claim template could not be made sure of; the message says which and why."""
-
-
-def env_of_template(name: str) -> dict[str, str] | None:
-    """What a container whose claim comes from our template ``name`` was told at admission
-    (None: not a template of ours). Read back from the name, which encodes the shape, so that
-    reinvocation and pods made from a mutated workload recognise fracgpu's own variables."""
-    if not name.startswith(TEMPLATE_PREFIX):
-        return None
-    parts = name.removeprefix(TEMPLATE_PREFIX).split("-")
-    if parts[0] == "cards" and len(parts) == 2 and parts[1].isdigit():
-        return {ENV_GPU: parts[1]}
-    env: dict[str, str] = {}
-    tags = {part[0]: part[1:] for part in parts if part[:1] in "cmp" and part[1:].isdigit()}
-    if "c" in tags:
-        env[ENV_GPU] = format_cards(int(tags["c"]))
-    exact = not any(part.startswith("h") for part in parts)  # no digest: memory is fixed
-    if exact and "m" not in tags:
-        return None
-    if exact:
-        env[ENV_MEMORY_MIB] = tags["m"]
-    return env
 
 
 def pod_claim_name(container_kind: str, index: int) -> str:

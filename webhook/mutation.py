@@ -19,9 +19,9 @@ from core.admission import AdmissionRequest, AdmissionResponse
 from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
 from webhook.checks import Container, PodView, forbidden
 from webhook.claims import (
+    TEMPLATE_PREFIX,
     ClaimPlan,
     TemplateError,
-    env_of_template,
     plan_claim,
     pod_claim_name,
 )
@@ -318,9 +318,11 @@ class Mutator:
         return plans
 
     def _env_of(self, result: ContainerResult, plan: ClaimPlan | None) -> dict[str, str]:
-        """The variables fracgpu puts in a container, configured extras included."""
+        """The variables fracgpu puts in a container's spec, configured extras included. In DRA
+        mode the grant's variables come from the node (the claim's CDI spec), which knows the
+        card the claim got; the spec gets only the operator's extras."""
         if plan is not None:
-            return {**plan.env, **self.config.env}
+            return dict(self.config.env)
         return self._granted_env(result.grant) if result.grant is not None else {}
 
     def _view(
@@ -530,7 +532,8 @@ def _tolerated(wanted: Mapping[str, Any], present: list[Any]) -> bool:
 
 def _claimed_env(spec: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, str]]:
     """Containers already holding a claim from one of our templates (reinvocation, or a pod
-    made from a workload admitted in DRA mode), with the variables that claim implies."""
+    made from a workload admitted in DRA mode): GPU containers, whose spec carries no grant
+    variable (the node sets them), so any FRACGPU_* in it is the user's and denied."""
     claims = spec.get("resourceClaims")
     templates = {
         str(c.get("name")): str(c.get("resourceClaimTemplateName") or "")
@@ -545,7 +548,6 @@ def _claimed_env(spec: Mapping[str, Any]) -> dict[tuple[str, int], dict[str, str
             held = resources.get("claims") if isinstance(resources, dict) else None
             for claim in held if isinstance(held, list) else ():
                 name = claim.get("name") if isinstance(claim, dict) else None
-                env = env_of_template(templates.get(str(name), ""))
-                if env is not None:
-                    found[list_name, index] = env
+                if templates.get(str(name), "").startswith(TEMPLATE_PREFIX):
+                    found[list_name, index] = {}
     return found

@@ -34,6 +34,9 @@ talks to it unchanged, and the semantics that clients depend on are the real one
   `Warning` header (or refused under fieldValidation=Strict); malformed JSON, wrong apiVersion or
   kind, name or namespace mismatch between URL and body → 400; invalid names and labels → 422;
   pod spec updates outside the mutable fields → 422; `pods/binding` sets spec.nodeName once.
+- resource.k8s.io/v1 (ResourceSlice, ResourceClaim, ResourceClaimTemplate, DeviceClass): the
+  validation a 1.36 server applied and the quantities it re-serialised (`draobjects`, which also
+  has the scheduler-like first-fit allocator for claims).
 
 Fault injection and cost, all under the test's control: `latency` (every request),
 `write_latency` (every write, as an etcd commit), `fail_writes()` (forced 409 or another
@@ -94,6 +97,7 @@ from tests.fakes.objectrules import (
     defaults_on_create,
     fold_secret_data,
     now,
+    rewrite,
     validate,
 )
 from tests.fakes.patching import apply_patch
@@ -920,6 +924,7 @@ class FakeApiServer:
             meta["generation"] = 1
         defaults_on_create(kind, obj)
         fold_secret_data(kind, obj)
+        rewrite(kind, obj)
         if dry_run:
             return web.json_response(obj, status=201, headers=headers)
         return web.json_response(self.store.create(kind, obj), status=201, headers=headers)
@@ -1014,6 +1019,7 @@ class FakeApiServer:
                 result_meta.pop(server_owned, None)
         validate(kind, result)
         fold_secret_data(kind, result)
+        rewrite(kind, result)
         check_immutable(kind, old, result)
         if kind.tracks_generation and _content_outside(
             result, "metadata", "status"

@@ -173,14 +173,6 @@ GPUQUOTA = Kind(
     tracks_generation=True,
     returns_deleted_object=True,
 )
-RESOURCE_CLAIM_TEMPLATE = Kind(
-    "resource.k8s.io",
-    "v1",
-    "ResourceClaimTemplate",
-    "resourceclaimtemplates",
-    namespaced=True,
-    top_fields=frozenset({"spec"}),
-)
 DEPLOYMENT = Kind(
     "apps", "v1", "Deployment", "deployments", namespaced=True, status_subresource=True
 )
@@ -193,14 +185,8 @@ STATEFULSET = Kind(
 DAEMONSET = Kind("apps", "v1", "DaemonSet", "daemonsets", namespaced=True, status_subresource=True)
 JOB = Kind("batch", "v1", "Job", "jobs", namespaced=True, status_subresource=True)
 CRONJOB = Kind("batch", "v1", "CronJob", "cronjobs", namespaced=True, status_subresource=True)
-RESOURCE_CLAIM = Kind(
-    "resource.k8s.io",
-    "v1",
-    "ResourceClaim",
-    "resourceclaims",
-    namespaced=True,
-    status_subresource=True,
-)
+
+# resource.k8s.io/v1 (dynamic resource allocation), served by default from Kubernetes 1.34 on.
 RESOURCE_SLICE = Kind(
     "resource.k8s.io",
     "v1",
@@ -210,6 +196,36 @@ RESOURCE_SLICE = Kind(
     field_labels=frozenset({"metadata.name", "spec.nodeName", "spec.driver"}),
     top_fields=frozenset({"spec"}),
 )
+RESOURCE_CLAIM = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaim",
+    "resourceclaims",
+    namespaced=True,
+    status_subresource=True,
+    returns_deleted_object=True,
+)
+RESOURCE_CLAIM_TEMPLATE = Kind(
+    "resource.k8s.io",
+    "v1",
+    "ResourceClaimTemplate",
+    "resourceclaimtemplates",
+    namespaced=True,
+    returns_deleted_object=True,
+    top_fields=frozenset({"spec"}),
+)
+DEVICE_CLASS = Kind(
+    "resource.k8s.io",
+    "v1",
+    "DeviceClass",
+    "deviceclasses",
+    namespaced=False,
+    tracks_generation=True,
+    returns_deleted_object=True,
+    field_labels=frozenset({"metadata.name"}),
+    top_fields=frozenset({"spec"}),
+)
+DRA_KINDS = (RESOURCE_SLICE, RESOURCE_CLAIM, RESOURCE_CLAIM_TEMPLATE, DEVICE_CLASS)
 
 DEFAULT_KINDS: tuple[Kind, ...] = (
     POD,
@@ -222,9 +238,7 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     MUTATING_WEBHOOK_CONFIGURATION,
     VALIDATING_WEBHOOK_CONFIGURATION,
     GPUQUOTA,
-    RESOURCE_CLAIM_TEMPLATE,
-    RESOURCE_CLAIM,
-    RESOURCE_SLICE,
+    *DRA_KINDS,
     DEPLOYMENT,
     REPLICASET,
     STATEFULSET,

@@ -16,9 +16,10 @@ import binascii
 import re
 from datetime import UTC, datetime, timedelta
 
+from tests.fakes import draobjects
 from tests.fakes.apierrors import bad_request, invalid
 from tests.fakes.apistore import Obj, clone
-from tests.fakes.kinds import NAMESPACE, POD, SECRET, Kind
+from tests.fakes.kinds import DRA_KINDS, NAMESPACE, POD, SECRET, Kind
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
@@ -95,10 +96,20 @@ def validate(kind: Kind, obj: Obj) -> None:
                     causes.append((f"spec.containers[{i}].image", "Required value"))
     if causes:
         raise invalid(kind, name if isinstance(name, str) else "", causes)
+    if kind in DRA_KINDS:
+        draobjects.validate(kind, obj)
+
+
+def rewrite(kind: Kind, obj: Obj) -> None:
+    """What the server changes in every object it stores (create and update)."""
+    if kind in DRA_KINDS:
+        draobjects.canonicalize(kind, obj, now())
 
 
 def check_immutable(kind: Kind, old: Obj, new: Obj) -> None:
     name = old["metadata"]["name"]
+    if kind in DRA_KINDS:
+        draobjects.check_immutable(kind, old, new)
     if kind is POD:
         old_spec = clone(old.get("spec") or {})
         new_spec = clone(new.get("spec") or {})

@@ -1,0 +1,170 @@
+"""The running DRA plugin: NVML and its health thread, the API client, the ResourceSlice
+publisher, the claim driver, the kubelet sockets, the reconciler and /metrics, on one event loop.
+
+Start order matters: the checkpoint is restored (and CDI specs rewritten) before kubelet can
+call, and the sockets are served last, so a registered plugin is always ready to prepare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from contextlib import AsyncExitStack, suppress
+from http.server import ThreadingHTTPServer
+from typing import Any
+
+from core.kube import RESOURCE_CLAIMS, Api, KubeConfigError, call_json, kube_client
+from deviceplugin import inventory
+from deviceplugin.dra.claims import ClaimRef
+from deviceplugin.dra.config import DraConfig
+from deviceplugin.dra.driver import DraDriver
+from deviceplugin.dra.metrics import DraMetrics
+from deviceplugin.dra.service import CardBoard, PluginServers
+from deviceplugin.dra.slices import CardState, SlicePublisher
+from deviceplugin.health import HealthMonitor
+from deviceplugin.http import serve
+
+log = logging.getLogger(__name__)
+
+
+class DraDaemon:
+    def __init__(self, config: DraConfig, *, metrics: DraMetrics | None = None) -> None:
+        self.config = config
+        self.metrics = metrics or DraMetrics()
+        self.api: Api | None = None
+        self.board: CardBoard | None = None
+        self.driver: DraDriver | None = None
+        self.publisher: SlicePublisher | None = None
+        self.servers: PluginServers | None = None
+        self.health: HealthMonitor | None = None
+        self.http: ThreadingHTTPServer | None = None
+        self._stack = AsyncExitStack()
+        self._reconciler: asyncio.Task[None] | None = None
+
+    async def _get_claim(self, ref: ClaimRef) -> dict[str, Any]:
+        assert self.api is not None
+        return await call_json(
+            self.api,
+            "GET",
+            RESOURCE_CLAIMS.path(ref.namespace, ref.name),
+            timeout_s=self.config.claim_timeout_s,
+        )
+
+    async def start(self) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+        inventory.load_nvml(config.nvml_library)
+        cards = inventory.discover()
+        version = inventory.driver_version()
+        self.board = board = CardBoard([CardState(c, inventory.details(c)) for c in cards])
+        self.api = api = await self._stack.enter_async_context(kube_client(config.kubeconfig))
+        self.driver = DraDriver(config, cards, self._get_claim)
+        self.driver.install_host_files()
+        self.driver.restore()
+        self.metrics.prepared.set(len(self.driver.prepared))
+        self.publisher = SlicePublisher(
+            api,
+            node=config.node_name,
+            driver=config.driver_name,
+            states=board.states,
+            driver_version=version,
+            on_publish=lambda how: self.metrics.slice_writes.labels(how).inc(),
+        )
+        board.on_change(self.publisher.poke)
+        board.on_change(
+            lambda: self.metrics.unhealthy.set(sum(not s.healthy for s in board.states()))
+        )
+        await self.publisher.start()
+
+        def changed(card: int, healthy: bool, reason: str) -> None:
+            asyncio.run_coroutine_threadsafe(board.set_health(card, healthy, reason), loop)
+
+        self.health = HealthMonitor(
+            cards,
+            changed,
+            ignored_xids=config.ignored_xids,
+            wait_ms=config.health_wait_ms,
+            probe_interval_s=config.health_probe_interval_s,
+            quiet_s=config.health_quiet_s,
+            on_event=lambda card, reason: self.metrics.health_events.labels(
+                str(card), reason
+            ).inc(),
+        )
+        self.health.start()
+        self.servers = PluginServers(config, self.driver, board, self.metrics)
+        await self.servers.start()
+        self._reconciler = asyncio.create_task(self._reconcile(), name="dra-reconcile")
+        if config.metrics_port:
+            self.http = serve(
+                config.metrics_address, config.metrics_port, self.metrics.registry, self.healthz
+            )
+        log.info(
+            "DRA plugin started",
+            extra={"cards": len(cards), "driver": config.driver_name, "node": config.node_name},
+        )
+
+    async def _reconcile(self) -> None:
+        assert self.driver is not None
+        while True:
+            try:
+                await self.driver.reconcile()
+            except Exception:  # a bug here must not stop later passes
+                log.exception("claim reconciliation failed")
+            await asyncio.sleep(self.config.reconcile_interval_s)
+
+    def healthz(self) -> tuple[bool, str]:
+        if self.servers is None or not self.servers.registration.registered:
+            return False, "not registered with kubelet"
+        if self.health is None or not self.health.running:
+            return False, "NVML health thread is not running"
+        return True, "ok"
+
+    async def stop(self) -> None:
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+            self.http = None
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._reconciler
+            self._reconciler = None
+        if self.servers is not None:
+            await self.servers.stop()
+        if self.health is not None:
+            await asyncio.to_thread(self.health.stop)
+        if self.publisher is not None:
+            await self.publisher.stop()
+        await self._stack.aclose()
+        inventory.shutdown_nvml()
+        log.info("DRA plugin stopped")
+
+
+async def _main(config: DraConfig) -> int:
+    daemon = DraDaemon(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await daemon.start()
+    except inventory.InventoryError as exc:
+        log.error("cannot start: no usable NVML", extra={"error": str(exc)})
+        await daemon.stop()
+        return 1
+    except KubeConfigError as exc:
+        log.error("cannot start: no cluster to talk to", extra={"error": str(exc)})
+        await daemon.stop()
+        return 1
+    await stop.wait()
+    await daemon.stop()
+    return 0
+
+
+def run(config: DraConfig) -> int:
+    """Run until SIGTERM or SIGINT; the exit status for the CLI."""
+    return asyncio.run(_main(config))
+
+
+__all__ = ["DraDaemon", "run"]
