@@ -272,8 +272,9 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
     assert claims == [{"name": "gpu-0", "resourceClaimTemplateName": template["metadata"]["name"]}]
     [request] = template["spec"]["spec"]["devices"]["requests"]
     [alternative] = request["firstAvailable"]
-    # Half of the L4 the slice publishes: 89 blocks, floor(89 / 2) = 44.
-    assert alternative["capacity"]["requests"] == {"cores": "50", "memory": "11264Mi"}
+    # Half of the L4 the slice publishes: 89 blocks, floor(89 / 2) = 44 (11264Mi, which the API
+    # server stores in its canonical form).
+    assert alternative["capacity"]["requests"] == {"cores": "50", "memory": "11Gi"}
     assert verdict["allowed"] is False
     assert verdict["status"]["message"].startswith(
         'GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 11264 MiB'
