@@ -51,9 +51,11 @@ def test_a_container_is_allocated_and_started_through_the_driver(
         *(bench.prestart_step(name, held[name]) for name in both),
     ]
     took = driver.run(steps)
-    assert len(took) == 4 and all(0 < t < 30 for t in took)
+    assert len(took) == 4
+    assert all(0 < t < 30 for t in took)
     (allocation,) = node.plugin.allocator.allocations()
-    assert allocation.verified and set(allocation.core) == set(held[bench.CORE])
+    assert allocation.verified
+    assert set(allocation.core) == set(held[bench.CORE])
 
 
 def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(

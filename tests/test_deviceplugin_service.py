@@ -302,7 +302,8 @@ def test_nvml_wait_errors_never_stop_health_watching() -> None:
         time.sleep(0.2)
         node.nvml.xid(0, 48)
         assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 0, timeout=10.0)
-        assert node.daemon is not None and node.daemon.health is not None
+        assert node.daemon is not None
+        assert node.daemon.health is not None
         assert node.daemon.health.running
         assert node.daemon.health.errors >= 1
 

@@ -108,7 +108,8 @@ def test_listandwatch_messages_are_checked_as_kubelet_would(
     message = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=h) for i, h in devices])
     if violation is None:
         kubelet._accept_list(resource, message)
-        assert resource.devices == dict(devices) and resource.messages == 1
+        assert resource.devices == dict(devices)
+        assert resource.messages == 1
         assert kubelet.history[-1][2] == 1
     else:
         with pytest.raises(ProtocolViolation, match=violation):
