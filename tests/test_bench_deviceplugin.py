@@ -51,9 +51,11 @@ def test_a_container_is_allocated_and_started_through_the_driver(
         *(bench.prestart_step(name, held[name]) for name in both),
     ]
     took = driver.run(steps)
-    assert len(took) == 4 and all(0 < t < 30 for t in took)
+    assert len(took) == 4
+    assert all(0 < t < 30 for t in took)
     (allocation,) = node.plugin.allocator.allocations()
-    assert allocation.verified and set(allocation.core) == set(held[bench.CORE])
+    assert allocation.verified
+    assert set(allocation.core) == set(held[bench.CORE])
 
 
 def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(
@@ -66,9 +68,10 @@ def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(
 @pytest.mark.parametrize(
     ("before", "after", "expected"),
     [
-        ([0] * 8, [10, 0, 10, 70, 0, 0, 0, 10], 10.0),
-        ([5] * 8, [5] * 8, 0.0),  # no time passed: no division by zero
-        ([], [1] * 8, None),  # no /proc/stat
+        pytest.param([0] * 8, [10, 0, 10, 70, 0, 0, 0, 10], 10.0, id="steal-10-of-100"),
+        # no time passed: no division by zero
+        pytest.param([5] * 8, [5] * 8, 0.0, id="no-time-passed"),
+        pytest.param([], [1] * 8, None, id="no-proc-stat"),
     ],
 )
 def test_steal_share(before: list[int], after: list[int], expected: float | None) -> None:

@@ -63,7 +63,7 @@ async def test_first_start_creates_a_tls_secret(fake: FakeApiServer, kubeconfig:
     assert _stored(fake) == material
 
 
-@pytest.mark.parametrize("replicas", [2, 5])
+@pytest.mark.parametrize("replicas", [2, 5], ids=["2-replicas", "5-replicas"])
 async def test_replicas_starting_together_all_use_the_winners_certificates(
     fake: FakeApiServer, kubeconfig: Path, replicas: int
 ) -> None:

@@ -73,9 +73,11 @@ def test_runtime_is_non_root_and_has_no_build_tools() -> None:
     users = [rest for op, rest in final.instructions if op == "USER"]
     assert users, "the runtime stage must set USER"
     uid = users[-1].split(":")[0]
-    assert uid.isdigit() and int(uid) != 0, f"USER {users[-1]}: use a numeric, non-root uid"
+    assert uid.isdigit(), f"USER {users[-1]}: use a numeric uid"
+    assert int(uid) != 0, f"USER {users[-1]}: uid 0 is root; use a non-root uid"
     runs = " ".join(rest for op, rest in final.instructions if op == "RUN")
-    assert "apt-get" not in runs and "gcc" not in runs, "build tools stay in the build stages"
+    assert "apt-get" not in runs, "build tools stay in the build stages"
+    assert "gcc" not in runs, "build tools stay in the build stages"
     # The manifests run the webhook and the scheduler under the same uid.
     deployment = find(render("default"), "Deployment", "fracgpu-webhook")
     assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == int(uid)
@@ -94,7 +96,8 @@ def test_hook_is_built_and_lands_where_the_device_plugin_installs_it_from() -> N
     _, stages = parse()
     (hook,) = [s for s in stages if s.name == "hook"]
     runs = " ".join(rest for op, rest in hook.instructions if op == "RUN")
-    assert "make -C native" in runs and HOOK_BUILD_OUTPUT in runs
+    assert "make -C native" in runs
+    assert HOOK_BUILD_OUTPUT in runs
     copies = [shlex.split(rest) for op, rest in stages[-1].instructions if op == "COPY"]
     hook_copy = [c for c in copies if c[0] == "--from=hook"]
     assert len(hook_copy) == 1
@@ -127,7 +130,8 @@ def test_entrypoint_is_the_console_script() -> None:
     _, stages = parse()
     entry = [rest for op, rest in stages[-1].instructions if op == "ENTRYPOINT"]
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
-    assert entry == ['["fracgpu"]'] and "fracgpu" in scripts
+    assert entry == ['["fracgpu"]']
+    assert "fracgpu" in scripts
 
 
 def test_dockerignore_keeps_local_state_out_of_the_context() -> None:

@@ -122,7 +122,8 @@ def test_webhook_is_highly_available(overlay: str) -> None:
     assert pdb["spec"]["minAvailable"] < spec["replicas"], "the PDB would block every drain"
     spread = spec["template"]["spec"]["topologySpreadConstraints"]
     by_host = [c for c in spread if c["topologyKey"] == "kubernetes.io/hostname"]
-    assert by_host and by_host[0]["whenUnsatisfiable"] == "DoNotSchedule"
+    assert by_host
+    assert by_host[0]["whenUnsatisfiable"] == "DoNotSchedule"
     assert by_host[0]["labelSelector"]["matchLabels"].items() <= labels.items()
 
 

@@ -66,7 +66,7 @@ def test_ids_are_short_and_advertised_per_card() -> None:
     assert max(len(d.id) for d in alloc.devices(Kind.MEMORY)) <= 63
 
 
-@pytest.mark.parametrize("memory_first", [False, True])
+@pytest.mark.parametrize("memory_first", [False, True], ids=["core-first", "memory-first"])
 def test_container_core_and_memory_land_on_one_card_in_either_order(memory_first: bool) -> None:
     alloc = make(3)
     for _ in range(5):
@@ -147,12 +147,12 @@ def test_memory_on_another_card_than_core_is_refused_and_releases_the_half() -> 
 @pytest.mark.parametrize(
     ("ids", "message"),
     [
-        ([], "no device IDs"),
-        (["gpu0"], "not a fracgpu ID"),
-        (["g9-c1"], "unknown on this node"),
-        (["g0-c100"], "unknown on this node"),
-        (["g0-m1"], "other fracgpu resource"),
-        (["g0-c1", "g0-c1"], "twice"),
+        pytest.param([], "no device IDs", id="empty"),
+        pytest.param(["gpu0"], "not a fracgpu ID", id="not-a-fracgpu-id"),
+        pytest.param(["g9-c1"], "unknown on this node", id="unknown-card"),
+        pytest.param(["g0-c100"], "unknown on this node", id="unit-beyond-the-card"),
+        pytest.param(["g0-m1"], "other fracgpu resource", id="memory-id-for-core"),
+        pytest.param(["g0-c1", "g0-c1"], "twice", id="same-id-twice"),
     ],
 )
 def test_bad_ids_are_refused_with_the_reason(ids: list[str], message: str) -> None:

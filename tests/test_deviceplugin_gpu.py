@@ -91,7 +91,8 @@ def test_guard_reads_a_cuda_process_and_its_context_fits_the_allowance(
 ) -> None:
     child = subprocess.Popen([sys.executable, "-c", CUDA_CHILD], stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout is not None and child.stdout.readline().strip() == "ready"
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
         used = None
         deadline = time.monotonic() + 10
         while used is None and time.monotonic() < deadline:

@@ -131,7 +131,8 @@ async def test_daemon_posts_the_guards_events(tmp_path: Path) -> None:
                     procs.enter(child.pid, target)
                     gpu.nvml.process(0, child.pid, 2048)
                     returncode = child.wait(timeout=10)
-                    assert gpu.daemon is not None and gpu.daemon.events is not None
+                    assert gpu.daemon is not None
+                    assert gpu.daemon.events is not None
                     events = gpu.daemon.events
                     deadline = time.monotonic() + 5
                     while events.posted < 2 and time.monotonic() < deadline:

@@ -27,7 +27,9 @@ def monitor(changes: list[tuple[int, bool, str]]) -> HealthMonitor:
     )
 
 
-@pytest.mark.parametrize("xid", DEFAULT_IGNORED_XIDS)
+@pytest.mark.parametrize(
+    "xid", DEFAULT_IGNORED_XIDS, ids=[f"xid-{x}" for x in DEFAULT_IGNORED_XIDS]
+)
 def test_application_xids_are_ignored(xid: int) -> None:
     changes: list[tuple[int, bool, str]] = []
     monitor(changes).handle_event(0, EVENT_XID, xid)

@@ -48,7 +48,8 @@ def test_find_returns_only_an_exact_holder() -> None:
         ("b", {CORE: ["g0-c3"], MEMORY: ["g0-m1", "g0-m2"]}),
     )
     found = find(response, MEMORY, frozenset({"g0-m1", "g0-m2"}), OURS)
-    assert found is not None and found.name == "ns/p/b"
+    assert found is not None
+    assert found.name == "ns/p/b"
     assert found.ids(CORE) == {"g0-c3"}
     assert find(response, CORE, frozenset({"g0-c1"}), OURS) is None  # a subset is not a holder
     assert find(response, CORE, frozenset({"g9-c1"}), OURS) is None

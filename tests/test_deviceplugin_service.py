@@ -302,7 +302,8 @@ def test_nvml_wait_errors_never_stop_health_watching() -> None:
         time.sleep(0.2)
         node.nvml.xid(0, 48)
         assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 0, timeout=10.0)
-        assert node.daemon is not None and node.daemon.health is not None
+        assert node.daemon is not None
+        assert node.daemon.health is not None
         assert node.daemon.health.running
         assert node.daemon.health.errors >= 1
 
@@ -372,10 +373,10 @@ def _stub(node: GpuNode, resource: str) -> pb_grpc.DevicePluginStub:
 @pytest.mark.parametrize(
     ("ids", "message"),
     [
-        (["g7-c1"], "unknown on this node"),
-        (["nvidia0"], "not a fracgpu ID"),
-        (["g0-m1"], "other fracgpu resource"),
-        ([], "no device IDs"),
+        pytest.param(["g7-c1"], "unknown on this node", id="unknown-card"),
+        pytest.param(["nvidia0"], "not a fracgpu ID", id="not-a-fracgpu-id"),
+        pytest.param(["g0-m1"], "other fracgpu resource", id="memory-id-for-core"),
+        pytest.param([], "no device IDs", id="empty"),
     ],
 )
 def test_bad_allocate_input_gets_invalid_argument_with_the_reason(
@@ -525,7 +526,7 @@ LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
 ]
 
 
-@pytest.mark.parametrize("kind", [Kind.CORE, Kind.MEMORY])
+@pytest.mark.parametrize("kind", [Kind.CORE, Kind.MEMORY], ids=["core", "memory"])
 def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
     numa = [0, 1, None, 0]  # node 0 is falsy: it must still be listed
     allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, numa[i]) for i in range(4)])

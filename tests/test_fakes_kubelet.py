@@ -92,11 +92,13 @@ def _resource() -> _Resource:
 @pytest.mark.parametrize(
     ("devices", "violation"),
     [
-        ([("g0-c0", "Healthy"), ("g0-c1", "Unhealthy")], None),
-        ([("", "Healthy")], "is not 1–63 chars"),
-        ([("x" * 64, "Healthy")], "is not 1–63 chars"),
-        ([("g0-c0", "Healthy"), ("g0-c0", "Healthy")], "listed twice"),
-        ([("g0-c0", "healthy")], "health 'healthy'"),
+        pytest.param([("g0-c0", "Healthy"), ("g0-c1", "Unhealthy")], None, id="valid"),
+        pytest.param([("", "Healthy")], "is not 1–63 chars", id="empty-id"),
+        pytest.param([("x" * 64, "Healthy")], "is not 1–63 chars", id="id-of-64-chars"),
+        pytest.param(
+            [("g0-c0", "Healthy"), ("g0-c0", "Healthy")], "listed twice", id="id-listed-twice"
+        ),
+        pytest.param([("g0-c0", "healthy")], "health 'healthy'", id="lower-case-health"),
     ],
 )
 def test_listandwatch_messages_are_checked_as_kubelet_would(
@@ -106,7 +108,8 @@ def test_listandwatch_messages_are_checked_as_kubelet_would(
     message = pb.ListAndWatchResponse(devices=[pb.Device(ID=i, health=h) for i, h in devices])
     if violation is None:
         kubelet._accept_list(resource, message)
-        assert resource.devices == dict(devices) and resource.messages == 1
+        assert resource.devices == dict(devices)
+        assert resource.messages == 1
         assert kubelet.history[-1][2] == 1
     else:
         with pytest.raises(ProtocolViolation, match=violation):

@@ -17,7 +17,7 @@ from tests.fakes.native_kit import (
 
 
 @pytest.mark.parametrize("mode", ["proc", "proc-ptds", "proc-v1", "dlsym", "direct"])
-@pytest.mark.parametrize("hooked", [True, False])
+@pytest.mark.parametrize("hooked", [True, False], ids=["hooked", "unhooked"])
 def test_each_way_to_the_driver_goes_through_the_hook(kit: Kit, mode: str, hooked: bool) -> None:
     kit.write_limits(MIB)
     out = kit.probe("init", f"alloc:{2 * MIB}", "info", mode=mode, hooked=hooked)
