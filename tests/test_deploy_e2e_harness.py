@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
@@ -793,6 +794,34 @@ async def test_a_dra_run_installs_the_device_class_and_removes_it(
     assert listened == port + 1
     assert _device_classes(fake) == []
     assert _leftovers(fake) == []
+
+
+async def test_the_dra_probe_pod_is_denied_by_the_quota_after_mutation(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    """The DRA run waits for its webhooks with a whole-card probe (no slice, so no GPU model,
+    exists yet): the mutating webhook must turn it into a claim, and the quota webhook must then
+    deny it under 0.1 card with a message the wait recognises."""
+    _quota_fixture(fake)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run", admission=ADMISSION_DRA) as background:
+        assert background.run is not None, background.error
+        webhook = background.run.webhook
+        review = _review(server.MUTATE_PATH)
+        review["request"]["dryRun"] = True
+        container = review["request"]["object"]["spec"]["containers"][0]
+        container["resources"] = {"limits": {"fracgpu.io/gpu": "1"}}
+        mutated = await asyncio.to_thread(
+            _post_verified, webhook.local_url(server.MUTATE_PATH), webhook.ca_pem, review
+        )
+        patch = json.loads(base64.b64decode(mutated["response"]["patch"]))
+        review["request"]["object"] = jsonpatch.apply_patch(review["request"]["object"], patch)
+        validated = await asyncio.to_thread(
+            _post_verified, webhook.local_url(server.VALIDATE_PATH), webhook.ca_pem, review
+        )
+    assert review["request"]["object"]["spec"]["resourceClaims"]
+    assert validated["response"]["allowed"] is False
+    assert validated["response"]["status"]["message"].startswith("GPU quota ")
 
 
 async def test_a_device_class_that_was_there_is_kept(fake: FakeApiServer, tmp_path: Path) -> None:

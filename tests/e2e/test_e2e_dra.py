@@ -81,7 +81,8 @@ def dra_run(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Ite
             e2e_run(settings, workdir, run_id, admission=ADMISSION_DRA, port_offset=1) as run,
         ):
             probe = run.namespace("probe")
-            run.portal.run(wait_until_admission_effective(run.api, probe, gpu_pod("probe", "0.5")))
+            # A whole card: in DRA mode it needs no GPU model, and no slice exists yet.
+            run.portal.run(wait_until_admission_effective(run.api, probe, gpu_pod("probe", "1")))
             yield run
     except HarnessError as err:
         pytest.fail(str(err))
