@@ -56,7 +56,14 @@ from tests.e2e.harness import (
     sigterm_interrupts,
     webhook_host,
 )
-from tests.e2e.nodeagent import DraAgent, NodeAgent, fake_cards, node_metadata, unpublish
+from tests.e2e.nodeagent import (
+    DraAgent,
+    NodeAgent,
+    consumed,
+    fake_cards,
+    node_metadata,
+    unpublish,
+)
 from tests.fakes import cdiruntime
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.drakubelet import ClaimKey, FakeDraKubelet
@@ -925,7 +932,8 @@ async def test_the_dra_agent_prepares_claims_with_paths_its_runtime_can_use(
     assert devices
     assert chars == [True] * len(devices)
     assert present == [True] * len(mounts)
-    assert [(w.compute_percent, w.memory_bytes) for w in written] == [(50, 8 << 30)]
+    assert [(w.compute_percent, w.memory_bytes) for w in written] == [consumed(claim)]
+    assert consumed(claim) == (50, 8 << 30)
     assert list(specs_prepared) == [key.uid]
     assert specs_after == {}
     assert agent.process is None

@@ -40,8 +40,9 @@ from typing import Any
 
 import pytest
 
-from core import contract
+from core import contract, dra
 from core.kube import NODES, call_json
+from core.quantity import parse_quantity
 from deviceplugin.dra import cdi
 from deviceplugin.dra.config import DEFAULT_DRIVER
 from tests.e2e.harness import (
@@ -261,6 +262,25 @@ class DraAgent(NodeAgent):
     def cdi_specs(self) -> dict[str, Path]:
         """The CDI specs the plugin wrote, by claim UID (one per prepared claim)."""
         return dict(cdi.specs(self.cdi_root, self.driver))
+
+
+def results(claim: Obj) -> list[Obj]:
+    """The allocation results of fracgpu's driver in a claim the scheduler placed."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    found: list[Obj] = [
+        r for r in (allocation.get("devices") or {}).get("results") or []
+        if r.get("driver") == dra.DRIVER
+    ]  # fmt: skip
+    return found
+
+
+def consumed(claim: Obj) -> tuple[int, int]:
+    """(cores, memory bytes) the scheduler charged the claim's one share: what the limits file
+    the plugin writes for it must hold."""
+    (result,) = results(claim)
+    capacity = result["consumedCapacity"]
+    cores = int(parse_quantity(capacity[dra.CORES]).value)
+    return cores, int(parse_quantity(capacity[dra.MEMORY]).value)
 
 
 # --- what both kinds of scenario do with pods on the node ---------------------------------------

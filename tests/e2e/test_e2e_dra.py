@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 
 from core import dra
-from core.quantity import parse_quantity
 from tests.e2e.harness import (
     ADMISSION_DRA,
     ENV_DRA_NODE,
@@ -38,11 +37,13 @@ from tests.e2e.harness import (
 )
 from tests.e2e.nodeagent import (
     DraAgent,
+    consumed,
     create,
     describe,
     fake_cards,
     node_pod,
     pods,
+    results,
     wait_for,
     wait_running,
 )
@@ -146,25 +147,8 @@ def claim_of(kubectl: Kubectl, namespace: str, pod: str) -> Obj:
     return kubectl.get("resourceclaim", entry["resourceClaimName"], namespace)
 
 
-def results(claim: Obj) -> list[Obj]:
-    allocation = (claim.get("status") or {}).get("allocation") or {}
-    found: list[Obj] = [
-        r for r in (allocation.get("devices") or {}).get("results") or []
-        if r.get("driver") == dra.DRIVER
-    ]  # fmt: skip
-    return found
-
-
 def cards_of(kubectl: Kubectl, namespace: str, pod: str) -> list[str]:
     return sorted(r["device"] for r in results(claim_of(kubectl, namespace, pod)))
-
-
-def consumed(claim: Obj) -> tuple[int, int]:
-    """(cores, memory bytes) the scheduler charged the claim's one share."""
-    (result,) = results(claim)
-    capacity = result["consumedCapacity"]
-    cores = int(parse_quantity(capacity[dra.CORES]).value)
-    return cores, int(parse_quantity(capacity[dra.MEMORY]).value)
 
 
 def _condition(pod: Obj, kind: str) -> Obj | None:
