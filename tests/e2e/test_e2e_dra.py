@@ -130,7 +130,16 @@ def dra_namespace(dra_run: Run, kubectl: Kubectl) -> Iterator[str]:
     finally:
         kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force")
         wait_for(lambda: not pods(kubectl, name), 60, lambda: f"pods of {name} remain")
+        # The pods' claims are deleted after them (kube-controller-manager): only then are their
+        # cards free for the next test's first-fit expectations.
+        wait_for(lambda: not claims(kubectl, name), 60, lambda: f"claims of {name} remain")
         dra_run.portal.run(delete_namespace(dra_run.api, name))
+
+
+def claims(kubectl: Kubectl, namespace: str) -> list[Obj]:
+    out = kubectl.ok("get", "resourceclaims", "-n", namespace, "-o", "json")
+    items: list[Obj] = json.loads(out)["items"]
+    return items
 
 
 def share(gpu: str, gpumem: str | None = None) -> Obj:
@@ -213,9 +222,10 @@ def test_a_share_that_fits_no_single_card_waits_pending_and_is_told_why(
         EXPLAINED_WITHIN_S,
         lambda: describe(kubectl, dra_namespace, agent),
     )
-    claims = json.loads(kubectl.ok("get", "resourceclaims", "-A", "-o", "json"))["items"]
+    every_claim = json.loads(kubectl.ok("get", "resourceclaims", "-A", "-o", "json"))["items"]
     wide = claim_of(kubectl, dra_namespace, "wide")
-    expected = explain(asks_of(wide["spec"]), free_cards(slices(kubectl, agent.node), claims))
+    free = free_cards(slices(kubectl, agent.node), every_claim)
+    expected = explain(asks_of(wide["spec"]), free)
     messages = [e["message"] for e in events_of(kubectl, dra_namespace, "wide", REASON)]
     assert messages[-1] == expected
     deadline = time.monotonic() + PENDING_FOR_S
