@@ -1,11 +1,15 @@
-"""deploy/overlays/dra: DRA mode's node side renders, validates against the Kubernetes versions
-that serve resource.k8s.io/v1 with consumable capacity, mounts what the plugin's flags name at
-the host's paths, grants the least RBAC, and its admission policy keeps each node's agent to its
-own node's slices (the CEL evaluated with cel-python on sample requests)."""
+"""deploy/overlays/dra: DRA mode renders, validates against the Kubernetes versions that serve
+resource.k8s.io/v1 with consumable capacity, mounts what the plugin's flags name at the host's
+paths, grants the plugin the least RBAC and the webhook every call DRA-mode admission makes
+(the calls recorded against the fake API server), runs the webhook with ``allocation: dra``, and
+its admission policy keeps each node's agent to its own node's slices (the CEL evaluated with
+cel-python on sample requests)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +18,27 @@ import kubernetes_validate
 import pytest
 
 from core import contract
+from core.kube import kube_client
 from deviceplugin.dra.cli import add_parser, config_from
-from tests.deploy_render import NAMESPACE, Obj, find, of_kind, pod_specs, render
+from quota.claims import CLAIM, TEMPLATE, ClaimSpecs
+from tests.deploy_render import (
+    NAMESPACE,
+    Grant,
+    Obj,
+    config_of,
+    find,
+    grants_of,
+    of_kind,
+    pod_specs,
+    render,
+)
+from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer, RequestRecord
+from tests.support import eventually
+from webhook.claims import SliceModels, plan_claim
+from webhook.claimstore import TemplateStore, referenced_templates, slice_informer
+from webhook.config import AdmissionConfig
+from webhook.resources import Ask
+from webhook.waitwatch import WaitExplainer
 
 OVERLAY = "dra"
 # DRA with consumable capacity on by default: 1.36 (the schemas of newer versions too).
@@ -225,3 +248,175 @@ def test_the_policy_denies_and_applies_to_resourceslices() -> None:
     assert binding["spec"]["validationActions"] == ["Deny"]
     (rule,) = _policy()["spec"]["matchConstraints"]["resourceRules"]
     assert rule["resources"] == ["resourceslices"]
+
+
+# ---- the webhook in DRA mode -------------------------------------------------------------------
+
+SA_WEBHOOK = "fracgpu-webhook"
+
+
+def test_the_webhook_admits_in_dra_mode() -> None:
+    admission = AdmissionConfig.model_validate(config_of(render(OVERLAY))["admission"])
+    assert admission.allocation == "dra"
+
+
+def _without_allocation(config: Obj) -> Obj:
+    admission = {k: v for k, v in config["admission"].items() if k != "allocation"}
+    return {**config, "admission": admission}
+
+
+def test_the_webhook_config_is_the_base_one_but_for_the_mode() -> None:
+    dra, base = config_of(render(OVERLAY)), config_of(render("default"))
+    assert _without_allocation(dra) == base
+
+
+def _grant_of(record: RequestRecord) -> Grant:
+    """The RBAC check a request is subject to: (scope, group, resource, name, verb)."""
+    parts = record.path.strip("/").split("/")
+    group, rest = ("", parts[2:]) if parts[0] == "api" else (parts[1], parts[3:])
+    scope = "cluster"
+    if rest[0] == "namespaces" and len(rest) > 2:
+        scope, rest = rest[1], rest[2:]
+    resource, name = rest[0], rest[1] if len(rest) > 1 else None
+    if record.method == "GET":
+        verb = "get" if name else "watch" if record.query.get("watch") == "true" else "list"
+    else:
+        verb = {"POST": "create", "PUT": "update", "PATCH": "patch", "DELETE": "delete"}[
+            record.method
+        ]
+    return scope, group, resource, name or "*any*", verb
+
+
+def _allowed(grant: Grant, grants: set[Grant]) -> bool:
+    scope, group, resource, name, verb = grant
+    return any(
+        (where, group, resource, which, verb) in grants
+        for where in {scope, "cluster"}
+        for which in {name, "*any*"}
+    )
+
+
+def _waiting_pod() -> Obj:
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "waiting", "namespace": "team-a", "uid": "uid-waiting"},
+        "spec": {"containers": [{"name": "c", "image": "x"}]},
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/1 nodes are available: 1 cannot allocate all claims.",
+                }
+            ],
+            "resourceClaimStatuses": [{"name": "gpu-0", "resourceClaimName": "waiting-gpu-0"}],
+        },
+    }
+
+
+def _waiting_claim() -> Obj:
+    request = {
+        "name": "gpu",
+        "exactly": {
+            "deviceClassName": "gpu.fracgpu.io",
+            "count": 1,
+            "capacity": {"requests": {"cores": "50", "memory": "8Gi"}},
+        },
+    }
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {"name": "waiting-gpu-0", "namespace": "team-a"},
+        "spec": {"devices": {"requests": [request]}},
+    }
+
+
+async def _dra_admission_requests(tmp_path: Path) -> list[RequestRecord]:
+    """Every request DRA-mode admission makes, each of its parts driven once through the paths
+    that call the API server: templates created, found and touched, collected (workloads
+    listed); claims and templates read by quota; slices, claims and pods followed; an Event
+    posted on a pod that waits."""
+    async with (
+        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
+        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as api,
+    ):
+        now = [1000.0]
+        store = TemplateStore(api, grace_s=0, touch_interval_s=0, clock=lambda: now[0])
+        plan = plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16)
+        await store.ensure("team-a", plan, dry_run=False)
+        now[0] += 60
+        await TemplateStore(api, clock=lambda: now[0]).ensure("team-a", plan, dry_run=False)
+        fake.put(_waiting_claim())
+        await ClaimSpecs(api).load([("team-a", TEMPLATE, plan.name), ("team-a", CLAIM, "x")])
+        await ClaimSpecs(api).load([("team-a", CLAIM, "waiting-gpu-0")])
+        now[0] += 60
+        await store.collect({"team-a": await referenced_templates(api, "team-a")})
+        assert await store.managed() == []
+        fake.put(_waiting_pod())
+        async with slice_informer(api, SliceModels()) as slices:
+            await slices.wait_synced()
+        explainer = WaitExplainer(api, interval_s=0.05)
+        task = asyncio.create_task(explainer.run())
+        try:
+            await eventually(lambda: len(fake.objects("events", "team-a")) == 1)
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        return list(fake.requests)
+
+
+async def test_the_webhook_may_make_every_call_dra_admission_makes(tmp_path: Path) -> None:
+    grants, _ = grants_of(render(OVERLAY), SA_WEBHOOK)
+    made = {_grant_of(record) for record in await _dra_admission_requests(tmp_path)}
+    assert {grant for grant in made if not _allowed(grant, grants)} == set()
+
+
+@pytest.mark.parametrize(
+    "grant",
+    [
+        pytest.param(("team-a", "resource.k8s.io", "resourceclaimtemplates", v, "*any*"), id=v)
+        for v in ("create", "get", "patch", "delete", "list")
+    ]
+    + [
+        pytest.param(("cluster", "resource.k8s.io", r, v, "*any*"), id=f"{r}-{v}")
+        for r in ("resourceslices", "resourceclaims")
+        for v in ("list", "watch")
+    ]
+    + [
+        pytest.param(("cluster", g, r, "list", "*any*"), id=f"{r}-list")
+        for g, r in (
+            ("", "pods"),
+            ("apps", "deployments"),
+            ("apps", "replicasets"),
+            ("apps", "statefulsets"),
+            ("apps", "daemonsets"),
+            ("batch", "jobs"),
+            ("batch", "cronjobs"),
+        )
+    ]
+    + [pytest.param(("team-a", "", "events", "create", "*any*"), id="events-create")],
+)
+def test_the_webhook_is_granted(grant: tuple[str, str, str, str, str]) -> None:
+    """The calls DRA-mode admission is documented to make (docs/install.md), in any namespace."""
+    scope, group, resource, verb, name = grant
+    grants, _ = grants_of(render(OVERLAY), SA_WEBHOOK)
+    assert _allowed((scope, group, resource, name, verb), grants)
+
+
+def test_the_recorded_calls_are_read_as_rbac_checks_them() -> None:
+    records = [
+        RequestRecord("GET", "/api/v1/namespaces/team-a/pods", {"watch": "true"}),
+        RequestRecord(
+            "PATCH", "/apis/resource.k8s.io/v1/namespaces/team-a/resourceclaimtemplates/t", {}
+        ),
+        RequestRecord("GET", "/apis/resource.k8s.io/v1/resourceslices", {}),
+    ]
+    assert [_grant_of(r) for r in records] == [
+        ("team-a", "", "pods", "*any*", "watch"),
+        ("team-a", "resource.k8s.io", "resourceclaimtemplates", "t", "patch"),
+        ("cluster", "resource.k8s.io", "resourceslices", "*any*", "list"),
+    ]

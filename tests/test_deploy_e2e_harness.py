@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import kubernetes_validate
 import pytest
 import yaml
@@ -42,6 +43,7 @@ from tests.deploy_render import kubectl
 from tests.e2e import harness
 from tests.e2e.harness import (
     ADMISSION,
+    ADMISSION_DRA,
     RUN_LABEL,
     HarnessError,
     LocalWebhook,
@@ -54,8 +56,19 @@ from tests.e2e.harness import (
     sigterm_interrupts,
     webhook_host,
 )
-from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
+from tests.e2e.nodeagent import (
+    DraAgent,
+    NodeAgent,
+    consumed,
+    fake_cards,
+    node_metadata,
+    unpublish,
+)
+from tests.fakes import cdiruntime
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.drakubelet import ClaimKey, FakeDraKubelet
+from tests.fakes.dranode import share_claim
+from tests.fakes.draobjects import allocate_claim
 from tests.fakes.kinds import Kind
 from tests.fakes.kubelet import Container, FakeKubelet, Pod
 from webhook import server
@@ -128,6 +141,8 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         "FRACGPU_E2E_KUBELET_DIR": "/tmp/kind-kubelet",
         "FRACGPU_E2E_DEVICE_PLUGIN_DIR": "/tmp/kind-plugins",
         "FRACGPU_E2E_NODE_DIR": "/tmp/fracgpu-node",
+        "FRACGPU_E2E_DRA_NODE": "kind-worker",
+        "FRACGPU_E2E_CDI_DIR": "/tmp/kind-cdi",
     }
     assert Settings.from_env(env) == Settings(
         kubeconfig=kubeconfig,
@@ -138,7 +153,17 @@ def test_settings_from_every_variable(tmp_path: Path) -> None:
         kubelet_dir=Path("/tmp/kind-kubelet"),
         device_plugin_dir=Path("/tmp/kind-plugins"),
         node_dir=Path("/tmp/fracgpu-node"),
+        dra_node="kind-worker",
+        cdi_dir=Path("/tmp/kind-cdi"),
     )
+
+
+def test_without_the_dra_variable_there_is_no_dra_node(tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kc"
+    kubeconfig.write_text("{}")
+    found = Settings.from_env({"FRACGPU_E2E_KUBECONFIG": str(kubeconfig)})
+    assert found is not None
+    assert (found.dra_node, found.cdi_dir) == (None, Path("/var/run/cdi"))
 
 
 @pytest.mark.parametrize("port", ["0", "65536", "https", "-1"])
@@ -356,6 +381,18 @@ def test_local_webhook_is_given_the_admission_the_scenarios_expect(tmp_path: Pat
     assert config.admission == AdmissionConfig.model_validate(ADMISSION)
 
 
+def test_the_dra_webhook_is_given_the_same_admission_in_dra_mode(tmp_path: Path) -> None:
+    """The DRA scenarios' webhook: what the others get, but claims instead of extended
+    resources."""
+    local = LocalWebhook(
+        tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig", admission=ADMISSION_DRA
+    )
+    config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
+    assert config.admission == AdmissionConfig.model_validate(ADMISSION).model_copy(
+        update={"allocation": "dra"}
+    )
+
+
 def test_local_webhook_runs_one_quota_controller_without_a_lease(tmp_path: Path) -> None:
     local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
     config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
@@ -429,8 +466,17 @@ class Background:
     """Runs the harness's blocking ``e2e_run`` in a thread: entered, held open while the test
     looks (from its loop, which serves the fake), and left when told, with what it raised."""
 
-    def __init__(self, settings: Settings, workdir: Path, *, fail_inside: bool = False) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        workdir: Path,
+        *,
+        fail_inside: bool = False,
+        admission: Obj = ADMISSION,
+        port_offset: int = 0,
+    ) -> None:
         self.settings, self.workdir, self.fail_inside = settings, workdir, fail_inside
+        self.admission, self.port_offset = admission, port_offset
         self.ready = threading.Event()
         self.leave = threading.Event()
         self.run: harness.Run | None = None
@@ -438,7 +484,13 @@ class Background:
 
     def main(self) -> None:
         try:
-            with e2e_run(self.settings, self.workdir, "off1ne") as run:
+            with e2e_run(
+                self.settings,
+                self.workdir,
+                "off1ne",
+                admission=self.admission,
+                port_offset=self.port_offset,
+            ) as run:
                 self.run = run
                 self.ready.set()
                 self.leave.wait(120)
@@ -722,3 +774,166 @@ async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
     assert agent.process is None
     assert (after.get("labels") or {}) == (before.get("labels") or {})
     assert (after.get("annotations") or {}) == (before.get("annotations") or {})
+
+
+# --- the DRA scenarios' run and node agent, against the fake API server and fake kubelet -------
+
+
+def _device_classes(fake: FakeApiServer) -> list[str]:
+    return [c["metadata"]["name"] for c in fake.objects("deviceclasses")]
+
+
+async def test_a_dra_run_installs_the_device_class_and_removes_it(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    port = harness.free_port("127.0.0.1")
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"), port=port)
+    async with Background(
+        settings, tmp_path / "run", admission=ADMISSION_DRA, port_offset=1
+    ) as background:
+        assert background.run is not None, background.error
+        during = _device_classes(fake)
+        served = background.run.webhook.config["admission"]
+        listened = background.run.webhook.port
+    assert background.error is None, background.error
+    assert during == [c["metadata"]["name"] for c in harness.device_classes()]
+    assert served["allocation"] == "dra"
+    assert listened == port + 1
+    assert _device_classes(fake) == []
+    assert _leftovers(fake) == []
+
+
+async def test_the_dra_probe_pod_is_denied_by_the_quota_after_mutation(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    """The DRA run waits for its webhooks with a whole-card probe (no slice, so no GPU model,
+    exists yet): the mutating webhook must turn it into a claim, and the quota webhook must then
+    deny it under 0.1 card with a message the wait recognises."""
+    _quota_fixture(fake)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run", admission=ADMISSION_DRA) as background:
+        assert background.run is not None, background.error
+        webhook = background.run.webhook
+        review = _review(server.MUTATE_PATH)
+        review["request"]["dryRun"] = True
+        container = review["request"]["object"]["spec"]["containers"][0]
+        container["resources"] = {"limits": {"fracgpu.io/gpu": "1"}}
+        mutated = await asyncio.to_thread(
+            _post_verified, webhook.local_url(server.MUTATE_PATH), webhook.ca_pem, review
+        )
+        patch = json.loads(base64.b64decode(mutated["response"]["patch"]))
+        review["request"]["object"] = jsonpatch.apply_patch(review["request"]["object"], patch)
+        validated = await asyncio.to_thread(
+            _post_verified, webhook.local_url(server.VALIDATE_PATH), webhook.ca_pem, review
+        )
+    assert review["request"]["object"]["spec"]["resourceClaims"]
+    assert validated["response"]["allowed"] is False
+    assert validated["response"]["status"]["message"].startswith("GPU quota ")
+
+
+async def test_a_device_class_that_was_there_is_kept(fake: FakeApiServer, tmp_path: Path) -> None:
+    (device_class,) = harness.device_classes()
+    fake.put(device_class)
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run", admission=ADMISSION_DRA) as background:
+        assert background.error is None, background.error
+    assert _device_classes(fake) == [device_class["metadata"]["name"]]
+
+
+async def test_a_device_plugin_run_installs_no_device_class(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.error is None, background.error
+        during = _device_classes(fake)
+    assert during == []
+
+
+def _dra_settings(fake: FakeApiServer, tmp_path: Path, node_root: Path) -> Settings:
+    return _settings(
+        fake.kubeconfig(tmp_path / "kubeconfig"),
+        dra_node="node-a",
+        kubelet_dir=node_root / "kl",
+        node_dir=node_root / "node",
+        cdi_dir=node_root / "cdi",
+    )
+
+
+@pytest.mark.parametrize(
+    ("missing", "variable"),
+    [
+        pytest.param("kl/plugins_registry", "FRACGPU_E2E_KUBELET_DIR", id="plugins-registry"),
+        pytest.param("cdi", "FRACGPU_E2E_CDI_DIR", id="cdi-directory"),
+    ],
+)
+def test_the_dra_agent_names_the_variable_for_a_directory_it_cannot_see(
+    tmp_path: Path, node_root: Path, missing: str, variable: str
+) -> None:
+    for directory in ("kl/plugins_registry", "cdi"):
+        if directory != missing:
+            (node_root / directory).mkdir(parents=True)
+    settings = _settings(
+        tmp_path / "kubeconfig",
+        dra_node="node-a",
+        kubelet_dir=node_root / "kl",
+        node_dir=node_root / "node",
+        cdi_dir=node_root / "cdi",
+    )
+    agent = DraAgent(settings, "off1ne", fake_cards(), tmp_path)
+    with pytest.raises(HarnessError, match=variable):
+        agent.check_node()
+
+
+async def test_the_dra_agent_prepares_claims_with_paths_its_runtime_can_use(
+    fake: FakeApiServer, tmp_path: Path, node_root: Path
+) -> None:
+    """The real `fracgpu dra-plugin` as the DRA scenarios run it: registered with kubelet, its
+    slice published, a claim the scheduler placed prepared into a CDI spec the runtime resolves
+    to devices and mounts that exist on the node (the fake cards' devices are character
+    devices), the limits file where the scenarios read it with what the claim consumed, and
+    the spec gone once the claim is unprepared."""
+    settings = _dra_settings(fake, tmp_path, node_root)
+    (node_root / "cdi").mkdir()
+    fake.put(_node("node-a", "127.0.0.1", control_plane=False))
+    fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
+    (device_class,) = harness.device_classes()
+    fake.put(device_class)
+    agent = DraAgent(settings, "off1ne", fake_cards(), tmp_path)
+    async with fake.api_client() as api:
+        kubelet = FakeDraKubelet(node_root / "kl", "node-a", api)
+        await kubelet.start()
+        try:
+            agent.prepare()
+            since = time.time() - 1
+            agent.start()
+            await asyncio.to_thread(_poll, agent.registered)
+            await asyncio.to_thread(_poll, lambda: bool(fake.objects("resourceslices")))
+            (published,) = fake.objects("resourceslices")
+            fake.put(share_claim("c", cores=50, memory="8Gi", namespace="team-a"))
+            claim = allocate_claim(fake.store, "team-a", "c")
+            key = ClaimKey("team-a", "c", claim["metadata"]["uid"])
+            prepared = await kubelet.prepare(published["spec"]["driver"], [key])
+            ids = [i for d in prepared[key.uid] for i in d.cdi_device_ids]
+            edits = cdiruntime.resolve([node_root / "cdi"], ids)
+            devices = [d["hostPath"] for d in edits.device_nodes]
+            mounts = [m["hostPath"] for m in edits.mounts]
+            chars = await asyncio.to_thread(lambda: [_is_char_device(p) for p in devices])
+            present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in mounts])
+            written = await asyncio.to_thread(agent.limits, since)
+            specs_prepared = agent.cdi_specs()
+            await kubelet.unprepare(published["spec"]["driver"], [key])
+            specs_after = agent.cdi_specs()
+        finally:
+            agent.stop()
+            await kubelet.stop()
+            agent.remove_files()
+    assert len(published["spec"]["devices"]) == len(agent.cards)
+    assert devices
+    assert chars == [True] * len(devices)
+    assert present == [True] * len(mounts)
+    assert [(w.compute_percent, w.memory_bytes) for w in written] == [consumed(claim)]
+    assert consumed(claim) == (50, 8 << 30)
+    assert list(specs_prepared) == [key.uid]
+    assert specs_after == {}
+    assert agent.process is None

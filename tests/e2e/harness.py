@@ -41,6 +41,7 @@ import yaml
 
 from certs.issuance import issue_ca, issue_serving
 from core.kube import (
+    DEVICE_CLASSES,
     GPUQUOTAS,
     MUTATING_WEBHOOK_CONFIGURATIONS,
     NAMESPACES,
@@ -71,6 +72,8 @@ ENV_NODE = "FRACGPU_E2E_NODE"
 ENV_KUBELET_DIR = "FRACGPU_E2E_KUBELET_DIR"
 ENV_DEVICE_PLUGIN_DIR = "FRACGPU_E2E_DEVICE_PLUGIN_DIR"
 ENV_NODE_DIR = "FRACGPU_E2E_NODE_DIR"
+ENV_DRA_NODE = "FRACGPU_E2E_DRA_NODE"
+ENV_CDI_DIR = "FRACGPU_E2E_CDI_DIR"
 
 # A label that only this run's objects carry: the webhook configurations select namespaces by it,
 # so a run never touches any other namespace of a shared cluster, and leftovers can be found.
@@ -90,6 +93,9 @@ ADMISSION: dict[str, Any] = {
     "scheduler_name": "",
     "inventory": {"models": {CARD_PRODUCT: CARD_MIB}, "watch_nodes": False},
 }
+# DRA mode (the DRA scenarios): the same admission with claims instead of extended resources.
+# GPU models then come from the ResourceSlices the node agent publishes, not from this inventory.
+ADMISSION_DRA: dict[str, Any] = {**ADMISSION, "allocation": "dra"}
 # One local replica: it runs the usage controller without a Lease (no fracgpu namespace exists).
 QUOTA: dict[str, Any] = {"timeout_s": 4, "leader_election": {"enabled": False}}
 
@@ -120,6 +126,10 @@ class Settings:
     kubelet_dir: Path  # that kubelet's --root-dir as this machine sees it (pod-resources/)
     device_plugin_dir: Path  # its device plugin directory as this machine sees it
     node_dir: Path  # a directory that node sees at the same path (host files, fake devices)
+    # The node on which the suite runs `fracgpu dra-plugin` (DRA scenarios); kubelet_dir is
+    # then its --root-dir (plugins_registry/, plugins/) as this machine sees it.
+    dra_node: str | None = None
+    cdi_dir: Path = Path("/var/run/cdi")  # where that node's runtime reads CDI specs, from here
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings | None:
@@ -148,6 +158,8 @@ class Settings:
                 env.get(ENV_DEVICE_PLUGIN_DIR) or kubelet_dir / "device-plugins"
             ),
             node_dir=Path(env.get(ENV_NODE_DIR) or "/var/lib/fracgpu-e2e"),
+            dra_node=env.get(ENV_DRA_NODE) or None,
+            cdi_dir=Path(env.get(ENV_CDI_DIR) or "/var/run/cdi"),
         )
 
 
@@ -301,6 +313,11 @@ def crds() -> list[Obj]:
     return [o for o in render(DEPLOY / "crds") if o["kind"] == "CustomResourceDefinition"]
 
 
+def device_classes() -> list[Obj]:
+    """The DeviceClass every fracgpu claim names, as deploy/overlays/dra renders it."""
+    return [o for o in render(DEPLOY / "overlays" / "dra") if o["kind"] == "DeviceClass"]
+
+
 def webhook_configurations() -> list[Obj]:
     """The two webhook configurations exactly as deploy/overlays/default renders them."""
     return [o for o in render(DEPLOY / "overlays" / "default") if o["kind"] in _CONFIGURATIONS]
@@ -350,6 +367,32 @@ async def remove_crds(api: Any, names: list[str]) -> None:
     for name in names:
         with contextlib.suppress(KubeNotFound):
             await call_json(api, "DELETE", CRDS.path(name=name))
+
+
+async def install_device_classes(api: Any, objs: list[Obj]) -> list[str]:
+    """Create the DeviceClasses the cluster lacks; the names of those created here (a class
+    that was there, from an installed DRA mode or another run, stays afterwards)."""
+    created: list[str] = []
+    for obj in objs:
+        name = obj["metadata"]["name"]
+        try:
+            await call_json(api, "POST", DEVICE_CLASSES.path(), body=obj)
+        except KubeConflict:
+            log.info("DeviceClass already there; using it as it is", extra={"class": name})
+            continue
+        except KubeNotFound:
+            raise HarnessError(
+                "the API server does not serve resource.k8s.io/v1 DeviceClasses: DRA mode needs "
+                "Kubernetes 1.36 or later"
+            ) from None
+        created.append(name)
+    return created
+
+
+async def remove_device_classes(api: Any, names: list[str]) -> None:
+    for name in names:
+        with contextlib.suppress(KubeNotFound):
+            await call_json(api, "DELETE", DEVICE_CLASSES.path(name=name))
 
 
 # --- the local webhook ------------------------------------------------------------------------
@@ -413,7 +456,14 @@ class LocalWebhook:
     """``fracgpu serve`` on this machine, stoppable and restartable on the same address."""
 
     def __init__(
-        self, workdir: Path, host: str, bind: str, kubeconfig: Path | str, port: int | None = None
+        self,
+        workdir: Path,
+        host: str,
+        bind: str,
+        kubeconfig: Path | str,
+        port: int | None = None,
+        *,
+        admission: Obj = ADMISSION,
     ) -> None:
         self.host, self.bind = host, bind
         self.port = port or free_port(bind)
@@ -422,7 +472,7 @@ class LocalWebhook:
         self.config_path = workdir / "config.yaml"
         self.config: Obj = {
             "server": {"host": bind, "port": self.port},
-            "admission": ADMISSION,
+            "admission": admission,
             "certs": {
                 "mode": "files",
                 "cert_file": str(cert),
@@ -602,7 +652,9 @@ async def wait_until_admission_effective(
             await call_json(api, "POST", PODS.path(namespace), body=pod, query=[("dryRun", "All")])
             last = "the dry run was admitted (the quota webhook is not in effect yet)"
         except KubeError as err:
-            if "denied the request: GPU quota exceeded" in err.message:
+            # "exceeded", or in DRA mode "cannot count" (a dry run creates no claim template
+            # for the quota to read): either way the quota webhook saw a mutated pod.
+            if "denied the request: GPU quota " in err.message:
                 return
             last = err.message
         await asyncio.sleep(0.5)
@@ -650,19 +702,38 @@ def sigterm_interrupts() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def e2e_run(settings: Settings, workdir: Path, run_id: str) -> Iterator[Run]:
+def e2e_run(
+    settings: Settings,
+    workdir: Path,
+    run_id: str,
+    *,
+    admission: Obj = ADMISSION,
+    port_offset: int = 0,
+) -> Iterator[Run]:
     """Set the run up; on the way out (also after a failure anywhere, setup included) remove
-    the webhook configurations, stop the webhook, delete the run's namespaces and the CRDs this
-    run installed, in that order: nothing is left waiting on a webhook that is gone."""
+    the webhook configurations, stop the webhook, delete the run's namespaces, the DeviceClass
+    and the CRDs this run installed, in that order: nothing is left waiting on a webhook that is
+    gone. With ``admission`` in DRA mode the webhook makes claims, which name the DeviceClass of
+    deploy/overlays/dra: it is installed too unless the cluster has it. A fixed port
+    (FRACGPU_E2E_WEBHOOK_PORT) is listened on plus ``port_offset``, so that a second run of the
+    same session (the DRA scenarios') has a port of its own."""
     crd_objs, configurations = crds(), webhook_configurations()
+    classes = device_classes() if admission.get("allocation") == "dra" else []
     with contextlib.ExitStack() as stack:
         portal = stack.enter_context(ClusterPortal(settings.kubeconfig))
         installed = portal.run(install_crds(portal.api, crd_objs))
         stack.callback(lambda: portal.run(remove_crds(portal.api, installed)))
+        made_classes = portal.run(install_device_classes(portal.api, classes))
+        stack.callback(lambda: portal.run(remove_device_classes(portal.api, made_classes)))
         stack.callback(lambda: portal.run(delete_run_namespaces(portal.api, run_id)))
         host = settings.host or portal.run(webhook_host(portal.api))
         webhook = LocalWebhook(
-            workdir, host, bind_address(host, settings.bind), settings.kubeconfig
+            workdir,
+            host,
+            bind_address(host, settings.bind),
+            settings.kubeconfig,
+            None if settings.port is None else settings.port + port_offset,
+            admission=admission,
         )
         stack.callback(webhook.stop)
         webhook.start()

@@ -1,4 +1,6 @@
-"""``fracgpu device-plugin`` for a real kubelet, run by the suite on this machine with fake cards.
+"""The node agents for a real kubelet, run by the suite on this machine with fake cards:
+``fracgpu device-plugin`` (:class:`NodeAgent`, FRACGPU_E2E_NODE) and ``fracgpu dra-plugin``
+(:class:`DraAgent`, FRACGPU_E2E_DRA_NODE), with the helpers both kinds of scenario use.
 
 The node named by FRACGPU_E2E_NODE must let this machine serve its kubelet:
 
@@ -12,6 +14,11 @@ The node named by FRACGPU_E2E_NODE must let this machine serve its kubelet:
   runtime sees at the same path: the plugin's host files (hook library, limits files) and the
   fake card devices live there, and kubelet hands those paths to the runtime in Allocate.
 
+For the DRA plugin, FRACGPU_E2E_KUBELET_DIR holds ``plugins_registry/`` (where kubelet finds
+plugins) and ``plugins/`` (the plugin's socket, dialled by kubelet at the path the plugin
+names, so kubelet must see it at the same path), and FRACGPU_E2E_CDI_DIR (default /var/run/cdi)
+is where the node's container runtime reads CDI specs.
+
 The cards come from the project's fake NVML (tests/fakes/nvml, compiled here); their device
 nodes are symbolic links to /dev/null, which the runtime resolves on the node. Containers run
 the pause image, which never loads the hook.
@@ -19,28 +26,39 @@ the pause image, which never loads the hook.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core import contract
+import pytest
+
+from core import contract, dra
 from core.kube import NODES, call_json
+from core.quantity import parse_quantity
+from deviceplugin.dra import cdi
+from deviceplugin.dra.config import DEFAULT_DRIVER
 from tests.e2e.harness import (
     CARD_MIB,
     CARD_PRODUCT,
+    ENV_CDI_DIR,
     ENV_DEVICE_PLUGIN_DIR,
     ENV_KUBELET_DIR,
     ROOT,
     HarnessError,
+    Kubectl,
     Settings,
     fracgpu_command,
     free_port,
 )
+from tests.e2e.scenarios import container, manifest
 from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
 
 CARDS = 4
@@ -56,14 +74,23 @@ def fake_cards(count: int = CARDS) -> list[FakeCard]:
     ]
 
 
+Obj = dict[str, Any]
+RUNNING_WITHIN_S = 120.0  # the first pod on a node may pull the pause image
+
+
 class NodeAgent:
     """The device plugin process, with its files under ``settings.node_dir/<run>``."""
+
+    # What the agent is called in its log's name, and where it writes a grant's limits file.
+    name = "device-plugin"
+    limits_pattern = f"containers/*/limits/{contract.LIMITS_FILE}"
 
     def __init__(
         self, settings: Settings, run_id: str, cards: list[FakeCard], log_dir: Path
     ) -> None:
-        assert settings.node is not None
-        self.node = settings.node
+        node = self.node_of(settings)
+        assert node is not None
+        self.node = node
         self.kubeconfig = settings.kubeconfig
         self.plugin_dir = settings.device_plugin_dir
         self.podresources = settings.kubelet_dir / "pod-resources" / "kubelet.sock"
@@ -72,13 +99,17 @@ class NodeAgent:
         self.dev_root = self.root / "dev"
         self.cards = cards
         # Beside the run's other logs, so it outlives the node files removed at the end.
-        self.log_path = log_dir / "device-plugin.log"
+        self.log_path = log_dir / f"{self.name}.log"
         self.process: subprocess.Popen[bytes] | None = None
         self.nvml: FakeNvml | None = None
         self.health_port = free_port("127.0.0.1")
 
-    def prepare(self) -> None:
-        """Check the node's directories are reachable and lay out the agent's files."""
+    @staticmethod
+    def node_of(settings: Settings) -> str | None:
+        return settings.node
+
+    def check_node(self) -> None:
+        """Fail with what to set when kubelet's side is not where this machine looks."""
         for socket_path, what, variable in (
             (
                 self.plugin_dir / "kubelet.sock",
@@ -96,6 +127,10 @@ class NodeAgent:
                     f"{socket_path} ({what}) is not a socket on this machine: set {variable}, "
                     f"as this machine sees it, for node {self.node}'s kubelet (docs/e2e.md)"
                 )
+
+    def prepare(self) -> None:
+        """Check the node's directories are reachable and lay out the agent's files."""
+        self.check_node()
         if not HOOK.is_file():
             raise HarnessError(f"{HOOK} is missing; build it with `make setup` (or `make native`)")
         (self.host_root / "lib").mkdir(parents=True, exist_ok=True)
@@ -160,10 +195,9 @@ class NodeAgent:
 
     def limits(self, since: float) -> list[contract.Limits]:
         """The limits files the plugin wrote (PreStartContainer) since ``since`` (time.time())."""
-        pattern = f"containers/*/limits/{contract.LIMITS_FILE}"
         return [
             contract.Limits.parse(p.read_text())
-            for p in self.host_root.glob(pattern)
+            for p in self.host_root.glob(self.limits_pattern)
             if p.stat().st_mtime >= since
         ]
 
@@ -172,6 +206,135 @@ class NodeAgent:
 
     def remove_files(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+class DraAgent(NodeAgent):
+    """``fracgpu dra-plugin`` for the kubelet of FRACGPU_E2E_DRA_NODE: registered through
+    ``plugins_registry/``, serving under ``plugins/<driver>/``, its CDI specs where the node's
+    runtime reads them, its host files (hook, limits, accounting) under the node directory."""
+
+    name = "dra-plugin"
+    limits_pattern = f"claims/*/limits/{contract.LIMITS_FILE}"
+
+    def __init__(
+        self, settings: Settings, run_id: str, cards: list[FakeCard], log_dir: Path
+    ) -> None:
+        super().__init__(settings, run_id, cards, log_dir)
+        self.kubelet_root = settings.kubelet_dir
+        self.cdi_root = settings.cdi_dir
+        self.driver = DEFAULT_DRIVER
+
+    @staticmethod
+    def node_of(settings: Settings) -> str | None:
+        return settings.dra_node
+
+    def check_node(self) -> None:
+        registry = self.kubelet_root / "plugins_registry"
+        if not registry.is_dir():
+            raise HarnessError(
+                f"{registry} (where kubelet finds plugins) is not a directory on this machine: "
+                f"set {ENV_KUBELET_DIR} to node {self.node}'s kubelet --root-dir as "
+                f"this machine sees it (docs/e2e.md)"
+            )
+        if not self.cdi_root.is_dir():
+            raise HarnessError(
+                f"{self.cdi_root} (where the container runtime reads CDI specs) is not a "
+                f"directory on this machine: set {ENV_CDI_DIR} to node {self.node}'s "
+                f"CDI directory as this machine sees it (docs/e2e.md)"
+            )
+
+    def command(self) -> list[str]:
+        return [
+            *fracgpu_command(),
+            "dra-plugin",
+            "--driver-name", self.driver,
+            "--node-name", self.node,
+            "--kubeconfig", str(self.kubeconfig),
+            "--kubelet-root", str(self.kubelet_root),
+            "--cdi-root", str(self.cdi_root),
+            "--host-root", str(self.host_root),
+            "--dev-root", str(self.dev_root),
+            "--nvml-library", str(build_cached()),
+            "--metrics-address", "127.0.0.1",
+            "--metrics-port", str(self.health_port),
+        ]  # fmt: skip
+
+    def cdi_specs(self) -> dict[str, Path]:
+        """The CDI specs the plugin wrote, by claim UID (one per prepared claim)."""
+        return dict(cdi.specs(self.cdi_root, self.driver))
+
+
+def results(claim: Obj) -> list[Obj]:
+    """The allocation results of fracgpu's driver in a claim the scheduler placed."""
+    allocation = (claim.get("status") or {}).get("allocation") or {}
+    found: list[Obj] = [
+        r for r in (allocation.get("devices") or {}).get("results") or []
+        if r.get("driver") == dra.DRIVER
+    ]  # fmt: skip
+    return found
+
+
+def consumed(claim: Obj) -> tuple[int, int]:
+    """(cores, memory bytes) the scheduler charged the claim's one share: what the limits file
+    the plugin writes for it must hold."""
+    (result,) = results(claim)
+    capacity = result["consumedCapacity"]
+    cores = int(parse_quantity(capacity[dra.CORES]).value)
+    return cores, int(parse_quantity(capacity[dra.MEMORY]).value)
+
+
+# --- what both kinds of scenario do with pods on the node ---------------------------------------
+
+
+def wait_for(check: Callable[[], bool], within_s: float, explain: Callable[[], str]) -> float:
+    """Seconds until ``check`` holds; fails with ``explain()`` when it does not in time."""
+    start = time.monotonic()
+    while not check():
+        if time.monotonic() - start > within_s:
+            pytest.fail(f"not within {within_s:g}s:\n{explain()}")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def node_pod(name: str, node: str, limits: Obj) -> Obj:
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchFields": [
+            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name},
+        "spec": {
+            "containers": [container("main", limits)],
+            "affinity": affinity,
+            "tolerations": [{"operator": "Exists"}],  # a one-node cluster's control plane
+            "terminationGracePeriodSeconds": 0,
+        },
+    }
+
+
+def pods(kubectl: Kubectl, namespace: str) -> list[Obj]:
+    items: list[Obj] = json.loads(kubectl.ok("get", "pods", "-n", namespace, "-o", "json"))["items"]
+    return items
+
+
+def describe(kubectl: Kubectl, namespace: str, agent: NodeAgent) -> str:
+    events = kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp").stdout
+    return f"events:\n{events[-3000:]}\n{agent.name} log:\n{agent.log()}"
+
+
+def create(kubectl: Kubectl, namespace: str, obj: Obj) -> Obj:
+    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(obj))
+    return kubectl.get("pod", obj["metadata"]["name"], namespace)
+
+
+def wait_running(kubectl: Kubectl, namespace: str, name: str, agent: NodeAgent) -> float:
+    def running() -> bool:
+        phase = kubectl.get("pod", name, namespace)["status"].get("phase")
+        assert phase != "Failed", describe(kubectl, namespace, agent)
+        return bool(phase == "Running")
+
+    return wait_for(running, RUNNING_WITHIN_S, lambda: describe(kubectl, namespace, agent))
 
 
 async def node_metadata(api: Any, node: str) -> dict[str, Any]:

@@ -11,15 +11,25 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from core.units import BLOCK_MIB, CORE, MEMORY
 from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
-from tests.e2e.nodeagent import NodeAgent, fake_cards, node_metadata, unpublish
-from tests.e2e.scenarios import container, manifest
+from tests.e2e.nodeagent import (
+    NodeAgent,
+    create,
+    describe,
+    fake_cards,
+    node_metadata,
+    node_pod,
+    pods,
+    unpublish,
+    wait_for,
+    wait_running,
+)
 
 Obj = dict[str, Any]
 MIB = 1024 * 1024
@@ -29,7 +39,6 @@ FULL = {CORE: str(100 * len(CARDS)), MEMORY: str(len(CARDS) * CARDS[0].memory_mi
 # publishes a Node's allocatable with its status, every 10 s by default; then the scheduler
 # retries the waiting pod on that Node update (its backoff is still short): 2 + 10 + 5 s.
 FREED_WITHIN_S = 17.0
-RUNNING_WITHIN_S = 120.0  # the first pod on a node may pull the pause image
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +70,6 @@ def allocatable(kubectl: Kubectl, node: str) -> dict[str, str]:
     return {k: v for k, v in (status.get("allocatable") or {}).items() if k in (CORE, MEMORY)}
 
 
-def wait_for(check: Callable[[], bool], within_s: float, explain: Callable[[], str]) -> float:
-    """Seconds until ``check`` holds; fails with ``explain()`` when it does not in time."""
-    start = time.monotonic()
-    while not check():
-        if time.monotonic() - start > within_s:
-            pytest.fail(f"not within {within_s:g}s:\n{explain()}")
-        time.sleep(0.2)
-    return time.monotonic() - start
-
-
 @pytest.fixture
 def node_namespace(e2e: Run, kubectl: Kubectl) -> Iterator[str]:
     """A namespace whose pods are all gone (not just deleted) after the test, so the next test
@@ -84,50 +83,9 @@ def node_namespace(e2e: Run, kubectl: Kubectl) -> Iterator[str]:
         e2e.portal.run(delete_namespace(e2e.api, name))
 
 
-def node_pod(name: str, node: str, limits: Obj) -> Obj:
-    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-        "nodeSelectorTerms": [{"matchFields": [
-            {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}  # fmt: skip
-    return {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {"name": name},
-        "spec": {
-            "containers": [container("main", limits)],
-            "affinity": affinity,
-            "tolerations": [{"operator": "Exists"}],  # a one-node cluster's control plane
-            "terminationGracePeriodSeconds": 0,
-        },
-    }
-
-
-def pods(kubectl: Kubectl, namespace: str) -> list[Obj]:
-    items: list[Obj] = json.loads(kubectl.ok("get", "pods", "-n", namespace, "-o", "json"))["items"]
-    return items
-
-
 def _condition(pod: Obj, kind: str) -> bool:
     conditions = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == kind and c.get("status") == "True" for c in conditions)
-
-
-def describe(kubectl: Kubectl, namespace: str, agent: NodeAgent) -> str:
-    events = kubectl("get", "events", "-n", namespace, "--sort-by=.lastTimestamp").stdout
-    return f"events:\n{events[-3000:]}\ndevice plugin log:\n{agent.log()}"
-
-
-def create(kubectl: Kubectl, namespace: str, obj: Obj) -> Obj:
-    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(obj))
-    return kubectl.get("pod", obj["metadata"]["name"], namespace)
-
-
-def wait_running(kubectl: Kubectl, namespace: str, name: str, agent: NodeAgent) -> float:
-    def running() -> bool:
-        phase = kubectl.get("pod", name, namespace)["status"].get("phase")
-        assert phase != "Failed", describe(kubectl, namespace, agent)
-        return bool(phase == "Running")
-
-    return wait_for(running, RUNNING_WITHIN_S, lambda: describe(kubectl, namespace, agent))
 
 
 def granted(pod: Obj) -> tuple[int, int]:

@@ -1,0 +1,327 @@
+"""DRA mode on a real Kubernetes 1.36 cluster: shares placed exactly by the stock scheduler.
+
+Runs only when FRACGPU_E2E_DRA_NODE names a node whose kubelet this machine may serve
+(docs/e2e.md); otherwise every test here is skipped with that reason. The suite starts a second
+local webhook in DRA mode (``allocation: dra``, its own webhook configurations and namespaces,
+the DeviceClass of deploy/overlays/dra if the cluster lacks it) and ``fracgpu dra-plugin`` with
+four fake 24 GiB cards for that kubelet (tests/e2e/nodeagent.py), creates pods through the DRA
+webhooks pinned to the node, and removes all of it at the end.
+
+What a scenario expects of a placement is read from what the scheduler stored (each pod's
+ResourceClaim and its allocation), and what a waiting pod is told is computed by the webhook's
+own code from the cluster's slices and claims, never written into the test.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from core import dra
+from tests.e2e.harness import (
+    ADMISSION_DRA,
+    ENV_DRA_NODE,
+    HarnessError,
+    Kubectl,
+    Run,
+    Settings,
+    delete_namespace,
+    e2e_run,
+    sigterm_interrupts,
+    wait_until_admission_effective,
+)
+from tests.e2e.nodeagent import (
+    DraAgent,
+    consumed,
+    create,
+    describe,
+    fake_cards,
+    node_pod,
+    pods,
+    results,
+    wait_for,
+    wait_running,
+)
+from tests.e2e.scenarios import gpu_pod, gpu_quota, manifest
+from webhook.waiting import REASON, asks_of, explain, free_cards
+
+Obj = dict[str, Any]
+MIB = 1024 * 1024
+CARDS = fake_cards()
+# The scheduler's reason for a pod whose claim fits no device (the same words for fragmentation,
+# a request over a card's size and a node without a slice).
+UNSCHEDULABLE = "cannot allocate all claims"
+# The waiting-pod explainer runs every 10 s; an Event within two passes and a margin.
+EXPLAINED_WITHIN_S = 30.0
+# kubelet wipes a node's slices when it restarts; the plugin puts its own back (target 2 s).
+REPUBLISHED_WITHIN_S = 5.0
+# A claim is deallocated when its pod is gone, and the scheduler retries a waiting pod on that
+# claim update (its backoff is still short): no node status period is involved, unlike the
+# device-plugin mode's 17 s.
+FREED_WITHIN_S = 20.0
+PENDING_FOR_S = 10.0  # how long a waiting pod is watched for a phase other than Pending
+
+
+@pytest.fixture(scope="module")
+def dra_run(settings: Settings, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    if settings.dra_node is None:
+        pytest.skip(
+            f"DRA scenarios: set {ENV_DRA_NODE} to a node of a Kubernetes >= 1.36 cluster whose "
+            f"kubelet the suite may serve (docs/e2e.md)"
+        )
+    run_id = f"{secrets.token_hex(3)}d"
+    workdir = tmp_path_factory.mktemp(f"e2e-{run_id}")
+    try:
+        with (
+            sigterm_interrupts(),
+            e2e_run(settings, workdir, run_id, admission=ADMISSION_DRA, port_offset=1) as run,
+        ):
+            probe = run.namespace("probe")
+            # A whole card: in DRA mode it needs no GPU model, and no slice exists yet.
+            run.portal.run(wait_until_admission_effective(run.api, probe, gpu_pod("probe", "1")))
+            yield run
+    except HarnessError as err:
+        pytest.fail(str(err))
+
+
+def slices(kubectl: Kubectl, node: str) -> list[Obj]:
+    selector = f"spec.nodeName={node},spec.driver={dra.DRIVER}"
+    out = kubectl.ok("get", "resourceslices", "--field-selector", selector, "-o", "json")
+    items: list[Obj] = json.loads(out)["items"]
+    return items
+
+
+def device_names(kubectl: Kubectl, node: str) -> list[str]:
+    return sorted(d["name"] for s in slices(kubectl, node) for d in s["spec"].get("devices") or [])
+
+
+@pytest.fixture(scope="module")
+def agent(dra_run: Run, settings: Settings, kubectl: Kubectl) -> Iterator[DraAgent]:
+    node_agent = DraAgent(settings, dra_run.run_id, CARDS, dra_run.webhook.log_path.parent)
+    try:
+        node_agent.prepare()
+        node_agent.start()
+        wait_for(node_agent.registered, 60, node_agent.log)
+        wait_for(lambda: len(device_names(kubectl, node_agent.node)) == len(CARDS), 60,
+                 node_agent.log)  # fmt: skip
+        yield node_agent
+    except HarnessError as err:
+        pytest.fail(str(err))
+    finally:
+        node_agent.stop()
+        # kubelet wipes a gone plugin's slices itself, after a delay: do not leave them to it.
+        kubectl("delete", "resourceslices", "--field-selector",
+                f"spec.nodeName={node_agent.node},spec.driver={dra.DRIVER}")  # fmt: skip
+        node_agent.remove_files()
+
+
+@pytest.fixture
+def dra_namespace(dra_run: Run, kubectl: Kubectl) -> Iterator[str]:
+    """A namespace of the DRA webhooks whose pods are all gone (their claims deallocated) after
+    the test, so the next test starts on empty cards."""
+    name = dra_run.namespace(f"dra-{secrets.token_hex(2)}")
+    try:
+        yield name
+    finally:
+        kubectl("delete", "pods", "--all", "-n", name, "--grace-period=0", "--force")
+        wait_for(lambda: not pods(kubectl, name), 60, lambda: f"pods of {name} remain")
+        # The pods' claims are deleted after them (kube-controller-manager): only then are their
+        # cards free for the next test's first-fit expectations.
+        wait_for(lambda: not claims(kubectl, name), 60, lambda: f"claims of {name} remain")
+        dra_run.portal.run(delete_namespace(dra_run.api, name))
+
+
+def claims(kubectl: Kubectl, namespace: str) -> list[Obj]:
+    out = kubectl.ok("get", "resourceclaims", "-n", namespace, "-o", "json")
+    items: list[Obj] = json.loads(out)["items"]
+    return items
+
+
+def share(gpu: str, gpumem: str | None = None) -> Obj:
+    limits = {"fracgpu.io/gpu": gpu}
+    if gpumem is not None:
+        limits["fracgpu.io/gpumem"] = gpumem
+    return limits
+
+
+def claim_of(kubectl: Kubectl, namespace: str, pod: str) -> Obj:
+    """The ResourceClaim made for the pod's GPU container (the one claim a container may hold)."""
+    statuses = kubectl.get("pod", pod, namespace)["status"].get("resourceClaimStatuses") or []
+    (entry,) = statuses
+    return kubectl.get("resourceclaim", entry["resourceClaimName"], namespace)
+
+
+def cards_of(kubectl: Kubectl, namespace: str, pod: str) -> list[str]:
+    return sorted(r["device"] for r in results(claim_of(kubectl, namespace, pod)))
+
+
+def _condition(pod: Obj, kind: str) -> Obj | None:
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind:
+            found: Obj = condition
+            return found
+    return None
+
+
+def wait_unschedulable(kubectl: Kubectl, namespace: str, name: str, agent: DraAgent) -> Obj:
+    """Until the scheduler says the pod's claim fits no card; the pod as it then is."""
+
+    def unschedulable() -> bool:
+        condition = _condition(kubectl.get("pod", name, namespace), "PodScheduled") or {}
+        return condition.get("status") == "False" and UNSCHEDULABLE in condition.get("message", "")
+
+    wait_for(unschedulable, 60, lambda: describe(kubectl, namespace, agent))
+    return kubectl.get("pod", name, namespace)
+
+
+def events_of(kubectl: Kubectl, namespace: str, pod: str, reason: str) -> list[Obj]:
+    selector = f"involvedObject.name={pod},reason={reason}"
+    out = kubectl.ok("get", "events", "-n", namespace, "--field-selector", selector, "-o", "json")
+    items: list[Obj] = json.loads(out)["items"]
+    return items
+
+
+def test_shares_pack_onto_one_card_with_the_limits_they_consumed(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    since = time.time() - 1
+    for name, limits in (("a", share("0.3", "4Gi")), ("b", share("0.5", "8Gi"))):
+        create(kubectl, dra_namespace, node_pod(name, agent.node, limits))
+    for name in ("a", "b"):
+        wait_running(kubectl, dra_namespace, name, agent)
+    placed = [cards_of(kubectl, dra_namespace, name) for name in ("a", "b")]
+    assert placed[0] == placed[1]
+    assert len(placed[0]) == 1
+    charged = sorted(consumed(claim_of(kubectl, dra_namespace, name)) for name in ("a", "b"))
+    written = sorted((w.compute_percent, w.memory_bytes) for w in agent.limits(since))
+    assert written == charged
+
+
+def test_a_share_that_fits_no_single_card_waits_pending_and_is_told_why(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    # 0.6 card on each card leaves 0.4 on every one: the node's sum (1.6 cards) would hold 0.5,
+    # no single card does.
+    fillers = [f"filler-{i}" for i in range(len(CARDS))]
+    for name in fillers:
+        create(kubectl, dra_namespace, node_pod(name, agent.node, share("0.6", "4Gi")))
+    for name in fillers:
+        wait_running(kubectl, dra_namespace, name, agent)
+    assert len({card for n in fillers for card in cards_of(kubectl, dra_namespace, n)}) == len(
+        CARDS
+    )
+    create(kubectl, dra_namespace, node_pod("wide", agent.node, share("0.5", "4Gi")))
+    wait_unschedulable(kubectl, dra_namespace, "wide", agent)
+    wait_for(
+        lambda: bool(events_of(kubectl, dra_namespace, "wide", REASON)),
+        EXPLAINED_WITHIN_S,
+        lambda: describe(kubectl, dra_namespace, agent),
+    )
+    every_claim = json.loads(kubectl.ok("get", "resourceclaims", "-A", "-o", "json"))["items"]
+    wide = claim_of(kubectl, dra_namespace, "wide")
+    free = free_cards(slices(kubectl, agent.node), every_claim)
+    expected = explain(asks_of(wide["spec"]), free)
+    messages = [e["message"] for e in events_of(kubectl, dra_namespace, "wide", REASON)]
+    assert messages[-1] == expected
+    deadline = time.monotonic() + PENDING_FOR_S
+    while time.monotonic() < deadline:
+        assert kubectl.get("pod", "wide", dra_namespace)["status"]["phase"] == "Pending"
+        time.sleep(1)
+
+
+def test_whole_cards_are_exclusive(agent: DraAgent, kubectl: Kubectl, dra_namespace: str) -> None:
+    whole = [f"whole-{i}" for i in range(len(CARDS) - 1)]
+    for name in whole:
+        create(kubectl, dra_namespace, node_pod(name, agent.node, share("1")))
+    create(kubectl, dra_namespace, node_pod("small", agent.node, share("0.2")))
+    for name in [*whole, "small"]:
+        wait_running(kubectl, dra_namespace, name, agent)
+    held = [card for name in whole for card in cards_of(kubectl, dra_namespace, name)]
+    assert len(set(held)) == len(whole)
+    assert not set(cards_of(kubectl, dra_namespace, "small")) & set(held)
+    create(kubectl, dra_namespace, node_pod("one-more", agent.node, share("1")))
+    pod = wait_unschedulable(kubectl, dra_namespace, "one-more", agent)
+    assert pod["status"]["phase"] == "Pending"
+
+
+def test_deleting_pods_frees_their_cards(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    whole = [f"whole-{i}" for i in range(len(CARDS))]
+    for name in whole:
+        create(kubectl, dra_namespace, node_pod(name, agent.node, share("1")))
+    for name in whole:
+        wait_running(kubectl, dra_namespace, name, agent)
+    create(kubectl, dra_namespace, node_pod("after", agent.node, share("0.5")))
+    wait_unschedulable(kubectl, dra_namespace, "after", agent)
+    kubectl.ok("delete", "pod", whole[0], "-n", dra_namespace, "--grace-period=0", "--force")
+    elapsed = wait_for(
+        lambda: (
+            (_condition(kubectl.get("pod", "after", dra_namespace), "PodScheduled") or {}).get(
+                "status"
+            )
+            == "True"
+        ),
+        FREED_WITHIN_S,
+        lambda: describe(kubectl, dra_namespace, agent),
+    )
+    print(f"a 0.5 pod was scheduled {elapsed:.1f}s after a whole-card pod was deleted")
+    wait_running(kubectl, dra_namespace, "after", agent)
+
+
+def test_a_wiped_slice_is_republished(agent: DraAgent, kubectl: Kubectl) -> None:
+    """kubelet deletes its node's ResourceSlices when it restarts; the suite cannot restart a
+    node's kubelet, so it deletes the slice as kubelet would, and the plugin must put it back."""
+    before = device_names(kubectl, agent.node)
+    (old,) = slices(kubectl, agent.node)
+    kubectl.ok("delete", "resourceslice", old["metadata"]["name"])
+
+    def republished() -> bool:
+        uids = [s["metadata"]["uid"] for s in slices(kubectl, agent.node)]
+        return bool(uids) and old["metadata"]["uid"] not in uids
+
+    elapsed = wait_for(republished, REPUBLISHED_WITHIN_S, agent.log)
+    print(f"the slice was republished {elapsed:.1f}s after it was deleted")
+    assert device_names(kubectl, agent.node) == before
+
+
+def test_plugin_restart_keeps_prepared_claims(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    create(kubectl, dra_namespace, node_pod("before", agent.node, share("0.5")))
+    wait_running(kubectl, dra_namespace, "before", agent)
+    uid = claim_of(kubectl, dra_namespace, "before")["metadata"]["uid"]
+    agent.stop()
+    agent.start()
+    wait_for(agent.registered, 60, agent.log)
+    create(kubectl, dra_namespace, node_pod("after", agent.node, share("0.5")))
+    wait_running(kubectl, dra_namespace, "after", agent)
+    status = kubectl.get("pod", "before", dra_namespace)["status"]
+    assert status["phase"] == "Running"
+    assert [c["restartCount"] for c in status["containerStatuses"]] == [0]
+    assert uid in agent.cdi_specs()
+    assert agent.exited() is None, agent.log()
+    kubectl.ok("delete", "pod", "before", "-n", dra_namespace, "--grace-period=0", "--force")
+    wait_for(lambda: uid not in agent.cdi_specs(), 60, agent.log)  # unprepared after the restart
+
+
+def test_a_gpu_quota_counts_claims(agent: DraAgent, kubectl: Kubectl, dra_namespace: str) -> None:
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-",
+               stdin=manifest(gpu_quota("team", gpu="1")))  # fmt: skip
+    create(kubectl, dra_namespace, node_pod("held", agent.node, share("0.5")))
+    wait_running(kubectl, dra_namespace, "held", agent)
+    assert claim_of(kubectl, dra_namespace, "held")["spec"]["devices"]["requests"]
+    refused = kubectl(
+        "create", "-n", dra_namespace, "-f", "-",
+        stdin=manifest(node_pod("over", agent.node, share("0.6"))),
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert (
+        f'denied the request: GPU quota exceeded in namespace "{dra_namespace}"' in refused.stderr
+    )
+    assert kubectl("get", "pod", "over", "-n", dra_namespace).returncode != 0
