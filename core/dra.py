@@ -22,6 +22,8 @@ MEMORY_STEP = f"{BLOCK_MIB}Mi"
 PRODUCT_ATTRIBUTE = "productName"
 UUID_ATTRIBUTE = "uuid"
 INDEX_ATTRIBUTE = "index"
+TEMPLATE_PREFIX = "fracgpu-"
+"""ResourceClaimTemplates admission makes are named ``fracgpu-<shape>``; quota knows them by it."""
 MAX_SUBREQUESTS = 8
 """The API server's limit on ``firstAvailable`` alternatives in one device request."""
 

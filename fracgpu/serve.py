@@ -134,20 +134,29 @@ async def run_server(
         waiting["serving certificate"] = certificates.ready
         background: list[Awaitable[Any]] = [certificates.run()]
         # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
-        models = SliceModels() if admission.allocation == "dra" else None
+        dra = admission.allocation == "dra" and api is not None
+        models = SliceModels() if dra else None
+        templates = TemplateStore(api) if dra and api is not None else None
         card_memory = models.largest_card_mib if models else inventory.largest_card_mib
-        quota = await open_quota(config.quota, api, registry=registry, card_memory=card_memory)
+        quota = await open_quota(
+            config.quota,
+            api,
+            registry=registry,
+            card_memory=card_memory,
+            planned_templates=templates.planned if templates else None,
+        )
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
         # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
         # the quota service logs it once and denies GPU pods with the command that installs it.
         background.append(quota.run())
         reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
-        if api is not None and models is not None:
+        if api is not None and models is not None and templates is not None:
             reviewers[MUTATE_PATH] = await _dra_admission(
                 stack,
                 api,
                 models=models,
+                templates=templates,
                 admission=admission,
                 inventory=inventory,
                 presence=presence,
@@ -196,6 +205,7 @@ async def _dra_admission(
     api: Api,
     *,
     models: SliceModels,
+    templates: TemplateStore,
     admission: AdmissionConfig,
     inventory: Inventory,
     presence: SchedulerPresence | None,
@@ -207,7 +217,6 @@ async def _dra_admission(
     slices = slice_informer(api, models)
     await stack.enter_async_context(slices)
     waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced
-    templates = TemplateStore(api)
     background.append(templates.collect_forever())
     background.append(WaitExplainer(api).run())
     return Mutator(admission, inventory, presence, claim_models=models.models, templates=templates)

@@ -18,7 +18,7 @@ immutable, so they are read once and remembered (bounded).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from core.units import BLOCK_MIB, CORE_PER_CARD, MIB, card_blocks, ceil_div
 _CACHE_SIZE = 4096
 TEMPLATE, CLAIM = "template", "claim"
 Ref = tuple[str, str, str]  # (namespace, TEMPLATE or CLAIM, name)
+Planned = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, template) -> claim spec
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,9 +126,17 @@ def charge_of(specs: Iterable[Mapping[str, Any]], card_mib: int | None) -> Claim
 class ClaimSpecs:
     """Claim and template specs by reference, read from the API server and remembered."""
 
-    def __init__(self, api: Api | None, *, request_timeout_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        api: Api | None,
+        *,
+        request_timeout_s: float = 2.0,
+        planned: Planned | None = None,
+    ) -> None:
         self.api = api
         self.request_timeout_s = request_timeout_s
+        # Templates admission planned in this process but did not make (a dry run makes none).
+        self.planned = planned
         self._specs: dict[Ref, Mapping[str, Any] | None] = {}
 
     def get(self, ref: Ref) -> Mapping[str, Any] | None:
@@ -152,7 +161,8 @@ class ClaimSpecs:
                     timeout_s=self.request_timeout_s,
                 )
             except KubeNotFound:
-                self._specs[ref] = None
+                known = self.planned(namespace, name) if kind == TEMPLATE and self.planned else None
+                self._specs[ref] = None if known is None else known
                 continue
             spec = obj.get("spec") or {}
             if kind == TEMPLATE:

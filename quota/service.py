@@ -17,7 +17,7 @@ import logging
 from prometheus_client import CollectorRegistry
 
 from core.kube import Api
-from quota.claims import ClaimSpecs
+from quota.claims import ClaimSpecs, Planned
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.demand import CardMemory
@@ -39,7 +39,9 @@ class QuotaService:
         store: QuotaStore,
         metrics: QuotaMetrics,
         api: Api | None = None,
+        *,
         card_memory: CardMemory | None = None,
+        planned_templates: Planned | None = None,
     ) -> None:
         self.config = config
         self.card_memory = card_memory
@@ -59,7 +61,9 @@ class QuotaService:
             count_wait_s=config.count_wait_s,
         )
         # DRA mode: what pods' claims of the fracgpu class request (read, then remembered).
-        self.claims = ClaimSpecs(api, request_timeout_s=config.request_timeout_s)
+        self.claims = ClaimSpecs(
+            api, request_timeout_s=config.request_timeout_s, planned=planned_templates
+        )
         self.reviewer = QuotaReviewer(self.reserver, metrics, card_memory, self.claims)
         self._problem: str | None = None
         self.probe_interval_s = 5.0
@@ -138,6 +142,7 @@ async def open_quota(
     *,
     registry: CollectorRegistry | None = None,
     card_memory: CardMemory | None = None,
+    planned_templates: Planned | None = None,
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
     required) or None (embedded mode). ``registry``: where metrics go (the server's own).
@@ -145,14 +150,22 @@ async def open_quota(
     metrics = QuotaMetrics(registry)
     if config.mode == "embedded":
         objects = load_quota_file(config.file) if config.file is not None else []
-        return QuotaService(config, MemoryStore(objects), metrics, card_memory=card_memory)
+        return QuotaService(
+            config,
+            MemoryStore(objects),
+            metrics,
+            card_memory=card_memory,
+            planned_templates=planned_templates,
+        )
     if api is None:
         raise ValueError(
             "quota.mode is kubernetes but no Kubernetes client was given; configure cluster "
             "access, or set quota.mode: embedded with quota.file"
         )
     store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
-    service = QuotaService(config, store, metrics, api, card_memory=card_memory)
+    service = QuotaService(
+        config, store, metrics, api, card_memory=card_memory, planned_templates=planned_templates
+    )
     await service.probe()
     if service.problem() is None:
         store.start()  # else in run(), once the CRD is there: no watch retrying a 404

@@ -263,6 +263,21 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
             validate["request"]["object"] = pod
             async with http.post(url + "/validate", json=validate) as resp:
                 verdict = (await resp.json())["response"]
+            # A dry run makes no template; quota counts it from what this replica planned.
+            dry = copy.deepcopy(review)
+            dry["request"]["dryRun"] = True
+            dry["request"]["object"]["spec"]["containers"][0]["resources"] = {
+                "limits": {"fracgpu.io/gpu": "2"}
+            }
+            async with http.post(url + "/mutate", json=dry) as resp:
+                dry_reply = (await resp.json())["response"]
+            dry_pod = jsonpatch.apply_patch(
+                dry["request"]["object"], json.loads(base64.b64decode(dry_reply["patch"]))
+            )
+            dry_pod["metadata"].update(uid="pod-uid-dry", namespace="team-a")
+            dry["request"]["object"] = dry_pod
+            async with http.post(url + "/validate", json=dry) as resp:
+                dry_verdict = (await resp.json())["response"]
         stop.set()
         assert await server == 0
     assert reply["allowed"] is True
@@ -278,4 +293,9 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
     assert verdict["allowed"] is False
     assert verdict["status"]["message"].startswith(
         'GPU quota exceeded in namespace "team-a": this pod asks 0.50 card and 11264 MiB'
+    )
+    assert fake.get("resourceclaimtemplates", "fracgpu-cards-2", "team-a") is None
+    assert dry_verdict["allowed"] is False
+    assert dry_verdict["status"]["message"].startswith(
+        'GPU quota exceeded in namespace "team-a": this pod asks 2.00 cards'
     )

@@ -46,7 +46,7 @@ from webhook.resources import Ask, Card, CardChoice, RequestError, container_ref
 
 log = logging.getLogger(__name__)
 
-TEMPLATE_PREFIX = "fracgpu-"
+TEMPLATE_PREFIX = dra.TEMPLATE_PREFIX
 TEMPLATE_LABELS = {"app.kubernetes.io/managed-by": "fracgpu"}
 REQUEST_NAME = "gpu"
 

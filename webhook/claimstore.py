@@ -58,8 +58,10 @@ class TemplateStore:
     touch_interval_s: float = 60.0
     clock: Callable[[], float] = time.time
     _known: dict[tuple[str, str], float] = field(default_factory=dict)
+    _planned: dict[tuple[str, str], Mapping[str, Any]] = field(default_factory=dict)
 
     async def ensure(self, namespace: str, plan: ClaimPlan, *, dry_run: bool) -> None:
+        self._remember(namespace, plan)
         if dry_run:
             return  # sideEffects: NoneOnDryRun
         key = (namespace, plan.name)
@@ -86,6 +88,16 @@ class TemplateStore:
         if len(self._known) >= 4096:
             self._known.clear()
         self._known[key] = now
+
+    def _remember(self, namespace: str, plan: ClaimPlan) -> None:
+        if len(self._planned) >= 4096:
+            self._planned.clear()
+        self._planned[namespace, plan.name] = plan.template["spec"]["spec"]
+
+    def planned(self, namespace: str, name: str) -> Mapping[str, Any] | None:
+        """The claim spec of a template this replica planned, made or not (a dry run makes
+        none): quota, in the same process, counts a dry-run pod's claims from it."""
+        return self._planned.get((namespace, name))
 
     async def _touch(self, namespace: str, name: str, now: float) -> None:
         patch = {"metadata": {"annotations": {LAST_USED_ANNOTATION: str(int(now))}}}
