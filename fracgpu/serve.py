@@ -250,7 +250,7 @@ async def _until_stopped(background: list[Awaitable[Any]], stop: asyncio.Event |
                 group.create_task(_as_coroutine(job))
             group.create_task(_raise_when(stop))
     except* _Stopped:
-        pass
+        pass  # a clean stop: status 0
     except* Exception as failed:
         log.error("a background task failed; stopping", exc_info=failed.exceptions[0])
         status = 1

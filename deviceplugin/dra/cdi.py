@@ -146,7 +146,7 @@ def write(path: Path, document: dict[str, Any], *, fresh: bool = False) -> bool:
             if path.read_text(encoding="utf-8") == text:
                 return False
         except (OSError, UnicodeDecodeError):
-            pass
+            pass  # unreadable or torn: written again below
     try:
         fd, tmp = tempfile.mkstemp(prefix=".fracgpu-", suffix=".tmp", dir=path.parent)
     except FileNotFoundError:
