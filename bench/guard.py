@@ -103,8 +103,9 @@ def floor(node: GpuNode, procs: NodeProc, samples: int) -> list[float]:
         assert start is not None
         started = time.perf_counter()
         node.nvml.process(0, child.pid, OVER_MIB)
+        # Spin, not sleep: this floor is the time until NVML shows the figure, to the microsecond.
         while nodeguard.card_processes(card).get(child.pid) != OVER_MIB * 2**20:
-            pass
+            continue
         ref = nodeguard.ContainerRef(STRANGER.pod_uid, STRANGER.container_id)
         outcome = nodeguard.kill_verified(proc, child.pid, start, ref)
         child.wait()

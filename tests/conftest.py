@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from kubernetes_asyncio import config as kube_config
 
-from tests.fakes.apiserver import FakeApiServer
+from core.kube import kube_client
+from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.fakes.native_kit import Kit, sanitized_kit
 
 # Suites whose tests sample real time (throttling), validate manifests against every Kubernetes
@@ -60,6 +61,17 @@ async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[Any]:
     path = fake.kubeconfig(tmp_path / "kubeconfig")
     client = await kube_config.new_client_from_config(config_file=str(path), persist_config=False)
     async with client:
+        yield client
+
+
+@pytest.fixture
+async def team_api(tmp_path: Path) -> AsyncIterator[Any]:
+    """A client on a fresh fake cluster that has the namespace ``team-a`` (where the GPU pods,
+    claims and templates of the DRA and quota tests live)."""
+    async with (
+        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
+        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as client,
+    ):
         yield client
 
 

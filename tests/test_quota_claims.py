@@ -3,17 +3,14 @@ resources, whoever wrote them; and a GPUQuota applied to pods that hold claims."
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from core import dra
-from core.kube import RESOURCE_CLAIM_TEMPLATES, RESOURCE_CLAIMS, Api, call_json, kube_client
+from core.kube import RESOURCE_CLAIM_TEMPLATES, RESOURCE_CLAIMS, Api, call_json
 from quota.claims import CLAIM, TEMPLATE, ClaimCharge, ClaimSpecs, charge_of, claim_refs
 from quota.demand import Demand, pod_demand
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 
 L4_MIB = 23034  # 89 blocks
 
@@ -106,18 +103,9 @@ def test_a_claim_shared_by_containers_counts_once_and_unused_ones_not_at_all() -
     ]
 
 
-@pytest.fixture
-async def client(tmp_path: Path) -> AsyncIterator[Api]:
-    async with (
-        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
-        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as api,
-    ):
-        yield api
-
-
-async def test_pods_holding_claims_are_charged_what_the_claims_request(client: Api) -> None:
+async def test_pods_holding_claims_are_charged_what_the_claims_request(team_api: Api) -> None:
     await call_json(
-        client,
+        team_api,
         "POST",
         RESOURCE_CLAIM_TEMPLATES.path("team-a"),
         body={
@@ -128,7 +116,7 @@ async def test_pods_holding_claims_are_charged_what_the_claims_request(client: A
         },
     )
     await call_json(
-        client,
+        team_api,
         "POST",
         RESOURCE_CLAIMS.path("team-a"),
         body={
@@ -145,14 +133,14 @@ async def test_pods_holding_claims_are_charged_what_the_claims_request(client: A
         ],
         ["gpu", "mine"],
     )
-    specs = ClaimSpecs(client)
+    specs = ClaimSpecs(team_api)
     await specs.load(claim_refs(pod))
     assert pod_demand(pod, lambda _: L4_MIB, specs) == Demand(130, (32 + 89) * 256)
 
 
-async def test_a_claim_that_does_not_exist_is_reported_missing(client: Api) -> None:
+async def test_a_claim_that_does_not_exist_is_reported_missing(team_api: Api) -> None:
     pod = _pod([{"name": "mine", "resourceClaimName": "not-yet"}], ["mine"])
-    specs = ClaimSpecs(client)
+    specs = ClaimSpecs(team_api)
     await specs.load(claim_refs(pod))
     demand = pod_demand(pod, None, specs)
     assert demand is not None

@@ -7,16 +7,13 @@ the API server would refuse fails here, not on a cluster.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import kubernetes_validate
 import pytest
 
 from core import dra
-from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json, kube_client
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json
 from webhook.claims import ClaimPlan, SliceModels, TemplateError, plan_claim
 from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore, referenced_templates
 from webhook.resources import Ask, Card, RequestError
@@ -171,44 +168,35 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-async def client(tmp_path: Path) -> AsyncIterator[Api]:
-    async with (
-        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
-        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as api,
-    ):
-        yield api
-
-
 async def _templates(api: Api, namespace: str) -> list[dict[str, Any]]:
     listing = await call_json(api, "GET", RESOURCE_CLAIM_TEMPLATES.path(namespace))
     items: list[dict[str, Any]] = listing["items"]
     return items
 
 
-async def test_ensure_creates_once_and_never_on_dry_run(client: Api) -> None:
-    store = TemplateStore(client, clock=Clock())
+async def test_ensure_creates_once_and_never_on_dry_run(team_api: Api) -> None:
+    store = TemplateStore(team_api, clock=Clock())
     plan = plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16)
     await store.ensure("team-a", plan, dry_run=True)
-    assert await _templates(client, "team-a") == []
+    assert await _templates(team_api, "team-a") == []
     await store.ensure("team-a", plan, dry_run=False)
     await store.ensure("team-a", plan, dry_run=False)
-    assert [t["metadata"]["name"] for t in await _templates(client, "team-a")] == [plan.name]
+    assert [t["metadata"]["name"] for t in await _templates(team_api, "team-a")] == [plan.name]
 
 
-async def test_a_template_another_replica_made_is_touched(client: Api) -> None:
+async def test_a_template_another_replica_made_is_touched(team_api: Api) -> None:
     clock = Clock()
     plan = plan_claim("c", Ask(core=100), {}, max_cards=16)
-    await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
+    await TemplateStore(team_api, clock=clock).ensure("team-a", plan, dry_run=False)
     clock.now += 300
-    await TemplateStore(client, clock=clock).ensure("team-a", plan, dry_run=False)
-    [stored] = await _templates(client, "team-a")
+    await TemplateStore(team_api, clock=clock).ensure("team-a", plan, dry_run=False)
+    [stored] = await _templates(team_api, "team-a")
     assert stored["metadata"]["annotations"][LAST_USED_ANNOTATION] == str(int(clock.now))
 
 
-async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> None:
+async def test_collect_deletes_only_idle_templates_no_pod_uses(team_api: Api) -> None:
     clock = Clock()
-    store = TemplateStore(client, grace_s=600, clock=clock)
+    store = TemplateStore(team_api, grace_s=600, clock=clock)
     used = plan_claim("c", Ask(core=100), {}, max_cards=16)
     idle = plan_claim("c", Ask(core=200), {}, max_cards=16)
     fresh = plan_claim("c", Ask(core=300), {}, max_cards=16)
@@ -218,7 +206,7 @@ async def test_collect_deletes_only_idle_templates_no_pod_uses(client: Api) -> N
     await store.ensure("team-a", fresh, dry_run=False)
     deleted = await store.collect({"team-a": {used.name}})
     assert deleted == [f"team-a/{idle.name}"]
-    names = sorted(t["metadata"]["name"] for t in await _templates(client, "team-a"))
+    names = sorted(t["metadata"]["name"] for t in await _templates(team_api, "team-a"))
     assert names == sorted([used.name, fresh.name])
 
 
@@ -272,11 +260,11 @@ def test_a_deleted_slice_takes_its_models_along() -> None:
     assert known.models() == {}
 
 
-async def test_templates_named_by_pods_and_workloads_are_referenced(client: Api) -> None:
+async def test_templates_named_by_pods_and_workloads_are_referenced(team_api: Api) -> None:
     claims = [{"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-cards-1"}]
     pod_spec = {"containers": [{"name": "c", "image": "x"}], "resourceClaims": claims}
     await call_json(
-        client,
+        team_api,
         "POST",
         "/apis/apps/v1/namespaces/team-a/deployments",
         body={
@@ -286,11 +274,11 @@ async def test_templates_named_by_pods_and_workloads_are_referenced(client: Api)
             "spec": {"replicas": 0, "template": {"spec": pod_spec}},
         },
     )
-    assert await referenced_templates(client, "team-a") == {"fracgpu-cards-1"}
+    assert await referenced_templates(team_api, "team-a") == {"fracgpu-cards-1"}
 
 
-async def test_a_template_that_cannot_be_created_is_a_template_error(client: Api) -> None:
-    store = TemplateStore(client, clock=Clock())
+async def test_a_template_that_cannot_be_created_is_a_template_error(team_api: Api) -> None:
+    store = TemplateStore(team_api, clock=Clock())
     with pytest.raises(TemplateError, match="could not create the ResourceClaimTemplate"):
         await store.ensure(
             "no-such-namespace", plan_claim("c", Ask(core=100), {}, max_cards=16), dry_run=False

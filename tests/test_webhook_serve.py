@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import copy
 import json
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,52 @@ EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 def _counted(quota: dict[str, Any] | None) -> bool:
     conditions = ((quota or {}).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Counted" and c["status"] == "True" for c in conditions)
+
+
+async def _ready(http: aiohttp.ClientSession, url: str) -> bool:
+    """Whether the server answers /readyz with 200 within 4 s."""
+    for _ in range(200):
+        with contextlib.suppress(aiohttp.ClientConnectionError):  # not listening yet
+            async with http.get(url + "/readyz") as resp:
+                if resp.status == 200:
+                    return True
+        await asyncio.sleep(0.02)
+    return False
+
+
+@contextlib.asynccontextmanager
+async def _in_cluster(
+    fake: FakeApiServer, tmp_path: Path, admission: AdmissionConfig
+) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
+    """``fracgpu serve`` against the fake cluster, ready, with a client that trusts the CA it
+    issued into its Secret; stopped at the end, which must be a clean exit."""
+    port = free_port()
+    config = ServeConfig(
+        server=ServerConfig(host="127.0.0.1", port=port),
+        admission=admission,
+        certs=CertsConfig(
+            mode="secret",
+            namespace="fracgpu",
+            hosts=["127.0.0.1"],
+            ips=["127.0.0.1"],
+            inject=False,
+        ),
+        kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
+        shutdown_delay_seconds=0,
+    )
+    stop = asyncio.Event()
+    server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
+    await eventually(lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None)
+    secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
+    assert secret is not None
+    bundle = base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
+    ctx = ssl.create_default_context(cadata=bundle)
+    url = f"https://127.0.0.1:{port}"
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
+        assert await _ready(http, url)
+        yield http, url
+    stop.set()
+    assert await asyncio.wait_for(server, 10) == 0
 
 
 async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> None:
@@ -55,40 +102,7 @@ async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> N
                 },
             }
         )
-        port = free_port()
-        config = ServeConfig(
-            server=ServerConfig(host="127.0.0.1", port=port),
-            admission=AdmissionConfig(),
-            certs=CertsConfig(
-                mode="secret",
-                namespace="fracgpu",
-                hosts=["127.0.0.1"],
-                ips=["127.0.0.1"],
-                inject=False,
-            ),
-            kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
-            shutdown_delay_seconds=0,
-        )
-        stop = asyncio.Event()
-        server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
-        await eventually(lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None)
-        secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
-        assert secret is not None
-        bundle = base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
-        ctx = ssl.create_default_context(cadata=bundle)
-        url = f"https://127.0.0.1:{port}"
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
-            ready = False
-            for _ in range(200):
-                try:
-                    async with http.get(url + "/readyz") as resp:
-                        if resp.status == 200:
-                            ready = True
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.02)
-            assert ready
+        async with _in_cluster(fake, tmp_path, AdmissionConfig()) as (http, url):
             # The quota controller counts the new GPUQuota before admission uses it.
             await eventually(lambda: _counted(fake.get("gpuquotas", "team-a", "team-a")))
             review = json.loads(EXAMPLE.read_text())
@@ -117,8 +131,6 @@ async def test_serve_in_cluster_sizes_pods_from_node_labels(tmp_path: Path) -> N
         assert verdict["status"]["message"].startswith(
             'GPU quota exceeded in namespace "team-a": this pod asks 0.30 card'
         )
-        stop.set()
-        assert await asyncio.wait_for(server, 10) == 0
 
 
 async def test_standalone_serves_mutate_and_validate_until_stopped(tmp_path: Path) -> None:
@@ -137,14 +149,7 @@ async def test_standalone_serves_mutate_and_validate_until_stopped(tmp_path: Pat
     url = f"https://127.0.0.1:{port}"
     review = json.loads(EXAMPLE.read_text())
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
-        for _ in range(200):
-            try:
-                async with http.get(url + "/readyz") as resp:
-                    if resp.status == 200:
-                        break
-            except aiohttp.ClientConnectionError:
-                pass
-            await asyncio.sleep(0.02)
+        assert await _ready(http, url)
         await asyncio.sleep(0.3)  # background jobs that finish early must not stop the server
         assert not server.done()
         for path in ("/mutate", "/validate"):
@@ -215,38 +220,7 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
                 "spec": {"gpu": "0.25"},
             }
         )
-        port = free_port()
-        config = ServeConfig(
-            server=ServerConfig(host="127.0.0.1", port=port),
-            admission=AdmissionConfig(allocation="dra"),
-            certs=CertsConfig(
-                mode="secret",
-                namespace="fracgpu",
-                hosts=["127.0.0.1"],
-                ips=["127.0.0.1"],
-                inject=False,
-            ),
-            kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
-            shutdown_delay_seconds=0,
-        )
-        stop = asyncio.Event()
-        server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
-        await eventually(lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None)
-        secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
-        assert secret is not None
-        ctx = ssl.create_default_context(
-            cadata=base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
-        )
-        url = f"https://127.0.0.1:{port}"
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
-            for _ in range(200):
-                try:
-                    async with http.get(url + "/readyz") as resp:
-                        if resp.status == 200:
-                            break
-                except aiohttp.ClientConnectionError:
-                    pass
-                await asyncio.sleep(0.02)
+        async with _in_cluster(fake, tmp_path, AdmissionConfig(allocation="dra")) as (http, url):
             review = json.loads(EXAMPLE.read_text())
             container = review["request"]["object"]["spec"]["containers"][0]
             container["resources"] = {"limits": {"fracgpu.io/gpu": "0.5"}}
@@ -278,8 +252,6 @@ async def test_serve_in_dra_mode_sizes_claims_from_resource_slices(tmp_path: Pat
             dry["request"]["object"] = dry_pod
             async with http.post(url + "/validate", json=dry) as resp:
                 dry_verdict = (await resp.json())["response"]
-        stop.set()
-        assert await server == 0
     assert reply["allowed"] is True
     patch = json.loads(base64.b64decode(reply["patch"]))
     [claims] = [op["value"] for op in patch if op["path"] == "/spec/resourceClaims"]
