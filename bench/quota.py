@@ -52,12 +52,11 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.test_utils import TestServer
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from core.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, Resource, call_json, kube_client
 from quota.config import QuotaConfig
-from quota.service import QuotaService, open_quota
+from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.quota_pods import gpu_pod, gpu_quota, review
 from webhook.server import build_app
@@ -240,30 +239,61 @@ def _client(url: str, token: str) -> Any:
     return ApiClient(configuration=config)
 
 
-async def _replicas(
-    stack: AsyncExitStack, url: str, token: str, count: int
-) -> tuple[list[str], list[QuotaService]]:
-    """Webhook replicas over HTTP; the first also runs the usage controller."""
-    urls, services = [], []
-    for index in range(count):
-        api = _client(url, token)
-        stack.push_async_callback(api.close)
-        config = QuotaConfig(
-            timeout_s=30,
-            request_timeout_s=10,
-            leader_election={"enabled": False},
+async def serve_replica(url: str, token: str, controller: bool) -> None:
+    """One webhook replica in a process of its own, as a webhook pod is: print its URL, serve
+    until stdin closes. With ``controller`` it also runs the usage controller (the leader)."""
+    api = _client(url, token)
+    config = QuotaConfig(timeout_s=30, request_timeout_s=10, leader_election={"enabled": False})
+    service = await open_quota(config, api)
+    task = asyncio.create_task(service.run()) if controller else None
+    runner = web.AppRunner(build_app({"/validate": service.reviewer}), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    print(f"http://127.0.0.1:{runner.addresses[0][1]}/validate", flush=True)
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+    finally:
+        if task is not None:
+            task.cancel()
+        await runner.cleanup()
+        await service.close()
+        await api.close()
+
+
+async def _spawn(stack: AsyncExitStack, *args: str) -> str:
+    """Start ``python -m bench.quota ARGS`` and return the first line it prints; it stops when
+    the stack closes its stdin."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "bench.quota",
+        *args,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stdin is not None
+    stdin = process.stdin
+
+    async def stop() -> None:
+        stdin.close()
+        await process.wait()
+
+    stack.push_async_callback(stop)
+    return (await process.stdout.readline()).decode().strip()
+
+
+async def _replicas(stack: AsyncExitStack, url: str, token: str, count: int) -> list[str]:
+    """Webhook replicas, each in its own process over HTTP; the first also runs the usage
+    controller."""
+    return list(
+        await asyncio.gather(
+            *(
+                _spawn(stack, "--serve-replica", url, token, *(["--controller"] if i == 0 else []))
+                for i in range(count)
+            )
         )
-        service = await open_quota(config, api)
-        stack.push_async_callback(service.close)
-        if index == 0:
-            task = asyncio.create_task(service.run())
-            stack.callback(task.cancel)
-        server = TestServer(build_app({"/validate": service.reviewer}))
-        await server.start_server()
-        stack.push_async_callback(server.close)
-        urls.append(str(server.make_url("/validate")))
-        services.append(service)
-    return urls, services
+    )
 
 
 class Local:
@@ -332,29 +362,15 @@ class Local:
 
 
 async def _local(args: argparse.Namespace, run: Callable[[Local], Awaitable[int]]) -> int:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench.quota",
-        "--serve-fake",
-        "--write-ms",
-        str(args.write_ms),
-        stdin=asyncio.subprocess.PIPE,
-        stdout=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None and process.stdin is not None
-    try:
-        url, token, extra = (await process.stdout.readline()).decode().split()
-        async with AsyncExitStack() as stack:
-            api = _client(url, token)
-            stack.push_async_callback(api.close)
-            urls, _ = await _replicas(stack, url, token, args.replicas)
-            connector = aiohttp.TCPConnector(limit=max(args.concurrency, 1) * 2)
-            session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
-            return await run(Local(api, extra, session, urls))
-    finally:
-        process.stdin.close()
-        await process.wait()
+    async with AsyncExitStack() as stack:
+        line = await _spawn(stack, "--serve-fake", "--write-ms", str(args.write_ms))
+        url, token, extra = line.split()
+        api = _client(url, token)
+        stack.push_async_callback(api.close)
+        urls = await _replicas(stack, url, token, args.replicas)
+        connector = aiohttp.TCPConnector(limit=max(args.concurrency, 1) * 2)
+        session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
+        return await run(Local(api, extra, session, urls))
 
 
 async def compare(args: argparse.Namespace, cases: Any) -> int:
@@ -418,8 +434,11 @@ async def release(args: argparse.Namespace, local: Local) -> int:
             started = time.perf_counter()
             if case == "never created":  # admitted, then the create fails after admission
                 pod = gpu_pod(f"ghost{attempt}", CORE, BLOCKS, namespace=namespace)
-                body = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"}
-                body["request"] = review(pod)
+                body: dict[str, Any] = {
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "request": review(pod),
+                }
                 async with local.session.post(local.urls[0], json=body) as reply:
                     assert (await reply.json())["response"]["allowed"]
             else:
@@ -547,6 +566,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpu", default="0.1", help="cards per pod against a cluster")
     parser.add_argument("--settle-s", type=float, default=10.0, help=argparse.SUPPRESS)
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--serve-replica", nargs=2, metavar=("URL", "TOKEN"), help=argparse.SUPPRESS
+    )
+    parser.add_argument("--controller", action="store_true", help=argparse.SUPPRESS)
     return parser
 
 
@@ -554,6 +577,10 @@ def cli() -> int:
     args = parser().parse_args()
     if args.serve_fake:
         asyncio.run(serve_fake(args.write_ms / 1000))
+        return 0
+    if args.serve_replica:
+        url, token = args.serve_replica
+        asyncio.run(serve_replica(url, token, controller=args.controller))
         return 0
     if args.kubeconfig:
         return asyncio.run(cluster(args))

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -46,6 +47,10 @@ log = logging.getLogger(__name__)
 # Pod UIDs seen deleted, remembered so that an admission whose pod came and went between two
 # passes is released at once instead of after the grace. Bounded: older ones fall back to it.
 _DELETED_MEMORY = 10_000
+
+
+def _uid(pod: Mapping[str, Any]) -> str:
+    return str((pod.get("metadata") or {}).get("uid") or "")
 
 
 class UsageController:
@@ -229,6 +234,7 @@ class UsageController:
         obj = dict(raw)
         # The controller is off the pod-create path: it may try harder than admission to win
         # its write against a burst of admissions.
+        attempt = 0
         for _ in range(self.max_attempts * 4):
             quota = self._readable(obj)
             if quota is None:
@@ -243,6 +249,10 @@ class UsageController:
                 stored = await self.store.write_status(candidate.raw)
             except Conflict:
                 self.metrics.conflicts.labels("controller").inc()
+                # Admissions won: step aside a little, at random, rather than recount and lose
+                # again at their pace (each try costs the API server a read and a write).
+                attempt += 1
+                await asyncio.sleep(random.uniform(0, min(0.2, 0.01 * attempt)))
                 obj = await self.store.get(quota.namespace, quota.name)
                 continue
             self._accounted[quota.uid] = live
@@ -285,17 +295,17 @@ class UsageController:
             cached = False
         else:
             pods, cached = self.pods.objects(namespace), True
+        known = self._demands if cached else {}
         if self.claims is not None:
-            await self.claims.load(ref for pod in pods for ref in claim_refs(pod))
+            # Only pods whose demand is not known yet: the others' claims were read already.
+            await self.claims.load(
+                ref for pod in pods if _uid(pod) not in known for ref in claim_refs(pod)
+            )
         live: dict[str, Demand] = {}
         ended: set[str] = set()
         for pod in pods:
-            uid = str((pod.get("metadata") or {}).get("uid") or "")
-            demand = (
-                self._demands[uid]
-                if cached and uid in self._demands
-                else pod_demand(pod, self.card_memory, self.claims)
-            )
+            uid = _uid(pod)
+            demand = known[uid] if uid in known else pod_demand(pod, self.card_memory, self.claims)
             if demand is None:
                 continue
             if is_terminal(pod, at):

@@ -113,6 +113,19 @@ class KubeQuotaStore:
             self._written[(namespace, name)] = obj
         return obj
 
+    async def reread(self, namespace: str, name: str, than: str) -> tuple[Obj, bool]:
+        """After a 409 the winner's write is often in the watch cache already: a retry then
+        costs no read. Only a cached object newer than the one that conflicted is used."""
+        informer = self._informer
+        if informer is not None and informer.has_synced:
+            for cached in informer.objects(namespace):
+                if (cached.get("metadata") or {}).get("name") == name:
+                    newest = self._newest(cast(Obj, cached))
+                    stale = int(than) if than.isdigit() else -1
+                    if _version(newest) > stale:
+                        return newest, False
+        return await self.get(namespace, name), True
+
     async def write_status(self, obj: Obj) -> Obj:
         meta = obj.get("metadata") or {}
         path = GPUQUOTAS.path(meta.get("namespace"), meta.get("name")) + "/status"

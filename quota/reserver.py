@@ -311,10 +311,12 @@ class Reserver:
                 attempt += 1
                 await asyncio.sleep(random.uniform(0, self.conflict_backoff_s * attempt))
                 try:
-                    quota = GPUQuota(await self.store.get(namespace, quota.name))
+                    raw, fresh = await self.store.reread(
+                        namespace, quota.name, quota.resource_version
+                    )
                 except NotFound:
                     return list(waiters)  # deleted meanwhile: it limits nothing any more
-                fresh = True
+                quota = GPUQuota(raw)
                 if absorb is not None:
                     joined = self._queues.pop(namespace, [])
                     waiters.extend(joined)

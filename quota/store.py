@@ -40,6 +40,11 @@ class QuotaStore(Protocol):
 
     async def get(self, namespace: str, name: str) -> Obj: ...
 
+    async def reread(self, namespace: str, name: str, than: str) -> tuple[Obj, bool]:
+        """The object newer than resourceVersion ``than`` (after a 409), and whether it was
+        read live: from a watch cache that already has a newer one, else with a GET."""
+        ...
+
     async def write_status(self, obj: Obj) -> Obj:
         """Replace the status if ``metadata.resourceVersion`` is current; the stored object."""
         ...
@@ -78,6 +83,9 @@ class MemoryStore:
         if obj is None:
             raise NotFound(f"GPUQuota {namespace}/{name} not found")
         return copy.deepcopy(obj)
+
+    async def reread(self, namespace: str, name: str, than: str) -> tuple[Obj, bool]:
+        return await self.get(namespace, name), True
 
     async def write_status(self, obj: Obj) -> Obj:
         meta = obj.get("metadata") or {}

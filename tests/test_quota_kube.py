@@ -299,3 +299,39 @@ async def test_leader_election_exclusive(fake: FakeApiServer) -> None:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_reread_after_conflict_uses_a_newer_cached_object_else_reads_live(
+    fake: FakeApiServer,
+) -> None:
+    """After a 409 the winner's write is usually in the watch cache already: the retry then
+    reads nothing; a cache no newer than the object that conflicted is never used."""
+    from quota.kubestore import KubeQuotaStore
+
+    fake.put(counted_quota(gpu=4))
+    async with AsyncExitStack() as stack:
+        api = await stack.enter_async_context(fake.api_client())
+        store = KubeQuotaStore(api, watch=True)
+        store.start()
+        stack.push_async_callback(store.stop)
+        stale = await store.get("team-a", "team-a")
+        winner = fake.put({**stale, "status": {**(stale.get("status") or {}), "x": 1}})
+        version = winner["metadata"]["resourceVersion"]
+        await _eventually(
+            lambda: (
+                any(o["metadata"]["resourceVersion"] == version for o in store._informer.objects())
+                if store._informer is not None and store._informer.has_synced
+                else False
+            )
+        )
+        gets = len([r for r in fake.requests if r.method == "GET" and "team-a/gpuquotas" in r.path])
+        obj, live = await store.reread("team-a", "team-a", stale["metadata"]["resourceVersion"])
+        assert (obj["metadata"]["resourceVersion"], live) == (version, False)
+        after = len(
+            [r for r in fake.requests if r.method == "GET" and "team-a/gpuquotas" in r.path]
+        )
+        assert after == gets  # no read
+
+        # Nothing newer cached than what conflicted: read live.
+        obj, live = await store.reread("team-a", "team-a", version)
+        assert (obj["metadata"]["resourceVersion"], live) == (version, True)
