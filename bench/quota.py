@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import statistics
 import sys
 import time
@@ -56,6 +57,7 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 from core.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, Resource, call_json, kube_client
 from quota.config import QuotaConfig
+from quota.forward import DECIDE_PATH
 from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.quota_pods import gpu_pod, gpu_quota, review
@@ -239,23 +241,40 @@ def _client(url: str, token: str) -> Any:
     return ApiClient(configuration=config)
 
 
-async def serve_replica(url: str, token: str, controller: bool) -> None:
+async def serve_replica(url: str, token: str, *, forward: bool) -> None:
     """One webhook replica in a process of its own, as a webhook pod is: print its URL, serve
-    until stdin closes. With ``controller`` it also runs the usage controller (the leader)."""
+    until stdin closes. Replicas elect the controller's leader over a Lease, as in a cluster,
+    and (unless ``forward`` is off) send their quota decisions to it."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    address = f"http://127.0.0.1:{sock.getsockname()[1]}"
     api = _client(url, token)
-    config = QuotaConfig(timeout_s=30, request_timeout_s=10, leader_election={"enabled": False})
+    config = QuotaConfig(
+        timeout_s=30,
+        request_timeout_s=10,
+        # Short periods: a replica learns where the leader is at its next try.
+        leader_election={
+            "lease_namespace": "default",
+            "identity": address,
+            "renew_interval_s": 0.5,
+            "lease_duration_s": 5,
+        },
+        forward_to_leader=forward,
+        advertise_url=address,
+    )
     service = await open_quota(config, api)
-    task = asyncio.create_task(service.run()) if controller else None
-    runner = web.AppRunner(build_app({"/validate": service.reviewer}), access_log=None)
+    task = asyncio.create_task(service.run())
+    app = build_app(
+        {"/validate": service.reviewer}, handlers={DECIDE_PATH: service.decide_endpoint}
+    )
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    print(f"http://127.0.0.1:{runner.addresses[0][1]}/validate", flush=True)
+    await web.SockSite(runner, sock).start()
+    print(f"{address}/validate", flush=True)
     try:
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
     finally:
-        if task is not None:
-            task.cancel()
+        task.cancel()
         await runner.cleanup()
         await service.close()
         await api.close()
@@ -283,17 +302,15 @@ async def _spawn(stack: AsyncExitStack, *args: str) -> str:
     return (await process.stdout.readline()).decode().strip()
 
 
-async def _replicas(stack: AsyncExitStack, url: str, token: str, count: int) -> list[str]:
-    """Webhook replicas, each in its own process over HTTP; the first also runs the usage
-    controller."""
-    return list(
-        await asyncio.gather(
-            *(
-                _spawn(stack, "--serve-replica", url, token, *(["--controller"] if i == 0 else []))
-                for i in range(count)
-            )
-        )
-    )
+async def _replicas(
+    stack: AsyncExitStack, url: str, token: str, count: int, *, forward: bool
+) -> list[str]:
+    """Webhook replicas, each in its own process over HTTP; once one leads the controller (and
+    the others know where it is), their URLs."""
+    extra = [] if forward else ["--no-forward"]
+    urls = [await _spawn(stack, "--serve-replica", url, token, *extra) for _ in range(count)]
+    await asyncio.sleep(1.5)  # the others learn the leader's address at their next try
+    return urls
 
 
 class Local:
@@ -367,7 +384,7 @@ async def _local(args: argparse.Namespace, run: Callable[[Local], Awaitable[int]
         url, token, extra = line.split()
         api = _client(url, token)
         stack.push_async_callback(api.close)
-        urls = await _replicas(stack, url, token, args.replicas)
+        urls = await _replicas(stack, url, token, args.replicas, forward=args.forward)
         connector = aiohttp.TCPConnector(limit=max(args.concurrency, 1) * 2)
         session = await stack.enter_async_context(aiohttp.ClientSession(connector=connector))
         return await run(Local(api, extra, session, urls))
@@ -569,7 +586,12 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--serve-replica", nargs=2, metavar=("URL", "TOKEN"), help=argparse.SUPPRESS
     )
-    parser.add_argument("--controller", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--no-forward",
+        dest="forward",
+        action="store_false",
+        help="every replica decides its own pods (quota.forward_to_leader: false)",
+    )
     return parser
 
 
@@ -580,7 +602,7 @@ def cli() -> int:
         return 0
     if args.serve_replica:
         url, token = args.serve_replica
-        asyncio.run(serve_replica(url, token, controller=args.controller))
+        asyncio.run(serve_replica(url, token, forward=args.forward))
         return 0
     if args.kubeconfig:
         return asyncio.run(cluster(args))

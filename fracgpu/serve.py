@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -26,6 +27,7 @@ from certs.material import CA_BUNDLE
 from certs.serving import ServingError, open_serving
 from core.kube import Api, kube_client
 from quota.config import QuotaConfig
+from quota.forward import DECIDE_PATH
 from quota.service import open_quota
 from webhook.claims import SliceModels
 from webhook.claimstore import TemplateStore, slice_informer
@@ -139,11 +141,13 @@ async def run_server(
         templates = TemplateStore(api) if dra and api is not None else None
         card_memory = models.largest_card_mib if models else inventory.largest_card_mib
         quota = await open_quota(
-            config.quota,
+            _with_advertise(config.quota, config.server.port),
             api,
             registry=registry,
             card_memory=card_memory,
             planned_templates=templates.planned if templates else None,
+            peer_ca=certificates.ca_bundle_pem,
+            peer_name=config.certs.service_dns_names()[2],
         )
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
@@ -177,6 +181,7 @@ async def run_server(
             metrics=AdmissionMetrics(registry),
             readiness=readiness,
             limits=config.server.limits,
+            handlers={DECIDE_PATH: quota.decide_endpoint},
         )
         listener = await listen(app, config.server.host, config.server.port, certificates.context)
         stack.push_async_callback(listener.close)
@@ -198,6 +203,18 @@ async def run_server(
         await asyncio.sleep(delay)
     log.info("stopped")
     return status
+
+
+def _with_advertise(quota: QuotaConfig, port: int) -> QuotaConfig:
+    """Where other replicas reach this one when it leads quota: the configured URL, else the
+    pod's own address from the downward API (POD_IP); without either it advertises none."""
+    if quota.advertise_url is not None:
+        return quota
+    pod_ip = os.environ.get("POD_IP", "")
+    if not pod_ip:
+        return quota
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return quota.model_copy(update={"advertise_url": f"https://{host}:{port}"})
 
 
 async def _dra_admission(

@@ -111,6 +111,18 @@ class QuotaConfig(BaseModel):
         default=30.0, gt=0, description="Controller: full reconcile of every GPUQuota this often."
     )
     leader_election: LeaderElection = Field(default_factory=LeaderElection)
+    forward_to_leader: bool = Field(
+        default=True,
+        description="Send this replica's quota decisions to the replica that runs the "
+        "controller, so that one replica writes each GPUQuota and replicas do not conflict "
+        "under load. A replica still decides itself when the leader cannot be reached.",
+    )
+    advertise_url: str | None = Field(
+        default=None,
+        description="Where the other replicas reach this one while it leads. Default: "
+        "https://$POD_IP:<server.port> (downward API); without POD_IP this replica decides "
+        "only the pods sent to it.",
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> QuotaConfig:

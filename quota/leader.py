@@ -21,6 +21,7 @@ import aiohttp
 
 from core.kube import LEASES, Api, KubeError, call_json
 from quota.config import LeaderElection
+from quota.forward import DECIDER_ANNOTATION
 from quota.metrics import QuotaMetrics
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,15 @@ class LeaderElector:
         *,
         metrics: QuotaMetrics | None = None,
         request_timeout_s: float = 2.0,
+        advertise: str | None = None,
     ) -> None:
+        """``advertise``: the URL at which this replica decides quota for the others while it
+        leads (:mod:`quota.forward`), written on the Lease; None: it decides only its own."""
         self.api = api
+        self.advertise = advertise
+        # Where the current leader decides quota, as last read from the Lease (None: unknown,
+        # expired, or this replica leads).
+        self._leader_url: str | None = None
         self.config = config
         self.identity = config.holder()
         self.namespace = config.namespace()
@@ -106,6 +114,7 @@ class LeaderElector:
                 )
                 self._ok()
                 self.is_leader = True
+                self._leader_url = None
                 self.metrics.controller_seen.set(1)
                 return True
             spec = lease.get("spec") or {}
@@ -118,6 +127,9 @@ class LeaderElector:
             )
             self._ok()
             if holder and holder != self.identity and not expired:
+                annotations = (lease.get("metadata") or {}).get("annotations") or {}
+                url = annotations.get(DECIDER_ANNOTATION)
+                self._leader_url = url if isinstance(url, str) and url else None
                 self.is_leader = False
                 self.metrics.controller_seen.set(1)
                 return False
@@ -133,6 +145,7 @@ class LeaderElector:
             self._observed = (self.identity, str(spec.get("renewTime") or ""))
             self._observed_at = time.monotonic()
             self.is_leader = True
+            self._leader_url = None
             self.metrics.controller_seen.set(1)
             return True
         except KubeError as err:
@@ -142,6 +155,14 @@ class LeaderElector:
         except (TimeoutError, aiohttp.ClientError, OSError) as err:
             self._failed("network", str(err) or type(err).__name__)
             return False
+
+    def leader_url(self) -> str | None:
+        """Where to send quota decisions: the leader's advertised URL while another replica
+        holds an unexpired Lease, else None (decide here)."""
+        if self.is_leader or self._leader_url is None:
+            return None
+        held_for = time.monotonic() - self._observed_at
+        return self._leader_url if held_for <= self.config.lease_duration_s else None
 
     def _failed(self, code: str, error: str) -> None:
         """A Lease request failed: count it, and log it when the cause is new (a missing
@@ -177,6 +198,8 @@ class LeaderElector:
         metadata: dict[str, Any] = {"name": self.config.lease_name, "namespace": self.namespace}
         if current is not None:
             metadata["resourceVersion"] = current["metadata"]["resourceVersion"]
+        if self.advertise:
+            metadata["annotations"] = {DECIDER_ANNOTATION: self.advertise}
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",

@@ -101,6 +101,19 @@ class QuotaMetrics:
             registry=r,
         )
 
+        self.forwarded = Counter(
+            "fracgpu_quota_forwarded",
+            "Quota decisions this replica sent to the leader, by outcome: 'answered', or "
+            "'fallback' when the leader could not be reached and this replica decided itself.",
+            ["outcome"],
+            registry=r,
+        )
+        self.decided_for_peers = Counter(
+            "fracgpu_quota_decided_for_peers",
+            "Quota decisions this replica made for another replica that forwarded them.",
+            registry=r,
+        )
+
     def observe(self, ledger: Ledger) -> None:
         """Publish one quota's limits, usage and pending admissions."""
         ns, name = ledger.namespace, ledger.name

@@ -17,6 +17,7 @@ from core.admission import AdmissionRequest, AdmissionResponse
 from core.kube import KubeError
 from quota.claims import TEMPLATE, ClaimSpecs, claim_refs
 from quota.demand import CardMemory, Demand, pod_demand
+from quota.forward import Forwarder
 from quota.messages import unverifiable
 from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
@@ -29,8 +30,11 @@ class QuotaReviewer:
         metrics: QuotaMetrics,
         card_memory: CardMemory | None = None,
         claims: ClaimSpecs | None = None,
+        *,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.reserver = reserver
+        self.forwarder = forwarder
         self.metrics = metrics
         self.card_memory = card_memory
         self.claims = claims
@@ -71,9 +75,13 @@ class QuotaReviewer:
         # falls back to the review's own UID, unique per call.
         uid = str(meta.get("uid") or request.uid)
         started = time.perf_counter()
-        decision = await self.reserver.decide(
-            namespace, uid, request.display_name, demand, dry_run=request.dry_run
-        )
+        decision = None
+        if self.forwarder is not None and not request.dry_run:
+            decision = await self.forwarder.decide(namespace, uid, request.display_name, demand)
+        if decision is None:
+            decision = await self.reserver.decide(
+                namespace, uid, request.display_name, demand, dry_run=request.dry_run
+            )
         outcome = "allowed" if decision.allowed else "denied"
         self.metrics.admission.labels(outcome).observe(time.perf_counter() - started)
         self.metrics.decisions.labels(outcome, decision.reason).inc()

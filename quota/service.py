@@ -1,6 +1,7 @@
 """The one entry point ``fracgpu serve`` uses: :func:`open_quota` → :class:`QuotaService`.
 
-* ``service.reviewer`` is the ``/validate`` reviewer;
+* ``service.reviewer`` is the ``/validate`` reviewer, and ``service.decide_endpoint`` the
+  handler of :data:`quota.forward.DECIDE_PATH`, where the leader decides for other replicas;
 * ``await service.run()`` runs the usage controller under leader election (Kubernetes mode)
   until cancelled, and returns at once in embedded mode (nothing to reconcile: there are no
   pods to watch, every admitted pod stays charged);
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 
@@ -21,6 +23,7 @@ from quota.claims import ClaimSpecs, Planned
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.demand import CardMemory
+from quota.forward import Forwarder, decide_endpoint
 from quota.kubestore import KubeQuotaStore
 from quota.leader import LeaderElector
 from quota.messages import crd_missing_problem
@@ -42,6 +45,8 @@ class QuotaService:
         *,
         card_memory: CardMemory | None = None,
         planned_templates: Planned | None = None,
+        peer_ca: Callable[[], bytes] | None = None,
+        peer_name: str | None = None,
     ) -> None:
         self.config = config
         self.card_memory = card_memory
@@ -64,7 +69,35 @@ class QuotaService:
         self.claims = ClaimSpecs(
             api, request_timeout_s=config.request_timeout_s, planned=planned_templates
         )
-        self.reviewer = QuotaReviewer(self.reserver, metrics, card_memory, self.claims)
+        election = config.leader_election
+        self.elector = (
+            LeaderElector(
+                api,
+                election,
+                metrics=metrics,
+                request_timeout_s=config.request_timeout_s,
+                advertise=config.advertise_url,
+            )
+            if api is not None and election.enabled and not embedded
+            else None
+        )
+        self.forwarder = (
+            Forwarder(
+                self.elector.leader_url,
+                metrics,
+                # The leader decides within timeout_s; waiting half of it leaves this replica
+                # the other half to decide itself should the leader not answer.
+                timeout_s=config.timeout_s / 2,
+                ca_pem=peer_ca,
+                server_name=peer_name,
+            )
+            if self.elector is not None and config.forward_to_leader
+            else None
+        )
+        self.reviewer = QuotaReviewer(
+            self.reserver, metrics, card_memory, self.claims, forwarder=self.forwarder
+        )
+        self.decide_endpoint = decide_endpoint(self.reserver, metrics)
         self._problem: str | None = None
         self.probe_interval_s = 5.0
 
@@ -118,19 +151,14 @@ class QuotaService:
         async def reconcile() -> None:
             await self.controller().run()
 
-        election = self.config.leader_election
-        if not election.enabled:
+        if self.elector is None:
             await reconcile()
             return
-        elector = LeaderElector(
-            self.api,
-            election,
-            metrics=self.metrics,
-            request_timeout_s=self.config.request_timeout_s,
-        )
-        await elector.run(reconcile)
+        await self.elector.run(reconcile)
 
     async def close(self) -> None:
+        if self.forwarder is not None:
+            await self.forwarder.close()
         await self.reserver.close()
         if isinstance(self.store, KubeQuotaStore):
             await self.store.stop()
@@ -143,10 +171,14 @@ async def open_quota(
     registry: CollectorRegistry | None = None,
     card_memory: CardMemory | None = None,
     planned_templates: Planned | None = None,
+    peer_ca: Callable[[], bytes] | None = None,
+    peer_name: str | None = None,
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
     required) or None (embedded mode). ``registry``: where metrics go (the server's own).
-    ``card_memory``: how much memory whole cards hold (the composition root knows the cards)."""
+    ``card_memory``: how much memory whole cards hold (the composition root knows the cards).
+    ``peer_ca``, ``peer_name``: the CA and the name that the leader's serving certificate is
+    checked against when decisions are forwarded to it (:mod:`quota.forward`)."""
     metrics = QuotaMetrics(registry)
     if config.mode == "embedded":
         objects = load_quota_file(config.file) if config.file is not None else []
@@ -164,7 +196,14 @@ async def open_quota(
         )
     store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
     service = QuotaService(
-        config, store, metrics, api, card_memory=card_memory, planned_templates=planned_templates
+        config,
+        store,
+        metrics,
+        api,
+        card_memory=card_memory,
+        planned_templates=planned_templates,
+        peer_ca=peer_ca,
+        peer_name=peer_name,
     )
     await service.probe()
     if service.problem() is None:

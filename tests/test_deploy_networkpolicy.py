@@ -40,20 +40,28 @@ def test_it_restricts_ingress_only() -> None:
     assert policy()["spec"]["policyTypes"] == ["Ingress"]
 
 
-def test_only_ip_blocks_may_reach_only_the_https_port() -> None:
-    (rule,) = policy()["spec"]["ingress"]
+def test_only_the_api_servers_and_the_other_replicas_may_reach_only_the_https_port() -> None:
+    """The API servers by address; the webhook's own pods because replicas send quota
+    decisions to the one that leads the quota controller. Nobody else, no other port."""
+    api_servers, peers = policy()["spec"]["ingress"]
     container = find(render(OVERLAY), "Deployment", "fracgpu-webhook")["spec"]["template"]["spec"][
         "containers"
     ][0]
     https = next(p["containerPort"] for p in container["ports"] if p["name"] == "https")
-    assert rule["ports"] == [{"protocol": "TCP", "port": https}]
-    assert [sorted(peer) for peer in rule["from"]] == [["ipBlock"]] * len(rule["from"])
+    for rule in (api_servers, peers):
+        assert rule["ports"] == [{"protocol": "TCP", "port": https}]
+    assert [sorted(peer) for peer in api_servers["from"]] == [["ipBlock"]] * len(
+        api_servers["from"]
+    )
+    (replicas,) = peers["from"]
+    assert sorted(replicas) == ["podSelector"]  # same namespace only: no namespaceSelector
+    assert replicas["podSelector"]["matchLabels"].items() <= webhook_pod_labels().items()
 
 
 def test_the_shipped_range_matches_no_real_address() -> None:
     """Until an operator sets the API servers' range the policy must fail closed, never open:
     the placeholder is a documentation-only range (RFC 5737)."""
-    (rule,) = policy()["spec"]["ingress"]
+    rule = policy()["spec"]["ingress"][0]
     (peer,) = rule["from"]
     network = ipaddress.ip_network(peer["ipBlock"]["cidr"])
     assert network.subnet_of(ipaddress.ip_network("192.0.2.0/24"))

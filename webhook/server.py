@@ -62,7 +62,10 @@ def build_app(
     metrics: AdmissionMetrics | None = None,
     readiness: Readiness | None = None,
     limits: ServerLimits | None = None,
+    handlers: Mapping[str, Callable[[web.Request], Awaitable[web.Response]]] | None = None,
 ) -> web.Application:
+    """The admission app: ``reviewers`` answer AdmissionReviews at their paths; ``handlers``
+    are other POST endpoints served on the same listener (the quota leader's decisions)."""
     metrics = metrics or AdmissionMetrics()
     limits = limits or ServerLimits()
     guard = ConnectionGuard(limits, metrics)
@@ -73,6 +76,8 @@ def build_app(
     app[GUARD] = guard
     for path, reviewer in reviewers.items():
         app.router.add_post(path, _endpoint(path, reviewer, metrics, limits, budget))
+    for path, handler in (handlers or {}).items():
+        app.router.add_post(path, handler)
 
     async def healthz(_: web.Request) -> web.Response:
         return web.Response(text="ok\n")
