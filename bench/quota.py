@@ -1,16 +1,18 @@
 """Benchmark: creating GPU pods under a GPUQuota, against Kubernetes' own ResourceQuota.
 
     python -m bench.quota [--serial 100] [--pods 1000] [--concurrency 16] [--rounds 3]
-                          [--replicas 2] [--write-ms 5]
+                          [--replicas 2] [--write-ms 5] [--no-forward]
     python -m bench.quota --burst 10000 [--replicas 2] [--concurrency 64]
     python -m bench.quota --release [--rounds 3]
     python -m bench.quota --kubeconfig FILE [--serial 100] [--pods 300] [--concurrency 16]
 
 Without ``--kubeconfig`` everything runs on this machine. The fake API server (tests/fakes, real
 HTTP) runs in a process of its own, as kube-apiserver would, and charges every write
-``--write-ms`` as an etcd commit would. This process runs the webhook replicas (the real quota
-service, each with its own kubernetes-asyncio client; one also runs the usage controller) and
-the clients. Two cases, alternated round by round so that load from other processes on a
+``--write-ms`` as an etcd commit would. Each webhook replica (the real quota service with its
+own kubernetes-asyncio client) runs in a process of its own too, as webhook pods do; they elect
+the usage controller's leader over a Lease and send it their decisions, as in a cluster
+(``--no-forward``: each replica decides its own pods). This process runs the clients, which
+send the pods to the replicas in turn. Two cases, alternated round by round so that load from other processes on a
 shared machine hits both alike, each in fresh namespaces:
 
 * "resourcequota": the pod create that Kubernetes' built-in ResourceQuota costs, modelled in
