@@ -12,12 +12,13 @@ HTTP) runs in a process of its own, as kube-apiserver would, and charges every w
 own kubernetes-asyncio client) runs in a process of its own too, as webhook pods do; they elect
 the usage controller's leader over a Lease and send it their decisions, as in a cluster
 (``--no-forward``: each replica decides its own pods). This process runs the clients, which
-send the pods to the replicas in turn. Two cases, alternated round by round so that load from other processes on a
-shared machine hits both alike, each in fresh namespaces:
+send the pods to the replicas in turn. Two cases, alternated round by round so that load from
+other processes on a shared machine hits both alike, each in fresh namespaces:
 
 * "resourcequota": the pod create that Kubernetes' built-in ResourceQuota costs, modelled in
   the API server process as kube-apiserver does it: the quota is checked in process, one
-  quota status write per batch of waiting pods of a namespace, then the pod is written;
+  quota status write per batch of waiting pods of a namespace (an UpdateStatus request that
+  kube-apiserver sends itself through its loopback client), then the pod is written;
 * "fracgpu": the validating webhook decides the pod against a GPUQuota (its status write goes
   through the API server, as it does in a cluster), then the API server writes the pod.
 
@@ -62,12 +63,17 @@ from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
 from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
+from tests.fakes.kinds import Kind
 from tests.quota_pods import gpu_pod, gpu_quota, review
 from webhook.server import build_app
 
 CORE, BLOCKS = 10, 4  # each pod: 0.10 card, 1024 MiB
 RESOURCEQUOTAS = Resource("", "v1", "resourcequotas", namespaced=True)
+# Kubernetes' own quota object, which the fake API server serves only when asked (no quota logic:
+# the benchmark decides and writes it as kube-apiserver would).
+RESOURCEQUOTA = Kind("", "v1", "ResourceQuota", "resourcequotas", True, status_subresource=True)
 BENCH_RESOURCE = "example.com/bench"
+BENCH_QUOTA = f"requests.{BENCH_RESOURCE}"
 
 Create = Callable[[int], Awaitable[bool]]  # create pod number i; whether it was admitted
 
@@ -76,11 +82,13 @@ Create = Callable[[int], Awaitable[bool]]  # create pod number i; whether it was
 
 
 class BuiltinQuota:
-    """Kubernetes' ResourceQuota admission as kube-apiserver runs it, in process: waiters of a
-    namespace are decided in batches against a running copy, one status write per batch."""
+    """Kubernetes' ResourceQuota admission as kube-apiserver runs it: waiters of a namespace are
+    decided in batches against a running copy in process, and each batch costs one status
+    write, which kube-apiserver makes through its own loopback client (the admission plugin's
+    ``UpdateStatus``: a full API request to itself, then the etcd commit)."""
 
-    def __init__(self, write_s: float) -> None:
-        self.write_s = write_s
+    def __init__(self, write: Callable[[str, int], Awaitable[None]]) -> None:
+        self.write = write
         self.limits: dict[str, int] = {}
         self.used: dict[str, int] = {}
         self._queues: dict[str, list[tuple[int, asyncio.Future[bool]]]] = {}
@@ -102,7 +110,7 @@ class BuiltinQuota:
                     fits = used + amount <= self.limits.get(namespace, 0)
                     used += amount if fits else 0
                     decided.append((future, fits))
-                await asyncio.sleep(self.write_s)  # the quota's status write
+                await self.write(namespace, used)  # the quota's status write
                 self.used[namespace] = used
                 for future, fits in decided:
                     future.set_result(fits)
@@ -117,9 +125,23 @@ async def serve_fake(write_s: float) -> None:
     with the UID that admission saw, as kube-apiserver does), ``POST /rq-create`` (a pod create
     under the built-in ResourceQuota), ``POST /rq-limit`` and ``GET /stats``.
     """
-    async with FakeApiServer(namespaces=("default",)) as fake:
+    async with (
+        FakeApiServer(namespaces=("default",)) as fake,
+        aiohttp.ClientSession(headers={"Authorization": f"Bearer {fake.token}"}) as loopback,
+    ):
         fake.write_latency = write_s
-        builtin = BuiltinQuota(write_s)
+        fake.register(RESOURCEQUOTA)
+
+        async def write_status(namespace: str, used: int) -> None:
+            """kube-apiserver's quota write: an UpdateStatus request to itself."""
+            path = RESOURCEQUOTAS.path(namespace, "bench") + "/status"
+            quota = fake.get("resourcequotas", "bench", namespace)
+            assert quota is not None
+            quota["status"] = {"hard": quota["spec"]["hard"], "used": {BENCH_QUOTA: str(used)}}
+            async with loopback.put(fake.url + path, json=quota) as reply:
+                assert reply.status == 200, await reply.text()
+
+        builtin = BuiltinQuota(write_status)
 
         async def put(request: web.Request) -> web.Response:
             pod = await request.json()
@@ -137,7 +159,18 @@ async def serve_fake(write_s: float) -> None:
 
         async def rq_limit(request: web.Request) -> web.Response:
             body = await request.json()
-            builtin.limits[body["namespace"]] = body["limit"]
+            namespace = body["namespace"]
+            builtin.limits[namespace] = body["limit"]
+            hard = {BENCH_QUOTA: str(body["limit"])}
+            fake.put(
+                {
+                    "apiVersion": "v1",
+                    "kind": "ResourceQuota",
+                    "metadata": {"name": "bench", "namespace": namespace},
+                    "spec": {"hard": hard},
+                    "status": {"hard": hard, "used": {BENCH_QUOTA: "0"}},
+                }
+            )
             return web.Response(status=204)
 
         async def stats(_: web.Request) -> web.Response:
@@ -522,7 +555,7 @@ class Cluster:
             "apiVersion": "v1",
             "kind": "ResourceQuota",
             "metadata": {"name": "bench", "namespace": namespace},
-            "spec": {"hard": {f"requests.{BENCH_RESOURCE}": str(limit // CORE)}},
+            "spec": {"hard": {BENCH_QUOTA: str(limit // CORE)}},
         }
         await call_json(self.api, "POST", RESOURCEQUOTAS.path(namespace), body=quota)
         # kube-controller-manager fills status.hard; until then the built-in quota denies.

@@ -34,6 +34,7 @@ SLOW_SUITES = frozenset(
         "test_fakes_apiserver.py",
         "test_fakes_kubelet.py",
         "test_bench_deviceplugin.py",
+        "test_quota_bench.py",
         "test_certs_hotreload.py",
         "test_certs_rotation.py",
         "test_certs_serving.py",

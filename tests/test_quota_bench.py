@@ -9,18 +9,13 @@ import pytest
 
 from bench import quota as bench
 from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.kinds import Kind
-
-# Kubernetes' own quota object, which the fake does not serve unless asked (no quota logic:
-# the benchmark only creates it and its pods).
-RESOURCEQUOTA = Kind("", "v1", "ResourceQuota", "resourcequotas", True, status_subresource=True)
 
 
 async def test_cluster_mode_runs_and_cleans_up(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     async with FakeApiServer() as fake:
-        fake.register(RESOURCEQUOTA)
+        fake.register(bench.RESOURCEQUOTA)
         kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
         args = bench.parser().parse_args(
             [
@@ -48,3 +43,24 @@ async def test_cluster_mode_runs_and_cleans_up(
     assert "fracgpu / resourcequota, median of the rounds: latency one at a time" in out
     assert "over-admission: 1 (fracgpu admitted 10 of 10, 9 fit" in out
     assert not any(name.startswith("bench-") for name in namespaces)
+
+
+def test_local_mode_runs_both_cases_through_replica_processes() -> None:
+    """The local comparison as documented: the fake API server and two webhook replicas in
+    processes of their own, the replicas electing a leader and forwarding to it; nothing is
+    over-admitted and the report has both ratios. (Figures are the benchmark's business.)"""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.quota", "--rounds", "1", "--serial", "3", "--pods", "40"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "over-admission: 0 (fracgpu admitted 36 of 40, 36 fit; resourcequota admitted 36)" in (
+        result.stdout
+    )
+    assert "throughput in flight" in result.stdout
