@@ -56,9 +56,18 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from kubernetes_asyncio.client import ApiClient, Configuration
+from kubernetes_asyncio.client import Configuration
 
-from core.kube import GPUQUOTAS, NAMESPACES, PODS, KubeError, Resource, call_json, kube_client
+from core.kube import (
+    GPUQUOTAS,
+    NAMESPACES,
+    PODS,
+    KubeError,
+    Resource,
+    api_client,
+    call_json,
+    kube_client,
+)
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
 from quota.service import open_quota
@@ -273,7 +282,7 @@ def report(rounds: list[Round], fit: int, pods: int, over: int) -> int:
 def _client(url: str, token: str) -> Any:
     config = Configuration(host=url)
     config.api_key = {"BearerToken": f"Bearer {token}"}
-    return ApiClient(configuration=config)
+    return api_client(config)
 
 
 async def serve_replica(url: str, token: str, *, forward: bool) -> None:

@@ -104,6 +104,56 @@ async def test_kube_client_from_a_kubeconfig_and_from_env(
     assert configuration.host == fake.url
 
 
+@pytest.mark.parametrize(
+    ("no_proxy", "through_proxy"),
+    [
+        pytest.param("", True, id="proxy-from-the-environment"),
+        pytest.param("127.0.0.1", False, id="no-proxy-bypasses-it"),
+    ],
+)
+async def test_the_environment_is_read_once_not_per_request(
+    fake: FakeApiServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    no_proxy: str,
+    through_proxy: bool,
+) -> None:
+    """HTTP(S)_PROXY and NO_PROXY are honoured, as client-go honours them, but resolved when the
+    client is made: kubernetes-asyncio's session would read them (and ~/.netrc) in a worker
+    thread on every request, on the path of every quota decision."""
+    import aiohttp.helpers
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    seen: list[str] = []
+
+    async def proxy(request: web.Request) -> web.Response:  # a forward proxy that answers itself
+        seen.append(str(request.url))
+        return web.json_response({"kind": "NamespaceList", "items": []})
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    async with TestServer(app) as server:
+        monkeypatch.setenv("HTTP_PROXY", str(server.make_url("")))
+        monkeypatch.setenv("NO_PROXY", no_proxy)
+        lookups: list[object] = []
+        real_lookup = aiohttp.helpers.get_env_proxy_for_url
+
+        def counted(url: Any) -> Any:
+            lookups.append(url)
+            return real_lookup(url)
+
+        monkeypatch.setattr(aiohttp.helpers, "get_env_proxy_for_url", counted)
+        monkeypatch.setattr("aiohttp.client.get_env_proxy_for_url", counted)
+        async with kube_client(fake.kubeconfig(tmp_path / "kc")) as api:
+            created = len(lookups)
+            for _ in range(3):
+                await call_json(api, "GET", "/api/v1/namespaces")
+    assert created == 1  # resolved once, for the API server's address
+    assert len(lookups) == created  # and never again per request
+    assert bool(seen) == through_proxy
+
+
 async def test_kube_client_without_any_configuration_says_what_to_do(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -240,11 +240,13 @@ class FakeApiServer:
     @asynccontextmanager
     async def api_client(self) -> AsyncIterator[Any]:
         """A kubernetes_asyncio ApiClient configured for this server, closed on exit."""
-        from kubernetes_asyncio.client import ApiClient, Configuration
+        from kubernetes_asyncio.client import Configuration
+
+        from core.kube import api_client
 
         config = Configuration(host=self.url)
         config.api_key = {"BearerToken": f"Bearer {self.token}"}
-        client = ApiClient(configuration=config)
+        client = api_client(config)
         try:
             yield client
         finally:
