@@ -128,6 +128,16 @@ def test_webhook_is_highly_available(overlay: str) -> None:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_replicas_know_their_pod_address_to_decide_quota_for_the_others(overlay: str) -> None:
+    """The replica that leads the quota controller advertises https://$POD_IP:<port> so the
+    others send it their decisions (one writer per GPUQuota); the port is the server's."""
+    _, container = _webhook(render(overlay))
+    env = {e["name"]: e for e in container.get("env") or []}
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    assert any(p["containerPort"] == 8443 for p in container["ports"])
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_pod_is_hardened_and_bounded(overlay: str) -> None:
     for workload, spec in pod_specs(render(overlay)):
         name = workload["metadata"]["name"]
