@@ -473,6 +473,15 @@ async def burst(args: argparse.Namespace, local: Local) -> int:
         f" over-admission {max(0, result.admitted - fit)}, {result.rate:.0f} pods/s, p50 "
         f"{result.p50:.1f} ms, p99 {result.quantile(0.99):.1f} ms"
     )
+    # In order of completion: the first tenth, and the tenth that filled the quota (the pods
+    # after it are denied, which writes nothing and would flatter the comparison).
+    tenth = max(1, len(result.latencies) // 10)
+    first = statistics.median(result.latencies[:tenth]) * 1000
+    last = statistics.median(result.latencies[max(0, fit - tenth) : fit]) * 1000
+    print(
+        f"  flat: p50 of creates 1-{tenth} {first:.1f} ms, "
+        f"of creates {fit - tenth + 1}-{fit} {last:.1f} ms"
+    )
     print(
         f"  GPUQuota status writes {stats['status_writes']}, largest {stats['largest']} bytes; "
         f"final status {len(json.dumps(status))} bytes, used "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -21,6 +22,11 @@ def get(port: int, path: str) -> tuple[int, str]:
 def test_metrics_and_health() -> None:
     port = free_port()
     with gpu_node(cards(2), metrics_address="127.0.0.1", metrics_port=port) as node:
+        # kubelet records the registration as its Register call returns, the plugin a moment
+        # later: healthy within that moment, not at the same instant.
+        deadline = time.monotonic() + 5
+        while get(port, "/healthz")[0] != 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert get(port, "/healthz") == (200, "ok\n")
         pod = Pod("default", "m", [Container("c", {"fracgpu.io/core": 30, "fracgpu.io/memory": 8})])
         node.kubelet.admit(pod)
