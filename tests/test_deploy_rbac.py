@@ -101,7 +101,20 @@ def test_scheduler_has_the_stock_roles_and_its_own_lease(overlay: str) -> None:
     )
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+# The only deletions any role may make, each for a reason: the DRA plugin replaces its own
+# node's ResourceSlice (a ValidatingAdmissionPolicy keeps it to that node), and DRA admission
+# garbage-collects the shared ResourceClaimTemplates it made.
+MAY_DELETE = {
+    ("fracgpu-dra-plugin", "resource.k8s.io", "resourceslices"),
+    ("fracgpu-webhook-dra", "resource.k8s.io", "resourceclaimtemplates"),
+}
+ACCOUNTS = {
+    **{overlay: {SA_WEBHOOK, SA_PLUGIN, SA_SCHEDULER} for overlay in OVERLAYS},
+    "dra": {SA_WEBHOOK, "fracgpu-dra-plugin", SA_SCHEDULER},
+}
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "dra"])
 def test_general_rules(overlay: str) -> None:
     objs = render(overlay)
     for role in of_kind(objs, "ClusterRole") + of_kind(objs, "Role"):
@@ -116,9 +129,16 @@ def test_general_rules(overlay: str) -> None:
             ]
             assert "*" not in fields, f"{where}: wildcard in {rule}"
             assert "nonResourceURLs" not in rule, where
-            assert not {"escalate", "bind", "impersonate", "delete", "deletecollection"} & set(
+            assert not {"escalate", "bind", "impersonate", "deletecollection"} & set(
                 rule["verbs"]
             ), f"{where}: {rule['verbs']}"
+            if "delete" in rule["verbs"]:
+                deletes = {
+                    (role["metadata"]["name"], group, resource)
+                    for group in rule["apiGroups"]
+                    for resource in rule["resources"]
+                }
+                assert deletes <= MAY_DELETE, f"{where}: delete on {rule}"
             if role["kind"] == "ClusterRole":
                 assert "secrets" not in rule["resources"], f"{where}: Secrets cluster-wide"
             if "secrets" in rule["resources"]:
@@ -129,6 +149,6 @@ def test_general_rules(overlay: str) -> None:
             assert subject["kind"] == "ServiceAccount", binding["metadata"]["name"]
             assert subject["namespace"] == NAMESPACE
     accounts = {sa["metadata"]["name"] for sa in of_kind(objs, "ServiceAccount")}
-    assert accounts == {SA_WEBHOOK, SA_PLUGIN, SA_SCHEDULER}
+    assert accounts == ACCOUNTS[overlay]
     for workload in of_kind(objs, "Deployment") + of_kind(objs, "DaemonSet"):
         assert workload["spec"]["template"]["spec"]["serviceAccountName"] in accounts

@@ -398,7 +398,7 @@ class FakeApiServer:
     async def _dispatch(self, request: web.Request) -> web.StreamResponse:
         path = request.path
         if path == "/version":
-            return web.json_response({"major": "1", "minor": "33", "gitVersion": "v1.33.0-fake"})
+            return web.json_response({"major": "1", "minor": "36", "gitVersion": "v1.36.2-fake"})
         segments = [s for s in path.split("/") if s]
         if segments == ["api"]:
             return web.json_response({"kind": "APIVersions", "versions": ["v1"]})
