@@ -104,12 +104,21 @@ class Reserver:
         self._stale: set[tuple[str, str]] = set()  # quotas already reported as unmatched
 
     async def decide(
-        self, namespace: str, uid: str, pod: str, demand: Demand, *, dry_run: bool = False
+        self,
+        namespace: str,
+        uid: str,
+        pod: str,
+        demand: Demand,
+        *,
+        dry_run: bool = False,
+        timeout_s: float | None = None,
     ) -> Decision:
-        """Check ``demand`` against every quota of ``namespace`` and, unless dry-run, reserve it."""
+        """Check ``demand`` against every quota of ``namespace`` and, unless dry-run, reserve it.
+        ``timeout_s``: what is left of the decision's time (default: all of ``timeout_s``)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
             if dry_run:
-                return await asyncio.wait_for(self._check(namespace, demand), self.timeout_s)
+                return await asyncio.wait_for(self._check(namespace, demand), timeout)
             loop = asyncio.get_running_loop()
             waiter = _Waiter(uid, pod, demand, loop.create_future())
             self._queues.setdefault(namespace, []).append(waiter)
@@ -118,7 +127,7 @@ class Reserver:
                     self._drain(namespace), name=f"quota-{namespace}"
                 )
             # shield: a timed-out pod must not cancel the batch other pods are waiting on.
-            return await asyncio.wait_for(asyncio.shield(waiter.future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
         except TimeoutError:
             # If the write lands after this, the reservation belongs to a pod that is never
             # persisted: the controller releases it when it expires.

@@ -79,8 +79,15 @@ class QuotaReviewer:
         if self.forwarder is not None and not request.dry_run:
             decision = await self.forwarder.decide(namespace, uid, request.display_name, demand)
         if decision is None:
+            # A decision takes at most quota.timeout_s in all, the try to forward included.
+            left = self.reserver.timeout_s - (time.perf_counter() - started)
             decision = await self.reserver.decide(
-                namespace, uid, request.display_name, demand, dry_run=request.dry_run
+                namespace,
+                uid,
+                request.display_name,
+                demand,
+                dry_run=request.dry_run,
+                timeout_s=max(left, 0.001),
             )
         outcome = "allowed" if decision.allowed else "denied"
         self.metrics.admission.labels(outcome).observe(time.perf_counter() - started)

@@ -204,6 +204,45 @@ async def test_a_replica_decides_itself_when_the_leader_is_out_of_reach(
         assert _count(service.metrics.forwarded.labels("answered")) == 0
 
 
+async def test_a_leader_that_does_not_answer_leaves_the_decision_within_its_timeout(
+    fake: FakeApiServer,
+) -> None:
+    """The leader accepted the request and hangs: after half of quota.timeout_s the replica
+    decides itself with what is left, so the whole decision stays within timeout_s."""
+    fake.put(counted_quota(gpu="1"))
+    release = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await release.wait()
+        return web.json_response({})
+
+    sock, address = _free_address()
+    runner = web.AppRunner(build_app({}, handlers={DECIDE_PATH: hang}))
+    await runner.setup()
+    await web.SockSite(runner, sock).start()
+    async with AsyncExitStack() as stack:
+        stack.push_async_callback(runner.cleanup)
+        stack.callback(release.set)
+        api = await stack.enter_async_context(fake.api_client())
+        config = QuotaConfig(
+            leader_election=ELECTION, timeout_s=1.0, request_timeout_s=1.0, count_wait_s=0.2
+        )
+        service = await open_quota(config, api)
+        stack.push_async_callback(service.close)
+        assert service.forwarder is not None
+        service.forwarder.leader = lambda: address
+        fake.latency = 10.0  # and the API server is slow too: deciding here runs out of time
+        started = asyncio.get_running_loop().time()
+        answer = await service.reviewer(_request(gpu_pod("a", 50, 4)))
+        elapsed = asyncio.get_running_loop().time() - started
+        fake.latency = 0.0
+        assert not answer.allowed
+        assert answer.status is not None
+        assert "could not be verified" in answer.status.message
+        assert 0.9 <= elapsed < 1.3  # half waiting for the leader, half deciding here
+        assert _count(service.metrics.forwarded.labels("fallback")) == 1
+
+
 async def test_a_dry_run_is_never_forwarded(fake: FakeApiServer) -> None:
     fake.put(counted_quota(gpu="1"))
     async with AsyncExitStack() as stack:
