@@ -93,6 +93,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=os.environ.get("NODE_NAME"),
         help="publish the inventory on this Node (default: $NODE_NAME; unset: do not publish)",
     )
+    parser.add_argument(
+        "--no-node-allocatable",
+        dest="node_allocatable",
+        action="store_false",
+        help="leave the Node's allocatable fracgpu resources to kubelet, which updates them "
+        "every node-status period (10 s): on nodes with several cards the scheduler may then "
+        "place a share no card can hold for that long (needs no nodes/status permission)",
+    )
     add_kube_flags(parser, context=False)
     parser.add_argument(
         "--reconcile-interval",
@@ -164,6 +172,7 @@ def config_from(args: argparse.Namespace) -> Config:
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
         node_name=args.node_name,
+        node_allocatable=args.node_allocatable,
         kubeconfig=args.kubeconfig,
         reconcile_interval_s=args.reconcile_interval,
         health_quiet_s=args.health_quiet,

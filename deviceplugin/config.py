@@ -33,6 +33,9 @@ class Config:
     metrics_port: int = 9402  # 0 disables the HTTP endpoint
     node_name: str | None = None  # publish inventory labels on this Node when set
     kubeconfig: Path | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
+    # With node_name: write the Node's allocatable GPU resources as soon as they change, rather
+    # than leave them to kubelet's node-status period (node.AllocatableMirror says why).
+    node_allocatable: bool = True
     watch_interval_s: float = 0.25  # kubelet.sock / own socket polling
     # PodResources reconciliation: how often kubelet's List is read, and when a missing
     # container counts as gone (a second listing at least confirm_s after the first miss; never

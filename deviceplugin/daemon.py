@@ -14,7 +14,7 @@ from deviceplugin.guard import Guard, Owners, ProcReader, grant_of
 from deviceplugin.guardevents import EventReporter
 from deviceplugin.health import HealthMonitor
 from deviceplugin.http import serve
-from deviceplugin.node import NodePublisher
+from deviceplugin.node import AllocatableMirror, NodePublisher
 from deviceplugin.plugin import DevicePlugin
 from deviceplugin.podresources import PodResourcesError
 from deviceplugin.service import Supervisor
@@ -29,6 +29,7 @@ class Daemon:
         self.health: HealthMonitor | None = None
         self.supervisor: Supervisor | None = None
         self.publisher: NodePublisher | None = None
+        self.mirror: AllocatableMirror | None = None
         self.http: ThreadingHTTPServer | None = None
         self.guard: Guard | None = None
         self.events: EventReporter | None = None
@@ -48,6 +49,9 @@ class Daemon:
         if config.node_name:
             self.publisher = NodePublisher(config, cards, plugin.allocator)
             self.publisher.start()
+            if config.node_allocatable:
+                self.mirror = AllocatableMirror(config, plugin.allocator)
+                self.mirror.start()
         self.health = HealthMonitor(
             cards,
             self._health_changed,
@@ -144,6 +148,8 @@ class Daemon:
             self.events.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.mirror is not None:
+            self.mirror.stop()
         if self._reconciler is not None:
             self._reconciler.join(timeout=5)
         if self.plugin is not None:

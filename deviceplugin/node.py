@@ -1,5 +1,9 @@
 """Publishing the node's cards on its Node object, for the webhook, schedulers and people.
 
+Two writers live here. :class:`NodePublisher` keeps the labels and the inventory annotation;
+:class:`AllocatableMirror` keeps the Node's allocatable ``fracgpu.io/core`` and
+``fracgpu.io/memory`` equal to what the plugin advertises, at once (see its docstring for why).
+
 Labels (selectable): ``fracgpu.io/gpu.product`` (label-safe product name; ``mixed`` when cards
 differ), ``fracgpu.io/gpu.memory-mib`` (memory of the smallest card, the most a container can
 count on), ``fracgpu.io/gpu.count``. Annotation ``fracgpu.io/gpu.inventory``: versioned JSON with
@@ -22,7 +26,9 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Mapping
+from contextlib import AsyncExitStack
 from typing import Any
 
 from core.kube import NODES, call_json, kube_client
@@ -35,6 +41,7 @@ from core.labels import (
 )
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
+from deviceplugin.ids import Kind
 from deviceplugin.inventory import Card
 
 log = logging.getLogger(__name__)
@@ -134,3 +141,112 @@ class NodePublisher:
     async def _publish(self, node: str, patch: dict[str, Any]) -> None:
         async with kube_client(self.config.kubeconfig) as api:
             await publish(api, node, patch)
+
+
+def allocatable_patch(counts: Mapping[str, int]) -> dict[str, Any]:
+    return {"status": {"allocatable": {name: str(n) for name, n in sorted(counts.items())}}}
+
+
+class AllocatableMirror:
+    """Writes the Node's allocatable GPU resources the moment the plugin's lists change.
+
+    kube-scheduler places pods by the Node's ``status.allocatable``, which kubelet rewrites from
+    the plugin's lists only at its node-status period (10 s by default). On a node with several
+    cards the plugin hides free IDs that no single card could host together (``placement``), so
+    for those seconds the scheduler would count capacity the plugin has withdrawn (a pod ends
+    on a card that is not the open one) and place a share that kubelet then asks the plugin to
+    allocate and the plugin must refuse: the pod fails with ``UnexpectedAdmissionError``, and its
+    controller makes another. It would also miss capacity the plugin has just freed. The value
+    kubelet will write is known here (the number of Healthy IDs of each resource), so the plugin
+    writes it itself, to the status subresource, as soon as it changes; kubelet's next update
+    writes the same number. Each change is written again a second later, in case kubelet's
+    update raced it with the lists it had before.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        allocator: Allocator,
+        *,
+        confirm_after_s: float = 1.0,
+        retry_s: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.resources = {Kind.CORE: config.core_resource, Kind.MEMORY: config.memory_resource}
+        self.confirm_after_s = confirm_after_s
+        self.retry_s = retry_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.published: dict[str, int] | None = None
+        self.writes = 0
+
+    def counts(self) -> dict[str, int]:
+        """Healthy IDs per resource: what kubelet reports as allocatable."""
+        return {
+            name: sum(1 for device in self.allocator.devices(kind) if device.healthy)
+            for kind, name in self.resources.items()
+        }
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="node-allocatable", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        node = self.config.node_name
+        assert node is not None
+        loop = asyncio.new_event_loop()
+        stack = AsyncExitStack()
+        api: Any = None
+        seen = -1
+        confirm_at: float | None = None
+        failing = False
+        try:
+            while not self._stop.is_set():
+                wait = 1.0 if confirm_at is None else max(0.0, confirm_at - time.monotonic())
+                seen = self.allocator.wait_for_change(seen, wait)
+                counts = self.counts()
+                due = confirm_at is not None and time.monotonic() >= confirm_at
+                if counts == self.published and not due:
+                    continue
+                try:
+                    if api is None:
+                        api = loop.run_until_complete(
+                            stack.enter_async_context(kube_client(self.config.kubeconfig))
+                        )
+                    loop.run_until_complete(
+                        call_json(
+                            api,
+                            "PATCH",
+                            NODES.path(name=node) + "/status",
+                            body=allocatable_patch(counts),
+                            content_type=MERGE_PATCH,
+                        )
+                    )
+                except Exception as exc:  # configuration, network, 5xx, RBAC: retry
+                    if not failing:
+                        log.warning(
+                            "writing the node's allocatable GPU resources failed; retrying "
+                            "(kubelet still writes them every node-status period)",
+                            extra={"node": node, "error": str(exc)},
+                        )
+                    failing = True
+                    loop.run_until_complete(stack.aclose())
+                    stack, api = AsyncExitStack(), None
+                    self._stop.wait(self.retry_s)
+                    continue
+                if failing:
+                    log.info("writing the node's allocatable GPU resources works again")
+                failing = False
+                self.writes += 1
+                changed = counts != self.published
+                self.published = counts
+                confirm_at = time.monotonic() + self.confirm_after_s if changed else None
+        finally:
+            loop.run_until_complete(stack.aclose())
+            loop.close()

@@ -14,6 +14,7 @@ from deviceplugin.inventory import Card
 from deviceplugin.node import NodePublisher, label_safe, node_patch, publish
 from tests.fakes.apiserver import FakeApiServer
 
+CORE = "fracgpu.io/core"
 CARDS = [
     Card(0, "GPU-a", "NVIDIA A100-SXM4-80GB", 81920, 0, 0),
     Card(1, "GPU-b", "NVIDIA A100-SXM4-80GB", 81920, 1, 1),
@@ -97,3 +98,86 @@ async def test_publisher_republishes_on_health_change_and_survives_outages(tmp_p
             assert await _until(lambda: _healthy_flags(fake) == [True, False], seconds=8.0)
         finally:
             await asyncio.to_thread(publisher.stop)
+
+
+# --- the Node's allocatable, written at once ------------------------------------------------
+
+
+def _small_cards() -> Allocator:
+    """Two 4 GiB cards (16 blocks each), on the real clock: the mirror waits on it."""
+    return Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)])
+
+
+def _allocatable(fake: FakeApiServer) -> dict[str, str]:
+    stored = fake.get("nodes", "gpu-1") or {}
+    allocatable: dict[str, str] = (stored.get("status") or {}).get("allocatable") or {}
+    return allocatable
+
+
+async def test_the_nodes_allocatable_follows_what_the_plugin_advertises(tmp_path: Path) -> None:
+    """What kube-scheduler places pods by, written as soon as the plugin's lists change instead
+    of at kubelet's next node-status update (10 s): a second partly used card hides its free
+    IDs, an unhealthy card lists none; other resources are left alone."""
+    from deviceplugin.node import AllocatableMirror
+    from tests.test_deviceplugin_allocator import take
+
+    async with FakeApiServer() as fake:
+        fake.put({**node(), "status": {"allocatable": {"cpu": "8", "fracgpu.io/core": "0"}}})
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        allocator = _small_cards()  # 2 cards x 16 blocks
+        mirror = AllocatableMirror(config, allocator)
+        mirror.start()
+        try:
+            expected = {"cpu": "8", "fracgpu.io/core": "200", "fracgpu.io/memory": "32"}
+            assert await _until(lambda: _allocatable(fake) == expected)
+            take(allocator, 60, 8)  # card A: 0.6 card, the open one
+            take(allocator, 60, 8)  # card B: the second partly used card, whose free IDs hide
+            expected = {"cpu": "8", "fracgpu.io/core": "160", "fracgpu.io/memory": "24"}
+            assert await _until(lambda: _allocatable(fake) == expected, seconds=2.0)
+            allocator.set_health(0, False, "XID 79")
+            assert await _until(
+                lambda: _allocatable(fake)["fracgpu.io/core"] == str(mirror.counts()[CORE]),
+                seconds=2.0,
+            )
+            assert mirror.counts()[CORE] < 160
+        finally:
+            await asyncio.to_thread(mirror.stop)
+
+
+async def test_a_stale_write_by_kubelet_right_after_a_change_is_corrected(tmp_path: Path) -> None:
+    """kubelet may write the count it had before it read the plugin's new lists: the mirror
+    writes each change again a second later."""
+    from deviceplugin.node import AllocatableMirror
+
+    async with FakeApiServer() as fake:
+        fake.put(node())
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        allocator = _small_cards()
+        mirror = AllocatableMirror(config, allocator, confirm_after_s=0.5)
+        mirror.start()
+        try:
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "200")
+            allocator.set_health(1, False, "XID 79")
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "100", seconds=2.0)
+            stale = fake.get("nodes", "gpu-1") or {}
+            stale["status"]["allocatable"][CORE] = "200"  # kubelet, from its older lists
+            fake.put(stale)
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "100", seconds=2.0)
+        finally:
+            await asyncio.to_thread(mirror.stop)
+
+
+async def test_the_mirror_survives_an_api_outage(tmp_path: Path) -> None:
+    from deviceplugin.node import AllocatableMirror
+
+    async with FakeApiServer() as fake:
+        fake.put(node())
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        allocator = _small_cards()
+        mirror = AllocatableMirror(config, allocator, retry_s=0.1)
+        fake.down("503", seconds=0.5)
+        mirror.start()
+        try:
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=5.0)
+        finally:
+            await asyncio.to_thread(mirror.stop)
