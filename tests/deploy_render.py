@@ -123,3 +123,31 @@ def grants_of(objs: list[Obj], account: str) -> tuple[set[Grant], set[str]]:
         (role,) = matches
         grants |= _expand(scope, role["rules"])
     return grants, builtin
+
+
+def policy_admits(policy: Obj, request: Obj, obj: Any, old_object: Any) -> bool:
+    """Whether a ValidatingAdmissionPolicy lets a request through, evaluated as the API server
+    does with cel-python: match conditions (a request they do not match is admitted), then the
+    variables in order, then every validation."""
+    import celpy
+
+    env = celpy.Environment()
+
+    def evaluate(expression: str, activation: dict[str, Any]) -> Any:
+        return env.program(env.compile(expression)).evaluate(activation)
+
+    activation: dict[str, Any] = {
+        "request": celpy.json_to_cel(request),
+        "object": celpy.json_to_cel(obj),
+        "oldObject": celpy.json_to_cel(old_object),
+    }
+    for condition in policy["spec"].get("matchConditions") or []:
+        if not bool(evaluate(condition["expression"], activation)):
+            return True
+    variables: dict[str, Any] = {}
+    for variable in policy["spec"].get("variables") or []:
+        variables[variable["name"]] = evaluate(
+            variable["expression"], {**activation, "variables": celpy.json_to_cel(variables)}
+        )
+    activation["variables"] = celpy.json_to_cel({k: str(v) for k, v in variables.items()})
+    return all(bool(evaluate(v["expression"], activation)) for v in policy["spec"]["validations"])

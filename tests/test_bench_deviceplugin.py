@@ -76,3 +76,11 @@ def test_an_rpc_error_stops_the_run_instead_of_becoming_a_timing(
 )
 def test_steal_share(before: list[int], after: list[int], expected: float | None) -> None:
     assert bench.steal_percent(before, after) == expected
+
+
+def test_node_allocatable_lag_is_measured_against_the_fake_api_server() -> None:
+    """The part of the benchmark that times what the scheduler sees: it runs and returns one
+    figure per change and per direct patch (their size is the benchmark's business)."""
+    lags, direct = bench.node_allocatable_lag(2)
+    assert len(lags) == 2
+    assert len(direct) == 2

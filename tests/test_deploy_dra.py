@@ -13,7 +13,6 @@ import contextlib
 from pathlib import Path
 from typing import Any
 
-import celpy
 import kubernetes_validate
 import pytest
 
@@ -30,6 +29,7 @@ from tests.deploy_render import (
     grants_of,
     of_kind,
     pod_specs,
+    policy_admits,
     render,
 )
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer, RequestRecord
@@ -191,11 +191,6 @@ def _policy() -> Obj:
     return find(render(OVERLAY), "ValidatingAdmissionPolicy", "fracgpu-dra-plugin-own-node")
 
 
-def _evaluate(expression: str, activation: dict[str, Any]) -> Any:
-    env = celpy.Environment()
-    return env.program(env.compile(expression)).evaluate(activation)
-
-
 def _admitted(
     *,
     user: str = AGENT,
@@ -203,25 +198,15 @@ def _admitted(
     operation: str = "CREATE",
     slice_node: str = "node-a",
 ) -> bool:
-    policy = _policy()
     extra = {} if token_node is None else {"authentication.kubernetes.io/node-name": [token_node]}
     obj = {"spec": {"nodeName": slice_node, "driver": "gpu.fracgpu.io"}}
     request = {"userInfo": {"username": user, "extra": extra}, "operation": operation}
-    activation: dict[str, Any] = {
-        "request": celpy.json_to_cel(request),
-        "object": celpy.json_to_cel(None if operation == "DELETE" else obj),
-        "oldObject": celpy.json_to_cel(obj if operation != "CREATE" else None),
-    }
-    (condition,) = policy["spec"]["matchConditions"]
-    if not bool(_evaluate(condition["expression"], activation)):
-        return True  # not the agent: the policy does not apply
-    variables = {}
-    for variable in policy["spec"]["variables"]:
-        variables[variable["name"]] = _evaluate(
-            variable["expression"], {**activation, "variables": celpy.json_to_cel(variables)}
-        )
-    activation["variables"] = celpy.json_to_cel({k: str(v) for k, v in variables.items()})
-    return all(bool(_evaluate(v["expression"], activation)) for v in policy["spec"]["validations"])
+    return policy_admits(
+        _policy(),
+        request,
+        None if operation == "DELETE" else obj,
+        obj if operation != "CREATE" else None,
+    )
 
 
 @pytest.mark.parametrize(

@@ -39,6 +39,8 @@ CLUSTER_SCOPED = frozenset(
         "MutatingWebhookConfiguration",
         "ValidatingWebhookConfiguration",
         "CustomResourceDefinition",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
     }
 )
 

@@ -7,7 +7,16 @@ from typing import Any
 
 import pytest
 
-from tests.deploy_render import NAMESPACE, OVERLAYS, Grant, find, grants_of, of_kind, render
+from tests.deploy_render import (
+    NAMESPACE,
+    OVERLAYS,
+    Grant,
+    find,
+    grants_of,
+    of_kind,
+    policy_admits,
+    render,
+)
 
 SA_WEBHOOK = "fracgpu-webhook"
 SA_PLUGIN = "fracgpu-device-plugin"
@@ -81,9 +90,12 @@ def test_webhook_configuration_grants_name_the_deployed_configurations() -> None
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_device_plugin_may_only_read_and_patch_nodes_and_post_events(overlay: str) -> None:
     grants, builtin = grants_of(render(overlay), SA_PLUGIN)
-    # events: the node guard's reports on pods over their memory grant (guardevents.py)
-    assert grants == _all("cluster", "", "nodes", "get patch") | _all(
-        "cluster", "", "events", "create"
+    # nodes/status: the allocatable GPU resources (node.AllocatableMirror); events: the node
+    # guard's reports on pods over their memory grant (guardevents.py)
+    assert grants == (
+        _all("cluster", "", "nodes", "get patch")
+        | _all("cluster", "", "nodes/status", "patch")
+        | _all("cluster", "", "events", "create")
     )
     assert builtin == set()
 
@@ -152,3 +164,48 @@ def test_general_rules(overlay: str) -> None:
     assert accounts == ACCOUNTS[overlay]
     for workload in of_kind(objs, "Deployment") + of_kind(objs, "DaemonSet"):
         assert workload["spec"]["template"]["spec"]["serviceAccountName"] in accounts
+
+
+# ---- the device plugin's admission policy ------------------------------------------------------
+
+
+def _plugin_admitted(
+    *,
+    user: str = f"system:serviceaccount:{NAMESPACE}:{SA_PLUGIN}",
+    token_node: str | None = "node-a",
+    node: str = "node-a",
+) -> bool:
+    policy = find(render("default"), "ValidatingAdmissionPolicy", "fracgpu-device-plugin-own-node")
+    extra = {} if token_node is None else {"authentication.kubernetes.io/node-name": [token_node]}
+    obj = {"metadata": {"name": node}, "status": {"allocatable": {"fracgpu.io/core": "100"}}}
+    request = {"userInfo": {"username": user, "extra": extra}, "operation": "UPDATE"}
+    return policy_admits(policy, request, obj, obj)
+
+
+@pytest.mark.parametrize(
+    ("request_", "admitted"),
+    [
+        pytest.param({}, True, id="own-node"),
+        pytest.param({"node": "node-b"}, False, id="another-node"),
+        pytest.param({"token_node": None}, False, id="token-without-node"),
+        pytest.param({"user": "system:node:node-b", "node": "node-b"}, True, id="kubelet"),
+        pytest.param({"user": "system:admin", "node": "node-b"}, True, id="anyone-else"),
+    ],
+)
+def test_the_device_plugin_may_change_only_its_own_node(
+    request_: dict[str, Any], admitted: bool
+) -> None:
+    assert _plugin_admitted(**request_) is admitted
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_policy_covers_the_node_and_its_status_and_denies(overlay: str) -> None:
+    objs = render(overlay)
+    name = "fracgpu-device-plugin-own-node"
+    binding = find(objs, "ValidatingAdmissionPolicyBinding", name)
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    (rule,) = find(objs, "ValidatingAdmissionPolicy", name)["spec"]["matchConstraints"][
+        "resourceRules"
+    ]
+    assert rule["resources"] == ["nodes", "nodes/status"]
+    assert rule["operations"] == ["UPDATE"]  # a PATCH is admitted as an UPDATE
