@@ -209,9 +209,12 @@ class AllocatableMirror:
         try:
             while not self._stop.is_set():
                 wait = 1.0 if confirm_at is None else max(0.0, confirm_at - time.monotonic())
-                seen = self.allocator.wait_for_change(seen, wait)
-                counts = self.counts()
+                version = self.allocator.wait_for_change(seen, wait)
+                moved, seen = version != seen, version
                 due = confirm_at is not None and time.monotonic() >= confirm_at
+                if not (moved or due or failing):
+                    continue  # nothing changed: no need to count the lists again
+                counts = self.counts()
                 if counts == self.published and not due:
                     continue
                 try:
