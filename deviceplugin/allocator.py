@@ -377,17 +377,17 @@ class Allocator:
             by_card = self._parse(kind, ids, resource)
             self._check_shape(kind, by_card, resource)
         except AllocationError:
+            with self._cond:
+                # Refused, but what kubelet handed out is free all the same: list it so at
+                # once, and the Node's allocatable follows, rather than at the next reading.
+                if self._release_reassigned(ids):
+                    self._changed()
             self._abandon_half(kind, len(ids))
             raise
         cards = frozenset(by_card)
         with self._cond:
             self._expire_half()
-            for device in ids:
-                stale = self._owner.get(device)
-                if stale is not None:
-                    # kubelet is the authority on what is free: it reused IDs of a container
-                    # that ended before the reconciler noticed.
-                    self._drop(stale, why="kubelet reassigned its devices")
+            self._release_reassigned(ids)
             half = self._partner(kind, len(ids), cards)
             if half is not None and half.key in self._allocations:
                 self.pairing.end(second_size=len(ids))
@@ -430,6 +430,19 @@ class Allocator:
             self._changed()
             return allocation
 
+    def _release_reassigned(self, ids: Iterable[str], keep: Collection[str] = ()) -> bool:
+        """Drop the allocations of containers whose IDs kubelet hands out as free; whether any
+        was dropped. Lock held.
+
+        kubelet is the authority on what is free: it offers and assigns only devices of pods it
+        no longer runs (and an init container's, which its app containers reuse: ``keep``), and
+        it may do so before the reconciler has read PodResources again.
+        """
+        stale = {self._owner[d] for d in ids if d in self._owner and d not in keep}
+        for key in stale:
+            self._drop(key, why="kubelet reassigned its devices")
+        return bool(stale)
+
     def _abandon_half(self, kind: Kind, size: int) -> None:
         """The container's second Allocate failed: kubelet rejects the pod and frees its first."""
         with self._cond:
@@ -465,6 +478,7 @@ class Allocator:
     ) -> list[str]:
         """The IDs this container should get, or [] to leave the choice to kubelet."""
         free: dict[int, list[int]] = defaultdict(list)
+        available, must_include = list(available), list(must_include)
         for text in available:
             try:
                 parsed = DeviceId.parse(text)
@@ -481,6 +495,10 @@ class Allocator:
             must[parsed.card].append(parsed.number)
         with self._cond:  # one snapshot for the whole decision
             self._expire_half()
+            # An ended container's IDs offered as free: its card has room again, and this
+            # container may fit there, where the plugin's own records would have refused it.
+            if self._release_reassigned(available, keep=set(must_include)):
+                self._changed()
             cards = self._snapshot()
             self._partner(kind, size)
             pending = self._pending()

@@ -203,6 +203,52 @@ def test_kubelet_reusing_ids_replaces_a_stale_allocation() -> None:
     assert [a.core for a in alloc.allocations()] == [tuple(ids)]
 
 
+def _two_cards_at_sixty() -> tuple[Allocator, list[str], list[str]]:
+    """Two 16-block cards, each 0.6 used by one container (x on one card, y on the other)."""
+    alloc = make(2)
+    x = take(alloc, 60, 8)
+    y = take(alloc, 60, 8)
+    assert cards_of(x) != cards_of(y)
+    return alloc, x, y
+
+
+def test_an_ended_containers_ids_offered_by_kubelet_are_freed_and_preferred() -> None:
+    """x's pod ended and kubelet, which is the authority on what is free, offers x's IDs to
+    the next container before the reconciler noticed: the plugin frees x at once, and the
+    0.5 share fits on x's card, where the plugin's old records would have refused it."""
+    alloc, x, y = _two_cards_at_sixty()
+    before = alloc.version
+    available = sorted(healthy(alloc, Kind.CORE) - set(y))  # kubelet: healthy minus in use
+    chosen = alloc.preferred(Kind.CORE, available, [], 50)
+    assert len(chosen) == 50
+    assert cards_of(chosen) == cards_of(x)
+    assert [set(a.core) for a in alloc.allocations()] == [{i for i in y if "-c" in i}]
+    assert alloc.version > before  # the lists change now, and the Node's allocatable with them
+
+
+def test_an_init_containers_ids_offered_for_reuse_are_not_freed() -> None:
+    """kubelet offers an init container's IDs again to its pod's app container
+    (``must_include``): that allocation is not an ended one."""
+    alloc, x, _ = _two_cards_at_sixty()
+    x_core = [i for i in x if "-c" in i]
+    available = sorted(healthy(alloc, Kind.CORE))
+    alloc.preferred(Kind.CORE, available, x_core, 60)
+    assert any(set(a.core) == set(x_core) for a in alloc.allocations())
+
+
+def test_a_refused_allocate_still_frees_what_kubelet_reassigned() -> None:
+    """kubelet assigns IDs no single card holds together (some of an ended container's): the
+    plugin refuses, and lists the ended container's IDs as free at once."""
+    alloc, x, y = _two_cards_at_sixty()
+    before = alloc.version
+    x_card, y_card = min(cards_of(x)), min(cards_of(y))
+    spread = [core_id(x_card, n) for n in range(30)] + [core_id(y_card, n) for n in range(60, 80)]
+    with pytest.raises(AllocationError):
+        alloc.allocate(Kind.CORE, spread, CORE)
+    assert [set(a.core) for a in alloc.allocations()] == [{i for i in y if "-c" in i}]
+    assert alloc.version > before
+
+
 def test_container_dir_name_depends_only_on_the_set_of_ids() -> None:
     assert container_dir_name(["g0-c2", "g0-c1"]) == container_dir_name(["g0-c1", "g0-c2"])
     assert container_dir_name(["g0-c1"]) != container_dir_name(["g0-c2"])

@@ -216,6 +216,23 @@ def test_a_multi_card_node_advertises_only_what_one_card_can_host(
         assert not kubelet.violations
 
 
+def test_a_pod_placed_on_capacity_an_ended_pod_freed_is_allocated_before_reconciliation() -> None:
+    """Four cards 0.6 used each, one of those pods ends, and at once the scheduler places a
+    0.5 pod there (it sees the ended pod's share free): kubelet offers the ended pod's IDs, and
+    the plugin, which has not read PodResources since, takes kubelet's word and puts the pod on
+    that card instead of refusing it (the cluster saw UnexpectedAdmissionError here)."""
+    with gpu_node(cards(4), reconcile_interval_s=60.0) as node:  # no reading in between
+        kubelet = node.kubelet
+        running = [pod(f"r{i}", (60, 40)) for i in range(4)]
+        held = [run(node, p)["c0"] for p in running]
+        kubelet.remove(running[1])
+        nxt = pod("next", (50, 20))
+        assert kubelet.schedulable(nxt)
+        got = run(node, nxt)["c0"]
+        assert card_of(got[CORE]) == card_of(got[MEMORY]) == card_of(held[1][CORE])
+        assert not kubelet.violations
+
+
 def test_kubelet_restart_reregisters_within_two_seconds_and_keeps_allocations() -> None:
     with gpu_node(cards(2)) as node:
         kubelet = node.kubelet
