@@ -173,6 +173,8 @@ class Forwarder:
         if self.ca_pem is None:
             return None
         pem = self.ca_pem()
+        if not pem:  # certificates from elsewhere (cert-manager, files) without a CA bundle
+            return None  # here: the system's trust store
         if self._context is None or self._context[0] != pem:  # the CA rotated
             context = ssl.create_default_context(cadata=pem.decode())
             self._context = (pem, context)
