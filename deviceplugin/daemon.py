@@ -50,7 +50,11 @@ class Daemon:
             self.publisher = NodePublisher(config, cards, plugin.allocator)
             self.publisher.start()
             if config.node_allocatable:
-                self.mirror = AllocatableMirror(config, plugin.allocator)
+                self.mirror = AllocatableMirror(
+                    config,
+                    plugin.allocator,
+                    registered=lambda: self.supervisor is not None and self.supervisor.registered,
+                )
                 self.mirror.start()
         self.health = HealthMonitor(
             cards,

@@ -27,7 +27,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -161,6 +161,9 @@ class AllocatableMirror:
     writes it itself, to the status subresource, as soon as it changes; kubelet's next update
     writes the same number. Each change is written again a second later, in case kubelet's
     update raced it with the lists it had before.
+
+    Nothing is written while ``registered()`` is false: before kubelet has registered the
+    resources, a Node offering them would draw pods that kubelet cannot admit yet.
     """
 
     def __init__(
@@ -168,11 +171,13 @@ class AllocatableMirror:
         config: Config,
         allocator: Allocator,
         *,
+        registered: Callable[[], bool] = lambda: True,
         confirm_after_s: float = 1.0,
         retry_s: float = 1.0,
     ) -> None:
         self.config = config
         self.allocator = allocator
+        self.registered = registered
         self.resources = {Kind.CORE: config.core_resource, Kind.MEMORY: config.memory_resource}
         self.confirm_after_s = confirm_after_s
         self.retry_s = retry_s
@@ -212,6 +217,10 @@ class AllocatableMirror:
                 version = self.allocator.wait_for_change(seen, wait)
                 moved, seen = version != seen, version
                 due = confirm_at is not None and time.monotonic() >= confirm_at
+                if not self.registered():
+                    self._stop.wait(0.1)
+                    seen = -1  # once registered, write what the lists say then
+                    continue
                 if not (moved or due or failing):
                     continue  # nothing changed: no need to count the lists again
                 counts = self.counts()

@@ -181,3 +181,25 @@ async def test_the_mirror_survives_an_api_outage(tmp_path: Path) -> None:
             assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=5.0)
         finally:
             await asyncio.to_thread(mirror.stop)
+
+
+async def test_nothing_is_written_before_kubelet_has_registered_the_resources(
+    tmp_path: Path,
+) -> None:
+    """A Node offering fracgpu resources kubelet does not know yet would draw pods that
+    kubelet cannot admit: the mirror writes only once the plugin is registered."""
+    from deviceplugin.node import AllocatableMirror
+
+    async with FakeApiServer() as fake:
+        fake.put(node())
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        registered = False
+        mirror = AllocatableMirror(config, _small_cards(), registered=lambda: registered)
+        mirror.start()
+        try:
+            await asyncio.sleep(0.5)
+            assert CORE not in _allocatable(fake)
+            registered = True
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=2.0)
+        finally:
+            await asyncio.to_thread(mirror.stop)
