@@ -411,24 +411,21 @@ def node_allocatable_lag(changes: int) -> tuple[list[float], list[float]]:
     until the Node's allocatable says so on the API server (the fake, in a thread of this
     process, over HTTP), on an 8-card node; and, as the baseline, one merge patch of the same
     status sent directly from this process."""
-    import asyncio
     import tempfile
-    import threading
 
+    from bench._api import ApiThread
     from core.kube import NODES, call_json, kube_client
     from deviceplugin.allocator import Allocator
     from deviceplugin.inventory import Card
     from deviceplugin.node import MERGE_PATCH, AllocatableMirror, allocatable_patch
-    from tests.fakes.apiserver import FakeApiServer
 
-    loop = asyncio.new_event_loop()
-    threading.Thread(target=loop.run_forever, daemon=True).start()
-    fake = FakeApiServer()
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result()
-    fake.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1"}})
+    api = ApiThread()
+    fake = api.fake
+    api.call(lambda: fake.put({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "gpu-1"}}))
     kubeconfig = fake.kubeconfig(Path(tempfile.mkdtemp()) / "kubeconfig")
 
     def core() -> str | None:
+        """Polled from this thread: a read of the store, which only the server's loop writes."""
         status = (fake.get("nodes", "gpu-1") or {}).get("status") or {}
         value: str | None = (status.get("allocatable") or {}).get(CORE)
         return value
@@ -447,19 +444,18 @@ def node_allocatable_lag(changes: int) -> tuple[list[float], list[float]]:
             time.sleep(0.2)
 
         async def patch_directly() -> None:
-            async with kube_client(kubeconfig) as api:
+            async with kube_client(kubeconfig) as client:
                 path = NODES.path(name="gpu-1") + "/status"
                 body = allocatable_patch(mirror.counts())
                 for _ in range(changes):
                     started = time.perf_counter()
-                    await call_json(api, "PATCH", path, body=body, content_type=MERGE_PATCH)
+                    await call_json(client, "PATCH", path, body=body, content_type=MERGE_PATCH)
                     direct.append(time.perf_counter() - started)
 
-        asyncio.run_coroutine_threadsafe(patch_directly(), loop).result()
+        api.run(patch_directly())
     finally:
         mirror.stop()
-        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result()
-        loop.call_soon_threadsafe(loop.stop)
+        api.close()
     return lags, direct
 
 

@@ -24,58 +24,25 @@ import json
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
+from bench._api import ApiThread
 from bench._config import agent_process, from_json
 from bench._load import free_port
 from bench.deviceplugin import cpu_times, steal_percent, summary
 from deviceplugin._proto import dra_v1_pb2 as dra
 from deviceplugin._proto import dra_v1_pb2_grpc as dra_grpc
 from deviceplugin.dra.config import DraConfig
-from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.dranode import DRIVER, NODE, device_class, share_claim
 from tests.fakes.draobjects import allocate_claim
 from tests.fakes.gpunode import GIB, cards
 from tests.fakes.nvml import FakeNvml, build_cached
-
-T = TypeVar("T")
-
-
-class ApiThread:
-    """The fake API server on an event loop of its own, so the plugin's GETs are served while
-    this thread waits on its gRPC call."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="fake-api", daemon=True)
-        self._thread.start()
-        self.fake: FakeApiServer = self.run(self._start())
-
-    async def _start(self) -> FakeApiServer:
-        fake = FakeApiServer()
-        await fake.start()
-        return fake
-
-    def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
-
-    def call(self, function: Callable[[], T]) -> T:
-        async def wrapped() -> T:
-            return function()
-
-        return self.run(wrapped())
-
-    def close(self) -> None:
-        self.run(self.fake.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5)
 
 
 def serve(text: str) -> int:
