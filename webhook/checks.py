@@ -112,14 +112,20 @@ class PodView:
 Check = Callable[[PodView, AdmissionConfig], Iterable[str]]
 
 
+_RESERVED_ENV = (VISIBLE_DEVICES_ENV, SYSTEM_ENV_PREFIX)
+
+
 def no_system_env(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
     """``NVIDIA_VISIBLE_DEVICES`` selects cards; ``FRACGPU_*`` describe the grant. Only fracgpu
     sets them: a literal equal to what the container's grant implies is fracgpu's own (a pod
     made from an admitted template carries it), anything else is the user's."""
     for c in pod.containers:
         for var in c.env:
-            name, value = str(var.get("name") or ""), var.get("value")
-            literal = "valueFrom" not in var
+            name = var.get("name")
+            # One C call rules out nearly every variable: a pod may carry thousands.
+            if not (isinstance(name, str) and name.startswith(_RESERVED_ENV)):
+                continue
+            value, literal = var.get("value"), "valueFrom" not in var
             if name == VISIBLE_DEVICES_ENV:
                 if not (literal and (value or "") in HARMLESS_VISIBLE_DEVICES):
                     yield (
