@@ -145,6 +145,12 @@ class ReviewError(ValueError):
     """The body is not an AdmissionReview the apiserver could have sent (answered with HTTP 400)."""
 
 
+def _not_a_review(exc: ValidationError) -> ReviewError:
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "body"
+    return ReviewError(f"not an AdmissionReview: {where}: {first['msg']}")
+
+
 class AdmissionReview(_Wire):
     api_version: str
     kind: Literal["AdmissionReview"]
@@ -164,12 +170,23 @@ class AdmissionReview(_Wire):
         try:
             review = cls.model_validate_json(body)
         except ValidationError as exc:
-            first = exc.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "body"
-            raise ReviewError(f"not an AdmissionReview: {where}: {first['msg']}") from None
-        if review.request is None:
+            raise _not_a_review(exc) from None
+        return review._with_request()
+
+    @classmethod
+    def from_value(cls, value: Any) -> AdmissionReview:
+        """The same as :meth:`parse` for a body already parsed as JSON (large bodies are
+        parsed in pieces as they arrive, ``webhook.jsonstream``)."""
+        try:
+            review = cls.model_validate(value)
+        except ValidationError as exc:
+            raise _not_a_review(exc) from None
+        return review._with_request()
+
+    def _with_request(self) -> AdmissionReview:
+        if self.request is None:
             raise ReviewError("not an AdmissionReview: request is missing")
-        return review
+        return self
 
     def reply(self, response: AdmissionResponse) -> bytes:
         """The reply in the same version as the request (the apiserver requires it)."""

@@ -11,9 +11,11 @@ import asyncio
 import base64
 import contextlib
 import copy
+import gc
 import json
 import logging
 import ssl
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,17 @@ from webhook.config import AdmissionConfig, ServerLimits
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
-from webhook.server import build_app, listen
+from webhook.server import (
+    LARGE_BODY_BYTES,
+    LINGER_S,
+    MAX_PIECE_BYTES,
+    MIN_PIECE_BYTES,
+    LoopShare,
+    _Connection,
+    _next_piece,
+    build_app,
+    listen,
+)
 
 EXAMPLE = json.loads(
     (Path(__file__).parent.parent / "examples" / "admissionreview-pod.json").read_text()
@@ -247,10 +259,22 @@ async def test_internal_error_fails_closed_with_http_200(server: Server) -> None
     ],
     ids=["empty body", "not JSON", "a JSON array", "admission v2", "no request", "an empty uid"],
 )
-async def test_malformed_bodies_get_400(server: Server, raw: bytes, expected: str) -> None:
+@pytest.mark.parametrize("size", ["ordinary", "large"])
+async def test_malformed_bodies_get_400(
+    server: Server, raw: bytes, expected: str, size: str
+) -> None:
+    if size == "large":  # parsed in pieces as it arrives (JSON allows trailing whitespace)
+        raw = raw.ljust(LARGE_BODY_BYTES + 1)
     resp = await server.post("/mutate", None, raw=raw)
     assert resp.status == 400
     assert expected in (await resp.json())["error"]
+
+
+async def test_a_large_body_gets_the_answer_its_pod_would_get_small(server: Server) -> None:
+    raw = json.dumps(EXAMPLE).encode()
+    small = await server.post("/mutate", None, raw=raw)
+    large = await server.post("/mutate", None, raw=raw.ljust(3 * LARGE_BODY_BYTES))
+    assert (large.status, await large.json()) == (200, await small.json())
 
 
 async def test_large_pods_fit_and_oversized_bodies_are_refused(server: Server) -> None:
@@ -576,14 +600,15 @@ async def test_large_bodies_are_let_in_at_their_rate(tmp_path: Path) -> None:
     assert ordinary["allowed"] is True
 
 
+@pytest.mark.parametrize("declared", [100_000, 4 * LARGE_BODY_BYTES], ids=["ordinary", "large"])
 async def test_an_abandoned_body_logs_one_line_and_no_traceback(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, declared: int
 ) -> None:
     caplog.set_level(logging.DEBUG)
     async with running(tmp_path) as server:
         caplog.clear()
         _, writer = await tls(server)
-        writer.write(head(100_000) + b"{" * 1000)
+        writer.write(head(declared) + b'{"a":' + b"[" * 100)
         await writer.drain()
         await asyncio.sleep(0.05)
         writer.transport.abort()
@@ -607,3 +632,134 @@ async def test_an_abandoned_body_logs_one_line_and_no_traceback(
 def test_the_body_budget_must_fit_a_largest_body() -> None:
     with pytest.raises(ValueError, match=r"at least twice server\.limits\.max_body_bytes"):
         ServerLimits(max_body_bytes=8 * 2**20, max_inflight_body_bytes=8 * 2**20)
+
+
+async def refuse_by_declared_size(server: Server) -> Stream:
+    reader, writer = await tls(server)
+    writer.write(head(64 * 2**20))  # over max_body_bytes: 413 before a byte is read
+    return reader, writer
+
+
+async def refuse_as_not_json(server: Server) -> Stream:
+    reader, writer = await tls(server)
+    writer.write(head(32 * 2**20) + b"not json")  # 400 at the first piece
+    return reader, writer
+
+
+@pytest.mark.parametrize(
+    ("refuse", "status"),
+    [
+        pytest.param(refuse_by_declared_size, 413, id="too-large"),
+        pytest.param(refuse_as_not_json, 400, id="not-json"),
+    ],
+)
+async def test_the_rest_of_a_large_body_answered_early_is_not_read(
+    tmp_path: Path, refuse: Callable[[Server], Awaitable[Stream]], status: int
+) -> None:
+    """The client gets the answer while it still sends, and what it sends after is left in
+    the socket (decrypting it would cost the event loop for nothing): at most the socket
+    buffers' worth is taken before the connection is reset, LINGER_S after the answer."""
+    # Room for a 32 MiB body, so that the one that is not JSON is refused only for that.
+    limits = ServerLimits(max_body_bytes=32 * 2**20, max_inflight_body_bytes=64 * 2**20)
+    async with running(tmp_path, limits) as server:
+        reader, writer = await refuse(server)
+        got, _ = await response(reader)
+        sent, chunk = 0, b" " * (256 * 1024)
+        loop = asyncio.get_running_loop()
+        until = loop.time() + LINGER_S + 1.0
+        with contextlib.suppress(ConnectionError, TimeoutError, ssl.SSLError):
+            while loop.time() < until and sent < 32 * 2**20:
+                writer.write(chunk)
+                async with asyncio.timeout_at(until):
+                    await writer.drain()
+                sent += len(chunk)
+        closed = await closed_within(reader, 1.0)
+        writer.transport.abort()
+        reset = sample(server, "fracgpu_admission_connections_closed_total", reason="unread-body")
+    assert got == status
+    # Loopback socket buffers take a few MiB; reading the rest would take all 32 in well
+    # under a second.
+    assert sent < 16 * 2**20
+    assert (closed, reset) == (True, 1)
+
+
+async def test_pieces_take_at_most_their_share_and_let_others_run() -> None:
+    share = LoopShare(0.25, burst=0.005)
+    ticks = 0
+
+    async def other() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    def work(_: bytes) -> None:
+        until = time.perf_counter() + 0.002
+        while time.perf_counter() < until:
+            pass
+
+    ticker = asyncio.ensure_future(other())
+    await asyncio.sleep(0)
+    started = time.perf_counter()
+    for _ in range(40):  # 80 ms of work
+        await share.run(work, b"")
+    wall = time.perf_counter() - started
+    ticker.cancel()
+    # 80 ms at a quarter of the loop, less the 5 ms burst and the last piece's overdraft.
+    assert wall >= (0.080 - 0.005 - 0.002) / 0.25
+    assert ticks >= 40  # the other task ran between every two pieces
+
+
+@pytest.mark.parametrize(
+    ("size", "spent", "expected"),
+    [
+        pytest.param(16384, 0.0005, 16384, id="on target: kept"),
+        pytest.param(16384, 0.003, 8192, id="dense: halved"),
+        pytest.param(16384, 0.0001, 32768, id="light: doubled"),
+        pytest.param(MIN_PIECE_BYTES, 0.01, MIN_PIECE_BYTES, id="never below the least"),
+        pytest.param(MAX_PIECE_BYTES, 0.0, MAX_PIECE_BYTES, id="never above the most"),
+    ],
+)
+def test_pieces_are_sized_to_take_about_the_target(size: int, spent: float, expected: int) -> None:
+    assert _next_piece(size, spent) == expected
+
+
+async def test_large_bodies_on_many_connections_at_once_are_each_read_whole(
+    tmp_path: Path,
+) -> None:
+    """Every connection is read into one shared buffer: what each hands on must be its own."""
+    limits = ServerLimits(large_body_bytes_per_second=64 * 2**20)
+
+    def large(uid: str) -> bytes:
+        body = copy.deepcopy(EXAMPLE)
+        body["request"]["uid"] = uid
+        container = body["request"]["object"]["spec"]["containers"][0]
+        container["env"] = [{"name": f"V_{uid}_{i}", "value": uid * 100} for i in range(400)]
+        return json.dumps(body).encode().ljust(2 * LARGE_BODY_BYTES)
+
+    async with running(tmp_path, limits) as server:
+        uids = [f"u{i}" for i in range(4)]
+        replies = await asyncio.gather(
+            *(server.post("/mutate", None, raw=large(uid)) for uid in uids)
+        )
+        answered = [(await r.json())["response"]["uid"] for r in replies]
+    assert answered == uids
+
+
+async def test_a_closed_connection_needs_no_cyclic_collection(tmp_path: Path) -> None:
+    """Freed when it closes, not left for a full collection with hundreds of others."""
+    async with running(tmp_path) as server:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(5):
+                reader, writer = await tls(server)
+                raw = json.dumps(EXAMPLE).encode()
+                writer.write(head(len(raw)) + raw)
+                await response(reader)
+                writer.transport.abort()
+            await eventually(lambda: sample(server, "fracgpu_admission_connections") == 0)
+            left = [o for o in gc.get_objects() if isinstance(o, _Connection)]
+        finally:
+            gc.enable()
+    assert left == []

@@ -42,7 +42,8 @@ class AdmissionMetrics:
         self.connections_closed = Counter(
             "fracgpu_admission_connections_closed",
             "Connections the server closed to bound what clients hold, by reason: "
-            "header-timeout, evicted (idle, to make room), refused (at the cap, all busy).",
+            "header-timeout, evicted (idle, to make room), refused (at the cap, all busy), "
+            "unread-body (answered before a large body was read: the rest is not read).",
             ["reason"],
             registry=self.registry,
         )
