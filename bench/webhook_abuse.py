@@ -43,9 +43,14 @@ MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
 MIB = 2**20
 
 
-def large_review(size: int) -> bytes:
-    """The example GPU pod, padded with environment variables to exactly ``size`` bytes."""
+def large_review(size: int, *, dense: bool = False) -> bytes:
+    """The example GPU pod, padded with environment variables to exactly ``size`` bytes; or,
+    ``dense``, with a field of one-digit numbers, the costliest JSON to parse per byte."""
     review = json.loads(EXAMPLE.read_text())
+    if dense:
+        base = len(json.dumps(review).encode())
+        review["request"]["object"]["padding"] = [0] * ((size - base - 20) // 2)
+        return json.dumps(review, separators=(",", ":")).encode().ljust(size)
     container = review["request"]["object"]["spec"]["containers"][0]
     base = len(json.dumps(review).encode())
     entry = len(json.dumps({"name": "VAR_00000", "value": "x" * 1000})) + 2
@@ -131,7 +136,7 @@ async def _abuse(port: int, ca: str, args: argparse.Namespace, stop: Any, report
     held: list[asyncio.StreamWriter] = []
     failed = 0
     statuses: dict[str, int] = {}
-    body = large_review(args.body_mib * MIB)
+    body = large_review(args.body_mib * MIB, dense=args.dense)
     head = (
         f"POST /mutate HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
@@ -346,6 +351,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ramp-rate", type=float, default=200.0, help="idle opens per second")
     parser.add_argument("--bodies", type=int, default=40, help="concurrent large-body senders")
     parser.add_argument("--body-mib", type=int, default=8)
+    parser.add_argument(
+        "--dense",
+        action="store_true",
+        help="large bodies of one-digit numbers (the costliest to parse) instead of env vars",
+    )
     parser.add_argument("--seconds", type=float, default=10.0, help="per measured phase")
     parser.add_argument("--settle", type=float, default=5.0, help="wait before 'after'")
     parser.add_argument("--rate", type=float, default=100.0, help="ordinary reviews per second")
@@ -362,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         rows, extra = asyncio.run(_conduct(args, served.port, served.ca_pem.decode(), served.pid))
     print(
         f"fracgpu webhook under abuse: {args.idle} idle TLS connections + {args.bodies} senders "
-        f"of {args.body_mib} MiB bodies; ordinary GPU-pod reviews at {args.rate:g}/s, "
+        f"of {args.body_mib} MiB{' dense' if args.dense else ''} bodies; "
+        f"ordinary GPU-pod reviews at {args.rate:g}/s, "
         f"{args.seconds:g} s per phase ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, "
         f"MALLOC_ARENA_MAX={os.environ.get('MALLOC_ARENA_MAX', 'unset')})"
     )

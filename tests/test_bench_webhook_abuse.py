@@ -18,3 +18,12 @@ def test_a_large_review_is_a_pod_review() -> None:
     review = AdmissionReview.parse(large_review(2 * MIB))
     assert review.request is not None
     assert review.request.kind.kind == "Pod"
+
+
+@pytest.mark.parametrize("dense", [False, True], ids=["env", "dense"])
+def test_large_reviews_have_the_size_asked_for_in_either_form(dense: bool) -> None:
+    body = large_review(2 * MIB, dense=dense)
+    assert len(body) == 2 * MIB
+    review = AdmissionReview.parse(body)
+    assert review.request is not None
+    assert review.request.kind.kind == "Pod"
