@@ -295,19 +295,16 @@ async def _read_review_in_pieces(
     as bytes, and never costing the event loop more than one piece at once."""
     stream = JSONStream()
     size, piece = 0, FIRST_PIECE_BYTES
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        try:
+    try:
+        async for chunk in request.content.iter_any():
+            size += len(chunk)
+            if size > limit:
+                raise _BodyTooLarge
             start = 0
             while start < len(chunk):
                 spent = await share.run(stream.feed, chunk[start : start + piece])
                 start += piece
                 piece = _next_piece(piece, spent)
-        except JSONError as exc:
-            raise ReviewError(f"not an AdmissionReview: body: Invalid JSON: {exc}") from None
-    try:
         value = stream.close()
     except JSONError as exc:
         raise ReviewError(f"not an AdmissionReview: body: Invalid JSON: {exc}") from None
