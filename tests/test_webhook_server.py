@@ -694,6 +694,7 @@ async def test_pieces_take_at_most_their_share_and_let_others_run() -> None:
             await asyncio.sleep(0)
 
     def work(_: bytes) -> None:
+        # Busy for 2 ms, as a piece of parsing holds the loop (sleeping would yield it).
         until = time.perf_counter() + 0.002
         while time.perf_counter() < until:
             pass

@@ -278,14 +278,18 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     """The body, refused as soon as it grows past ``limit``. Joined once from the chunks as they
     arrived: ``Request.read`` grows a bytearray and copies it again, which for a large body
     costs the event loop several milliseconds more in one piece."""
-    chunks: list[bytes] = []
+    chunks = [chunk async for chunk in _chunks(request, limit)]
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+async def _chunks(request: web.Request, limit: int) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive, until it grows past ``limit`` (then _BodyTooLarge)."""
     size = 0
     async for chunk in request.content.iter_any():
         size += len(chunk)
         if size > limit:
             raise _BodyTooLarge
-        chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        yield chunk
 
 
 async def _read_review_in_pieces(
@@ -294,12 +298,9 @@ async def _read_review_in_pieces(
     """A large body parsed as it arrives, a piece at a time within ``share``: never held whole
     as bytes, and never costing the event loop more than one piece at once."""
     stream = JSONStream()
-    size, piece = 0, FIRST_PIECE_BYTES
+    piece = FIRST_PIECE_BYTES
     try:
-        async for chunk in request.content.iter_any():
-            size += len(chunk)
-            if size > limit:
-                raise _BodyTooLarge
+        async for chunk in _chunks(request, limit):
             start = 0
             while start < len(chunk):
                 spent = await share.run(stream.feed, chunk[start : start + piece])
@@ -452,6 +453,14 @@ class _ReadGate:
         if not self.shut:
             self._transport.resume_reading()
 
+    def shut_reading(self) -> bool:
+        """Pauses reading for good; whether it was open until now."""
+        if self.shut or self._transport.is_closing():
+            return False
+        self.shut = True
+        self._transport.pause_reading()
+        return True
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
 
@@ -482,7 +491,6 @@ class _Connection(asyncio.BufferedProtocol):
         self.busy = 0  # requests whose headers arrived and whose answer is not sent yet
         self.served = 0
         self.last_active = 0.0
-        self.dropping = False  # the rest of a large body answered early: read no more
         self._header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -504,8 +512,8 @@ class _Connection(asyncio.BufferedProtocol):
             self.data_received(bytes(view[start : min(nbytes, start + HANDED_ON_BYTES)]))
 
     def data_received(self, data: bytes) -> None:
-        if self.dropping:
-            return  # what was decrypted before reading paused
+        if self._reads is not None and self._reads.shut:
+            return  # the rest of a body answered early, decrypted before reading paused
         self.last_active = self.guard.now()
         if not self.busy and self._header_timer is None and self.transport is not None:
             self._header_timer = self.guard.header_deadline(self)
@@ -543,12 +551,8 @@ class _Connection(asyncio.BufferedProtocol):
         (an HTTP/1.1 client reads the answer while it still sends, as Go's does) before the
         connection is reset. Reading the rest would cost the event loop the decryption of up
         to ``max_body_bytes`` for nothing, and a graceful TLS close would read it too."""
-        if self.dropping or self.transport is None or self.transport.is_closing():
+        if self._reads is None or not self._reads.shut_reading():
             return
-        self.dropping = True
-        assert self._reads is not None
-        self._reads.shut = True
-        self.transport.pause_reading()
         asyncio.get_running_loop().call_later(LINGER_S, self.guard.close, self, "unread-body")
 
 
