@@ -1,9 +1,7 @@
 """open_quota: configuration, embedded mode, and what happens while the CRD is missing."""
 
 import asyncio
-import base64
 import contextlib
-import ssl
 from pathlib import Path
 from typing import Any
 
@@ -12,16 +10,15 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from certs.config import CertsConfig
 from core.admission import AdmissionRequest
-from fracgpu.serve import ServeConfig, run_server
+from fracgpu.serve import run_server
 from quota.config import QuotaConfig
 from quota.service import open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.kinds import DEFAULT_KINDS, GPUQUOTA
 from tests.quota_pods import gpu_pod, gpu_quota, review
+from tests.serving import in_cluster_config, issued_ca
 from tests.support import eventually, free_port
-from webhook.config import ServerConfig
 
 
 def test_config_rules() -> None:
@@ -101,28 +98,11 @@ async def test_serve_is_ready_for_mutation_without_the_crd(tmp_path: Path) -> No
     kinds = [k for k in DEFAULT_KINDS if k is not GPUQUOTA]
     async with FakeApiServer(kinds=kinds, namespaces=("default", "fracgpu")) as fake:
         port = free_port()
-        config = ServeConfig(
-            server=ServerConfig(host="127.0.0.1", port=port),
-            certs=CertsConfig(
-                mode="secret",
-                namespace="fracgpu",
-                hosts=["127.0.0.1"],
-                ips=["127.0.0.1"],
-                inject=False,
-            ),
-            kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
-            shutdown_delay_seconds=0,
-        )
+        config = in_cluster_config(fake, tmp_path, port)
         stop = asyncio.Event()
         server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
         try:
-            await eventually(
-                lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None
-            )
-            secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
-            assert secret is not None
-            bundle = base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
-            connector = aiohttp.TCPConnector(ssl=ssl.create_default_context(cadata=bundle))
+            connector = aiohttp.TCPConnector(ssl=await issued_ca(fake))
             async with aiohttp.ClientSession(connector=connector) as http:
                 statuses: list[int] = []
 

@@ -20,6 +20,7 @@ from certs.config import CertsConfig
 from fracgpu.serve import ServeConfig, _until_stopped, run_server
 from quota.config import QuotaConfig
 from tests.fakes.apiserver import FakeApiServer
+from tests.serving import in_cluster_config, issued_ca
 from tests.support import eventually, free_port
 from webhook.config import AdmissionConfig, ServerConfig
 
@@ -49,26 +50,10 @@ async def _in_cluster(
     """``fracgpu serve`` against the fake cluster, ready, with a client that trusts the CA it
     issued into its Secret; stopped at the end, which must be a clean exit."""
     port = free_port()
-    config = ServeConfig(
-        server=ServerConfig(host="127.0.0.1", port=port),
-        admission=admission,
-        certs=CertsConfig(
-            mode="secret",
-            namespace="fracgpu",
-            hosts=["127.0.0.1"],
-            ips=["127.0.0.1"],
-            inject=False,
-        ),
-        kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"),
-        shutdown_delay_seconds=0,
-    )
+    config = in_cluster_config(fake, tmp_path, port, admission)
     stop = asyncio.Event()
     server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
-    await eventually(lambda: fake.get("secrets", "fracgpu-webhook-tls", "fracgpu") is not None)
-    secret = fake.get("secrets", "fracgpu-webhook-tls", "fracgpu")
-    assert secret is not None
-    bundle = base64.b64decode(secret["data"]["ca-bundle.crt"]).decode()
-    ctx = ssl.create_default_context(cadata=bundle)
+    ctx = await issued_ca(fake)
     url = f"https://127.0.0.1:{port}"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
         assert await _ready(http, url)
