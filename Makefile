@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native run test test-fast lint typecheck unit bench clean
+.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down e2e
 
 setup: $(STAMP) native
 
@@ -25,7 +25,7 @@ run: setup
 lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests bench
+	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests bench hack
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
@@ -40,6 +40,24 @@ test-fast: setup
 
 # The whole test suite: lint, types, then every pytest suite (the native ones included).
 test: lint typecheck unit
+
+# The project's real cluster (hack/cluster, docs/testing.md): Kubernetes, etcd and containerd built
+# from Go modules; one node on loopback, as root. KUBE_VERSION picks 1.36 or 1.37 (the default).
+KUBE_VERSION ?= 1.37
+export KUBE_VERSION
+
+cluster:
+	hack/cluster/build.sh
+
+cluster-up: cluster
+	hack/cluster/up.sh
+
+cluster-down:
+	hack/cluster/down.sh
+
+# The e2e suite on that cluster, device-plugin mode then DRA mode; nothing may be skipped.
+e2e: setup cluster
+	hack/cluster/e2e.sh
 
 bench: setup
 	$(BIN)/python -m bench
