@@ -74,6 +74,9 @@ ENV_DEVICE_PLUGIN_DIR = "FRACGPU_E2E_DEVICE_PLUGIN_DIR"
 ENV_NODE_DIR = "FRACGPU_E2E_NODE_DIR"
 ENV_DRA_NODE = "FRACGPU_E2E_DRA_NODE"
 ENV_CDI_DIR = "FRACGPU_E2E_CDI_DIR"
+# The image every scenario's containers run: on an air-gapped cluster, one its nodes already hold.
+ENV_IMAGE = "FRACGPU_E2E_IMAGE"
+DEFAULT_IMAGE = "registry.k8s.io/pause:3.10"
 
 # A label that only this run's objects carry: the webhook configurations select namespaces by it,
 # so a run never touches any other namespace of a shared cluster, and leftovers can be found.

@@ -20,8 +20,9 @@ names, so kubelet must see it at the same path), and FRACGPU_E2E_CDI_DIR (defaul
 is where the node's container runtime reads CDI specs.
 
 The cards come from the project's fake NVML (tests/fakes/nvml, compiled here); their device
-nodes are symbolic links to /dev/null, which the runtime resolves on the node. Containers run
-the pause image, which never loads the hook.
+nodes are character devices with /dev/null's numbers: a runtime that applies CDI (containerd
+2.x) refuses a device path that is not a device node, a symbolic link to /dev/null included.
+Containers run the pause image, which never loads the hook.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 import urllib.error
@@ -136,10 +138,11 @@ class NodeAgent:
         (self.host_root / "lib").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(HOOK, self.host_root / "lib" / HOOK.name)
         self.dev_root.mkdir(parents=True, exist_ok=True)
+        null = os.stat("/dev/null").st_rdev
         for name in [*(f"nvidia{c.minor}" for c in self.cards), *CONTROL_DEVICES]:
-            link = self.dev_root / name
-            link.unlink(missing_ok=True)
-            link.symlink_to("/dev/null")
+            node = self.dev_root / name
+            node.unlink(missing_ok=True)
+            os.mknod(node, 0o666 | stat.S_IFCHR, null)
         self.nvml = FakeNvml(self.root, self.cards)
 
     def command(self) -> list[str]:

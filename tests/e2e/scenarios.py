@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,13 +11,13 @@ import jsonpatch
 import yaml
 
 from quota.offline import QuotaDecision, review_pods_async
-from tests.e2e.harness import ADMISSION
+from tests.e2e.harness import ADMISSION, DEFAULT_IMAGE, ENV_IMAGE
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator, Outcome
 
 Obj = dict[str, Any]
-IMAGE = "registry.k8s.io/pause:3.10"
+IMAGE = os.environ.get(ENV_IMAGE) or DEFAULT_IMAGE
 # Pods of the admission and quota scenarios are never scheduled: nothing has this label.
 NOWHERE = {"fracgpu.io/e2e-never": "true"}
 

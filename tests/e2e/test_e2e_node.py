@@ -89,9 +89,14 @@ def _condition(pod: Obj, kind: str) -> bool:
 
 
 def granted(pod: Obj) -> tuple[int, int]:
-    """The (core, memory blocks) the API server stored for the pod's container."""
+    """The (core, memory MiB per card) the API server stored for the pod's container. Whole
+    cards carry fracgpu.io/core alone (the webhook's canonical form) and get each card whole."""
     limits = pod["spec"]["containers"][0]["resources"]["limits"]
-    return int(limits[CORE]), int(limits[MEMORY])
+    core = int(limits[CORE])
+    if MEMORY not in limits:
+        assert core % 100 == 0, f"a share without {MEMORY}: {limits}"
+        return core, CARDS[0].memory_mib
+    return core, int(limits[MEMORY]) * BLOCK_MIB // max(core // 100, 1)
 
 
 ALLOCATIONS = [
@@ -108,13 +113,13 @@ def test_pod_runs_with_the_limits_it_was_granted(
     since = time.time() - 1
     stored = create(kubectl, node_namespace, node_pod("gpu", agent.node, limits))
     wait_running(kubectl, node_namespace, "gpu", agent)
-    core, blocks = granted(stored)
+    core, mib_per_card = granted(stored)
     cards = max(core // 100, 1)
     (written,) = agent.limits(since)
     assert len(written.devices) == cards
     assert set(written.devices) <= {c.uuid for c in CARDS}
     assert written.compute_percent == min(core, 100)
-    assert written.memory_bytes == blocks // cards * BLOCK_MIB * MIB
+    assert written.memory_bytes == mib_per_card * MIB
 
 
 def test_capacity_of_deleted_pods_is_usable_again(
