@@ -13,6 +13,7 @@ import functools
 from typing import Any
 
 import celpy
+import jsonpatch
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -350,6 +351,46 @@ def test_quota_condition_sends_canonical_pods_only() -> None:
     assert cond(pod(init=[container(canonical)]))
     assert not cond(pod(containers=[container({"cpu": "1"})]))
     assert not cond(pod(containers=[container(env=[{"name": VISIBLE_DEVICES, "value": "0"}])]))
+
+
+@pytest.mark.parametrize(
+    "limits",
+    [
+        pytest.param({"fracgpu.io/gpu": "0.5"}, id="a share"),
+        pytest.param(
+            {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "4Gi"}, id="a share with memory"
+        ),
+        pytest.param({"fracgpu.io/gpumem": "8Gi"}, id="memory only"),
+        pytest.param({"fracgpu.io/gpu": "2"}, id="two whole cards"),
+    ],
+)
+@pytest.mark.parametrize("overlay", ["default", "dra"])
+def test_quota_condition_sends_gpu_pods_as_the_mutating_webhook_left_them(
+    overlay: str, limits: Obj
+) -> None:
+    """kube-apiserver evaluates a validating webhook's conditions on the object after every
+    mutation; in DRA mode the mutation has replaced the fracgpu.io/ keys with claims, and a
+    condition on the keys alone would never call the quota webhook (seen on a real 1.36 server)."""
+    from webhook.resources import Card
+
+    config = AdmissionConfig(allocation="dra")
+    mutator = Mutator(
+        config,
+        Inventory({"Tesla T4": 15360}),
+        claim_models=lambda: {"Tesla T4": Card("Tesla T4", 15360)},
+    )
+    made = pod(containers=[container(limits)])
+    outcome = mutator.mutate(made, "", "Pod")
+    assert outcome.allowed, outcome.errors
+    mutated = jsonpatch.apply_patch(made, outcome.patch)
+    assert mutated["spec"].get("resourceClaims"), "the DRA mutation names a claim"
+    assert _condition(_validating(overlay))(mutated)
+
+
+def test_quota_condition_sends_pods_with_hand_written_claims() -> None:
+    made = pod()
+    made["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimName": "mine"}]
+    assert _condition(_validating())(made)
 
 
 # The resource names and env vars a generated pod may use: the webhook's own, the dialects',
