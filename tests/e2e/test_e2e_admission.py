@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from core.units import CANONICAL, DOMAIN, REQUEST_ANNOTATION
+from core.units import CANONICAL, CORE, DOMAIN, REQUEST_ANNOTATION
 from tests.e2e.harness import Kubectl, LocalWebhook, Run
 from tests.e2e.scenarios import deployment, expected, gpu_pod, manifest, plain_pod, pod
 
@@ -82,6 +82,18 @@ def test_gpu_pod_is_stored_in_the_canonical_form(
     kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(obj))
     stored = kubectl.get("pod", "gpu", namespace)
     assert_admitted_like_the_code(stored, want)
+
+
+@pytest.mark.parametrize("cards", ["1", "2"])
+def test_whole_cards_are_stored_with_core_alone(
+    kubectl: Kubectl, namespace: str, cards: str
+) -> None:
+    """A whole card is all of the card: its pod carries fracgpu.io/core and no memory resource
+    (a scenario once expected fracgpu.io/memory there, and only the real cluster said no)."""
+    kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(gpu_pod("whole", cards)))
+    limits = kubectl.get("pod", "whole", namespace)["spec"]["containers"][0]["resources"]["limits"]
+    assert sorted(k for k in limits if k.startswith(f"{DOMAIN}/")) == [CORE]
+    assert limits[CORE] == str(100 * int(cards))
 
 
 def test_the_users_request_is_kept_beside_the_canonical_resources(

@@ -325,3 +325,61 @@ def test_a_gpu_quota_counts_claims(agent: DraAgent, kubectl: Kubectl, dra_namesp
         f'denied the request: GPU quota exceeded in namespace "{dra_namespace}"' in refused.stderr
     )
     assert kubectl("get", "pod", "over", "-n", dra_namespace).returncode != 0
+
+
+# --- what the real cluster showed and the fakes did not ------------------------------------------
+
+# The implicit extended resource every DeviceClass has (KEP-5004; on by default in 1.36, GA in
+# 1.37): the scheduler, not the user, makes the claim, after admission.
+CLASS_RESOURCE = f"deviceclass.resource.kubernetes.io/{dra.DEVICE_CLASS}"
+OPEN_DRA_ISSUE = (
+    "DRA mode on a real cluster: every way to a fracgpu card counted, CDI applied, each share "
+    "visible in its claim; DRA the default where the cluster has it"
+)
+
+
+def test_the_quota_webhook_sees_the_pod_as_the_mutation_left_it(
+    dra_run: Run, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """kube-apiserver evaluates a validating webhook's matchConditions on the object after every
+    mutating webhook: in DRA mode the pod then names a claim instead of fracgpu.io/ keys, and the
+    quota webhook must still be called (the fake API server once evaluated the object before)."""
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-",
+               stdin=manifest(gpu_quota("small", gpu="0.2")))  # fmt: skip
+    refused = kubectl(
+        "create", "--dry-run=server", "-n", dra_namespace, "-f", "-",
+        stdin=manifest(gpu_pod("over", "0.5")),
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert 'admission webhook "quota.fracgpu.io' in refused.stderr, refused.stderr
+
+
+def _class_resource_pod(name: str, node: str, cards: int) -> Obj:
+    obj = node_pod(name, node, {})
+    obj["spec"]["containers"][0]["resources"] = {"limits": {CLASS_RESOURCE: str(cards)}}
+    return obj
+
+
+def test_the_scheduler_claims_a_card_for_the_device_class_extended_resource(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """No webhook sees a claim here: the scheduler makes it, for whole devices of the class."""
+    create(kubectl, dra_namespace, _class_resource_pod("implicit", agent.node, 1))
+    wait_running(kubectl, dra_namespace, "implicit", agent)
+    status = kubectl.get("pod", "implicit", dra_namespace)["status"]
+    made = status["extendedResourceClaimStatus"]["resourceClaimName"]
+    claim = kubectl.get("resourceclaim", made, dra_namespace)
+    assert [r["driver"] for r in results(claim)] == [dra.DRIVER]
+
+
+@pytest.mark.xfail(reason=OPEN_DRA_ISSUE, strict=True)
+def test_a_gpu_quota_counts_the_device_class_extended_resource(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-",
+               stdin=manifest(gpu_quota("half", gpu="0.5")))  # fmt: skip
+    refused = kubectl(
+        "create", "-n", dra_namespace, "-f", "-",
+        stdin=manifest(_class_resource_pod("two", agent.node, 2)),
+    )  # fmt: skip
+    assert refused.returncode != 0, "two whole cards were admitted under a 0.5-card GPUQuota"
