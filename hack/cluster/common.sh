@@ -24,7 +24,7 @@ R="$FRACGPU_CLUSTER_STATE"
 for g in /usr/local/go/bin/go "$(command -v go 2>/dev/null)"; do
     [[ -x $g ]] && { GO="$g"; break; }
 done
-export GOTOOLCHAIN=local GOMODCACHE="$C/go/mod" GOCACHE="$C/go/cache" GOFLAGS=-trimpath
+export GOTOOLCHAIN=local GOMODCACHE="$C/go/mod" GOCACHE="$C/go/cache" GOFLAGS="-trimpath -buildvcs=false"
 
 MODULES="$HACK/modules"
 TOOLS_BIN="$C/cluster/tools"            # etcd, containerd, its shim, ctr: one build for every version

@@ -34,7 +34,7 @@ stop() {
 shims() {
     local d
     for d in /proc/[0-9]*; do
-        tr '\0' ' ' <"$d/cmdline" 2>/dev/null | grep -qF -- "-address $CONTAINERD_SOCKET " && echo "${d#/proc/}"
+        tr '\0' ' ' 2>/dev/null <"$d/cmdline" | grep -qF -- "-address $CONTAINERD_SOCKET " && echo "${d#/proc/}"
     done
 }
 
