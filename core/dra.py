@@ -27,6 +27,11 @@ TEMPLATE_PREFIX = "fracgpu-"
 MAX_SUBREQUESTS = 8
 """The API server's limit on ``firstAvailable`` alternatives in one device request."""
 
+EXTENDED_RESOURCE_PREFIX = "deviceclass.resource.kubernetes.io/"
+"""Every DeviceClass can be asked for as an extended resource of this prefix and its name
+(KEP-5004): the scheduler then makes the claim."""
+DEVICE_CLASS_RESOURCE = f"{EXTENDED_RESOURCE_PREFIX}{DEVICE_CLASS}"
+
 API_GROUP = "resource.k8s.io"
 API_VERSION = f"{API_GROUP}/v1"
 

@@ -26,6 +26,8 @@ from webhook.config import AdmissionConfig, ServerConfig
 from webhook.inventory import Inventory
 from webhook.mutation import EPHEMERAL, TEMPLATE_PATHS, Mutator
 from webhook.resources import (
+    ALWAYS_ON,
+    DEVICE_CLASS_GPU,
     DIALECT_RESOURCES,
     OPTIONAL_DIALECTS,
     Dialect,
@@ -228,10 +230,8 @@ DIALECT_ONLY = sorted(input_resources(OPTIONAL_DIALECTS) - input_resources(enabl
 
 
 def test_sample_resources_are_the_webhooks_own() -> None:
-    assert (
-        sorted(DIALECT_RESOURCES[Dialect.FRACGPU] + DIALECT_RESOURCES[Dialect.CANONICAL]) == ALWAYS
-    )
-    assert all(name.startswith("fracgpu.io/") for name in ALWAYS)
+    assert sorted(r for d in ALWAYS_ON for r in DIALECT_RESOURCES[d]) == ALWAYS
+    assert all(name.startswith("fracgpu.io/") or name == DEVICE_CLASS_GPU for name in ALWAYS)
     assert not any(name.startswith("fracgpu.io/") for name in DIALECT_ONLY)
 
 

@@ -17,7 +17,7 @@ from webhook.claims import ClaimPlan, TemplateError
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
-from webhook.resources import Card
+from webhook.resources import DEVICE_CLASS_GPU, Card
 
 SLICE_MODELS = {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
 
@@ -78,6 +78,19 @@ def test_a_share_becomes_a_claim_from_a_shared_template() -> None:
     # The grant's variables come from the node (the claim's CDI spec), which knows the card.
     assert "env" not in container
     assert "fracgpu.io/request" in out["metadata"]["annotations"]
+
+
+def test_the_device_class_extended_resource_becomes_whole_cards_in_a_claim() -> None:
+    """Left alone, the scheduler would make this claim after admission, unseen by the quota."""
+    out = apply(mutator(), pod({DEVICE_CLASS_GPU: "2", "cpu": "1"}))
+    spec = out["spec"]
+    assert spec["resourceClaims"] == [
+        {"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-cards-2"}
+    ]
+    assert spec["containers"][0]["resources"] == {
+        "limits": {"cpu": "1"},
+        "claims": [{"name": "gpu-0"}],
+    }
 
 
 def test_the_mutated_pod_is_a_valid_kubernetes_1_36_pod() -> None:

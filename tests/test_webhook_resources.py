@@ -12,7 +12,14 @@ from hypothesis import strategies as st
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
-from webhook.resources import DEFAULT_MAX_CARDS, Card, CardChoice, Dialect, normalise_container
+from webhook.resources import (
+    DEFAULT_MAX_CARDS,
+    DEVICE_CLASS_GPU,
+    Card,
+    CardChoice,
+    Dialect,
+    normalise_container,
+)
 
 H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
 L4 = Card("NVIDIA-L4", 23034)  # 89 blocks
@@ -93,6 +100,8 @@ VALID = [
         {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "30"}, 50, 30, id="tke-share"
     ),
     pytest.param({"tencent.com/vcuda-core": "200"}, 200, 0, id="tke-two-cards"),
+    pytest.param({DEVICE_CLASS_GPU: "1"}, 100, 0, id="device-class-one-card"),
+    pytest.param({DEVICE_CLASS_GPU: 2}, 200, 0, id="device-class-two-cards-yaml-int"),
 ]
 
 
@@ -108,6 +117,16 @@ GPU_RULE = (
 
 INVALID = [
     pytest.param({"fracgpu.io/gpu": "1.5"}, GPU_RULE + "1.5", id="one-and-a-half"),
+    pytest.param(
+        {DEVICE_CLASS_GPU: "0.5"},
+        f"{DEVICE_CLASS_GPU} must be a whole number of cards; got 0.5",
+        id="device-class-share",
+    ),
+    pytest.param(
+        {DEVICE_CLASS_GPU: "1", "fracgpu.io/gpumem": "8Gi"},
+        "mixes resources of different vocabularies",
+        id="device-class-with-memory",
+    ),
     pytest.param({"fracgpu.io/gpu": "1500m"}, GPU_RULE + "1.5", id="one-and-a-half-milli"),
     pytest.param({"fracgpu.io/gpu": "2.7"}, GPU_RULE + "2.7", id="two-point-seven"),
     pytest.param({"fracgpu.io/gpu": "0.333"}, GPU_RULE + "0.333", id="three-decimals"),

@@ -34,6 +34,7 @@ from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
+from core import dra
 from core.contract import MAX_DEVICES
 from core.labels import PRODUCT_LABEL
 from core.quantity import MAX_CHARS, Quantity, QuantityError, format_decimal, parse_quantity
@@ -63,6 +64,10 @@ HAMI_MEM = "nvidia.com/gpumem"
 HAMI_MEM_PERCENTAGE = "nvidia.com/gpumem-percentage"
 TKE_CORE = "tencent.com/vcuda-core"
 TKE_MEMORY = "tencent.com/vcuda-memory"
+# The extended resource Kubernetes gives fracgpu's DeviceClass (KEP-5004; on by default in 1.36,
+# GA in 1.37): a pod that asks for it would get whole cards from a claim the scheduler makes after
+# admission, which neither webhook sees. The webhook takes it as whole cards in fracgpu's form.
+DEVICE_CLASS_GPU = dra.DEVICE_CLASS_RESOURCE
 
 
 class Dialect(StrEnum):
@@ -70,6 +75,7 @@ class Dialect(StrEnum):
     CANONICAL = "canonical"
     HAMI = "hami"
     TKESTACK = "tkestack"
+    DEVICE_CLASS = "device-class"
 
 
 DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
@@ -77,9 +83,12 @@ DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
     Dialect.CANONICAL: CANONICAL,
     Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE),
     Dialect.TKESTACK: (TKE_CORE, TKE_MEMORY),
+    Dialect.DEVICE_CLASS: (DEVICE_CLASS_GPU,),
 }
-# The dialects that can be switched off; ours and the canonical form are always understood.
+# The dialects that can be switched off; ours, the canonical form and the DeviceClass's extended
+# resource (a way to a card that must never go uncounted) are always understood.
 OPTIONAL_DIALECTS = frozenset({Dialect.HAMI, Dialect.TKESTACK})
+ALWAYS_ON = frozenset({Dialect.FRACGPU, Dialect.CANONICAL, Dialect.DEVICE_CLASS})
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,7 +195,7 @@ def enabled(dialects: Iterable[Dialect]) -> tuple[Dialect, ...]:
 
 @lru_cache(maxsize=16)
 def _enabled(dialects: frozenset[Dialect]) -> tuple[Dialect, ...]:
-    chosen = {Dialect.FRACGPU, Dialect.CANONICAL, *dialects}
+    chosen = {*ALWAYS_ON, *dialects}
     return tuple(d for d in Dialect if d in chosen)
 
 
@@ -474,6 +483,13 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> Ask | None:
     )
 
 
+def _parse_device_class(name: str, asked: Mapping[str, Any]) -> Ask | None:
+    count = _count(name, DEVICE_CLASS_GPU, asked[DEVICE_CLASS_GPU], "cards")
+    if count == 0:
+        return None
+    return Ask(core=count * CORE_PER_CARD, core_key=DEVICE_CLASS_GPU, core_shown=str(count))
+
+
 _DIALECT_OF = {name: d for d, names in DIALECT_RESOURCES.items() for name in names}
 
 _PARSERS = {
@@ -481,6 +497,7 @@ _PARSERS = {
     Dialect.CANONICAL: _parse_canonical,
     Dialect.HAMI: _parse_hami,
     Dialect.TKESTACK: _parse_tke,
+    Dialect.DEVICE_CLASS: _parse_device_class,
 }
 
 

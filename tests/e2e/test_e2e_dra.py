@@ -330,12 +330,8 @@ def test_a_gpu_quota_counts_claims(agent: DraAgent, kubectl: Kubectl, dra_namesp
 # --- what the real cluster showed and the fakes did not ------------------------------------------
 
 # The implicit extended resource every DeviceClass has (KEP-5004; on by default in 1.36, GA in
-# 1.37): the scheduler, not the user, makes the claim, after admission.
-CLASS_RESOURCE = f"deviceclass.resource.kubernetes.io/{dra.DEVICE_CLASS}"
-OPEN_DRA_ISSUE = (
-    "DRA mode on a real cluster: every way to a fracgpu card counted, CDI applied, each share "
-    "visible in its claim; DRA the default where the cluster has it"
-)
+# 1.37): left alone, the scheduler makes its claim after admission, where no webhook sees it.
+CLASS_RESOURCE = dra.DEVICE_CLASS_RESOURCE
 
 
 def test_the_quota_webhook_sees_the_pod_as_the_mutation_left_it(
@@ -360,26 +356,40 @@ def _class_resource_pod(name: str, node: str, cards: int) -> Obj:
     return obj
 
 
-def test_the_scheduler_claims_a_card_for_the_device_class_extended_resource(
-    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+def test_without_fracgpu_the_scheduler_claims_a_card_for_the_device_class_resource(
+    agent: DraAgent, kubectl: Kubectl
 ) -> None:
-    """No webhook sees a claim here: the scheduler makes it, for whole devices of the class."""
-    create(kubectl, dra_namespace, _class_resource_pod("implicit", agent.node, 1))
-    wait_running(kubectl, dra_namespace, "implicit", agent)
-    status = kubectl.get("pod", "implicit", dra_namespace)["status"]
-    made = status["extendedResourceClaimStatus"]["resourceClaimName"]
-    claim = kubectl.get("resourceclaim", made, dra_namespace)
-    assert [r["driver"] for r in results(claim)] == [dra.DRIVER]
+    """What Kubernetes does with the extended resource in a namespace no fracgpu webhook
+    selects: the scheduler makes a claim of the class and the pod runs on a fracgpu card. This is
+    the way around admission that the webhook closes in its own namespaces (next test)."""
+    namespace = f"fracgpu-e2e-plain-{secrets.token_hex(3)}"
+    kubectl.ok("create", "namespace", namespace)
+    try:
+        create(kubectl, namespace, _class_resource_pod("implicit", agent.node, 1))
+        wait_running(kubectl, namespace, "implicit", agent)
+        status = kubectl.get("pod", "implicit", namespace)["status"]
+        made = status["extendedResourceClaimStatus"]["resourceClaimName"]
+        claim = kubectl.get("resourceclaim", made, namespace)
+        assert [r["driver"] for r in results(claim)] == [dra.DRIVER]
+    finally:
+        kubectl("delete", "pods", "--all", "-n", namespace, "--grace-period=0", "--force")
+        wait_for(lambda: not claims(kubectl, namespace), 60, lambda: f"claims of {namespace}")
+        kubectl("delete", "namespace", namespace, "--wait=false")
 
 
-@pytest.mark.xfail(reason=OPEN_DRA_ISSUE, strict=True)
-def test_a_gpu_quota_counts_the_device_class_extended_resource(
+def test_the_device_class_resource_is_whole_cards_counted_by_the_quota(
     agent: DraAgent, kubectl: Kubectl, dra_namespace: str
 ) -> None:
     kubectl.ok("create", "-n", dra_namespace, "-f", "-",
-               stdin=manifest(gpu_quota("half", gpu="0.5")))  # fmt: skip
+               stdin=manifest(gpu_quota("team", gpu="1.5")))  # fmt: skip
+    create(kubectl, dra_namespace, _class_resource_pod("one", agent.node, 1))
+    wait_running(kubectl, dra_namespace, "one", agent)
+    stored = kubectl.get("pod", "one", dra_namespace)
+    assert CLASS_RESOURCE not in stored["spec"]["containers"][0]["resources"].get("limits", {})
+    assert len(cards_of(kubectl, dra_namespace, "one")) == 1
     refused = kubectl(
         "create", "-n", dra_namespace, "-f", "-",
         stdin=manifest(_class_resource_pod("two", agent.node, 2)),
     )  # fmt: skip
-    assert refused.returncode != 0, "two whole cards were admitted under a 0.5-card GPUQuota"
+    assert refused.returncode != 0, "two more whole cards were admitted under a 1.5-card GPUQuota"
+    assert "GPU quota exceeded" in refused.stderr, refused.stderr
