@@ -122,17 +122,22 @@ def test_pod_runs_with_the_limits_it_was_granted(
     assert written.memory_bytes == mib_per_card * MIB
 
 
+def run_half_cards(agent: NodeAgent, kubectl: Kubectl, namespace: str) -> None:
+    """Two 0.5-card pods per card with 1 GiB each, created at once, until all run."""
+    names = [f"small-{i}" for i in range(2 * len(CARDS))]
+    for name in names:
+        limits = {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}
+        create(kubectl, namespace, node_pod(name, agent.node, limits))
+    for name in names:
+        wait_running(kubectl, namespace, name, agent)
+
+
 def test_capacity_of_deleted_pods_is_usable_again(
     agent: NodeAgent, kubectl: Kubectl, node_namespace: str
 ) -> None:
     # Two 0.5-card pods with little memory per card: every card's compute is used up while
     # most of its memory is free, the case where a plugin must not keep advertising less.
-    names = [f"small-{i}" for i in range(2 * len(CARDS))]
-    for name in names:
-        limits = {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}
-        create(kubectl, node_namespace, node_pod(name, agent.node, limits))
-    for name in names:
-        wait_running(kubectl, node_namespace, name, agent)
+    run_half_cards(agent, kubectl, node_namespace)
     kubectl.ok("delete", "pods", "--all", "-n", node_namespace, "--grace-period=0", "--force")
     wait_for(lambda: not pods(kubectl, node_namespace), 60, lambda: "the pods were not deleted")
     create(kubectl, node_namespace, node_pod("after", agent.node, {"fracgpu.io/gpu": "0.5"}))
@@ -181,9 +186,4 @@ def test_no_share_fails_right_after_a_multi_card_pod_is_freed(
     wait_running(kubectl, node_namespace, "wide", agent)
     kubectl.ok("delete", "pod", "wide", "-n", node_namespace, "--grace-period=0", "--force")
     wait_for(lambda: not pods(kubectl, node_namespace), 60, lambda: "the pod was not deleted")
-    names = [f"small-{i}" for i in range(2 * len(CARDS))]
-    for name in names:
-        limits = {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}
-        create(kubectl, node_namespace, node_pod(name, agent.node, limits))
-    for name in names:
-        wait_running(kubectl, node_namespace, name, agent)
+    run_half_cards(agent, kubectl, node_namespace)
