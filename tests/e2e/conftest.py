@@ -41,8 +41,8 @@ from tests.e2e.scenarios import gpu_pod
 
 _HERE = Path(__file__).parent
 SKIP_REASON = (
-    f"e2e: needs a real cluster; set {ENV_KUBECONFIG} to its kubeconfig path "
-    "(docs/testing.md: kind, k3d or any cluster)"
+    f"e2e: needs a real cluster; `make e2e` builds and runs one, or set {ENV_KUBECONFIG} to a "
+    "cluster's kubeconfig path (docs/testing.md)"
 )
 
 

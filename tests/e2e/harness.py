@@ -77,6 +77,10 @@ ENV_CDI_DIR = "FRACGPU_E2E_CDI_DIR"
 # The image every scenario's containers run: on an air-gapped cluster, one its nodes already hold.
 ENV_IMAGE = "FRACGPU_E2E_IMAGE"
 DEFAULT_IMAGE = "registry.k8s.io/pause:3.10"
+# An image with a shell and busybox's tools (sh, cat, ls, env, sleep), for the scenarios that look
+# inside a running container.
+ENV_SHELL_IMAGE = "FRACGPU_E2E_SHELL_IMAGE"
+DEFAULT_SHELL_IMAGE = "docker.io/library/busybox:1.36"
 
 # A label that only this run's objects carry: the webhook configurations select namespaces by it,
 # so a run never touches any other namespace of a shared cluster, and leftovers can be found.

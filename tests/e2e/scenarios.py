@@ -11,13 +11,20 @@ import jsonpatch
 import yaml
 
 from quota.offline import QuotaDecision, review_pods_async
-from tests.e2e.harness import ADMISSION, DEFAULT_IMAGE, ENV_IMAGE
+from tests.e2e.harness import (
+    ADMISSION,
+    DEFAULT_IMAGE,
+    DEFAULT_SHELL_IMAGE,
+    ENV_IMAGE,
+    ENV_SHELL_IMAGE,
+)
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator, Outcome
 
 Obj = dict[str, Any]
 IMAGE = os.environ.get(ENV_IMAGE) or DEFAULT_IMAGE
+SHELL_IMAGE = os.environ.get(ENV_SHELL_IMAGE) or DEFAULT_SHELL_IMAGE
 # Pods of the admission and quota scenarios are never scheduled: nothing has this label.
 NOWHERE = {"fracgpu.io/e2e-never": "true"}
 

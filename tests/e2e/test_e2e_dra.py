@@ -15,6 +15,7 @@ own code from the cluster's slices and claims, never written into the test.
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -22,7 +23,8 @@ from typing import Any
 
 import pytest
 
-from core import dra
+from core import contract, dra
+from core.units import ENV_GPU
 from tests.e2e.harness import (
     ADMISSION_DRA,
     ENV_DRA_NODE,
@@ -47,7 +49,7 @@ from tests.e2e.nodeagent import (
     wait_for,
     wait_running,
 )
-from tests.e2e.scenarios import gpu_pod, gpu_quota, manifest
+from tests.e2e.scenarios import SHELL_IMAGE, gpu_pod, gpu_quota, manifest
 from webhook.waiting import REASON, asks_of, explain, free_cards
 
 Obj = dict[str, Any]
@@ -393,3 +395,36 @@ def test_the_device_class_resource_is_whole_cards_counted_by_the_quota(
     )  # fmt: skip
     assert refused.returncode != 0, "two more whole cards were admitted under a 1.5-card GPUQuota"
     assert "GPU quota exceeded" in refused.stderr, refused.stderr
+
+
+def test_a_share_reaches_its_container_through_cdi_and_nothing_else_does(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """The runtime (containerd 2 here) applies the claim's CDI spec: looked at from inside the
+    container, the hook is preloaded, the limits file is the claim's, the one device node and
+    device list entry are the claim's card, and no other card of the node is there."""
+    obj = node_pod("inside", agent.node, share("0.3", "4Gi"))
+    obj["spec"]["containers"][0].update(image=SHELL_IMAGE, command=["sleep", "3600"])
+    create(kubectl, dra_namespace, obj)
+    wait_running(kubectl, dra_namespace, "inside", agent)
+    claim = claim_of(kubectl, dra_namespace, "inside")
+    (device,) = [r["device"] for r in results(claim)]
+    card = CARDS[int(device.removeprefix("gpu-"))]
+    cores, memory_bytes = consumed(claim)
+
+    def inside(*command: str) -> str:
+        return kubectl.ok("exec", "-n", dra_namespace, "inside", "--", *command)
+
+    preload = inside("cat", contract.LD_SO_PRELOAD).split()
+    assert preload == [contract.CONTAINER_HOOK_LIBRARY]
+    assert inside("ls", contract.CONTAINER_HOOK_LIBRARY).strip() == contract.CONTAINER_HOOK_LIBRARY
+    limits = contract.Limits.parse(
+        inside("cat", f"{contract.CONTAINER_LIMITS_DIR}/{contract.LIMITS_FILE}")
+    )
+    assert limits == contract.Limits((card.uuid,), memory_bytes, cores)
+    cards_seen = sorted(n for n in inside("ls", "/dev").split() if re.fullmatch(r"nvidia\d+", n))
+    assert cards_seen == [f"nvidia{card.minor}"]
+    assert inside("ls", contract.DEVICE_LIST_MOUNT_ROOT).split() == [card.uuid]
+    env = dict(line.split("=", 1) for line in inside("env").splitlines() if "=" in line)
+    assert env[contract.VISIBLE_DEVICES_ENV] == contract.DEVICE_LIST_MOUNT_ROOT
+    assert env[ENV_GPU] == "0.3"
