@@ -146,6 +146,7 @@ async def run_server(
             registry=registry,
             card_memory=card_memory,
             planned_templates=templates.planned if templates else None,
+            most_cards=models.most_cards_on_a_node if models else None,
             peer_ca=certificates.ca_bundle_pem,
             peer_name=config.certs.service_dns_names()[2],
         )

@@ -10,7 +10,11 @@ class), so the same GPUQuota and the same denials apply in both modes:
 * a request with no capacity takes whole cards (the slice's defaults are the whole card):
   ``count`` × 100 hundredths and the memory of the largest card it may land on;
 * ``firstAvailable`` charges the largest of its alternatives (any of them may be allocated: the
-  quota must hold whichever it is).
+  quota must hold whichever it is);
+* ``allocationMode: All`` takes every matching card of the node it lands on: it charges the
+  most fracgpu cards any node publishes (the cluster's ResourceSlices), or, while no node
+  publishes any, the most cards one container can be given (``MAX_DEVICES``), since a node that
+  joins later may have that many.
 
 A claim is counted once per pod however many containers share it. Template and claim specs are
 immutable, so they are read once and remembered (bounded).
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core import dra
+from core.contract import MAX_DEVICES
 from core.kube import RESOURCE_CLAIM_TEMPLATES, RESOURCE_CLAIMS, Api, KubeNotFound, call_json
 from core.quantity import QuantityError, parse_quantity
 from core.units import BLOCK_MIB, CORE_PER_CARD, MIB, card_blocks, ceil_div
@@ -31,6 +36,7 @@ _CACHE_SIZE = 4096
 TEMPLATE, CLAIM = "template", "claim"
 Ref = tuple[str, str, str]  # (namespace, TEMPLATE or CLAIM, name)
 Planned = Callable[[str, str], Mapping[str, Any] | None]  # (namespace, template) -> claim spec
+MostCards = Callable[[], int | None]  # the most fracgpu cards one node has (None: no node known)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +90,14 @@ def _number(raw: object) -> int | None:
         return None
 
 
-def _option_charge(option: Mapping[str, Any], card_mib: int | None) -> tuple[int, int, int]:
+def _option_charge(
+    option: Mapping[str, Any], card_mib: int | None, most_cards: int | None
+) -> tuple[int, int, int]:
     """(hundredths, blocks, unsized cards) of one exact request or alternative."""
-    count = option.get("count") if isinstance(option.get("count"), int) else 1
-    assert isinstance(count, int)
+    raw = option.get("count")
+    count = raw if isinstance(raw, int) else 1
+    if option.get("allocationMode") == "All":
+        count = MAX_DEVICES if most_cards is None else most_cards
     wanted = (option.get("capacity") or {}).get("requests") or {}
     if not wanted:
         if card_mib is None:
@@ -103,8 +113,11 @@ def _option_charge(option: Mapping[str, Any], card_mib: int | None) -> tuple[int
     return count * core, count * ceil_div(memory, BLOCK_MIB * MIB), 0
 
 
-def charge_of(specs: Iterable[Mapping[str, Any]], card_mib: int | None) -> ClaimCharge:
-    """The charge of claim specs (a ResourceClaim's ``spec``, or a template's ``spec.spec``)."""
+def charge_of(
+    specs: Iterable[Mapping[str, Any]], card_mib: int | None, most_cards: int | None = None
+) -> ClaimCharge:
+    """The charge of claim specs (a ResourceClaim's ``spec``, or a template's ``spec.spec``);
+    ``most_cards``: the most fracgpu cards one node has, for ``allocationMode: All``."""
     core = blocks = unsized = 0
     for spec in specs:
         for request in (spec.get("devices") or {}).get("requests") or []:
@@ -116,7 +129,7 @@ def charge_of(specs: Iterable[Mapping[str, Any]], card_mib: int | None) -> Claim
             ours = [o for o in options if o.get("deviceClassName") == dra.DEVICE_CLASS]
             if not ours:
                 continue
-            charges = [_option_charge(o, card_mib) for o in ours]
+            charges = [_option_charge(o, card_mib, most_cards) for o in ours]
             core += max(c[0] for c in charges)
             blocks += max(c[1] for c in charges)
             unsized += max(c[2] for c in charges)
@@ -132,11 +145,13 @@ class ClaimSpecs:
         *,
         request_timeout_s: float = 2.0,
         planned: Planned | None = None,
+        most_cards: MostCards | None = None,
     ) -> None:
         self.api = api
         self.request_timeout_s = request_timeout_s
         # Templates admission planned in this process but did not make (a dry run makes none).
         self.planned = planned
+        self.most_cards = most_cards
         self._specs: dict[Ref, Mapping[str, Any] | None] = {}
 
     def get(self, ref: Ref) -> Mapping[str, Any] | None:
@@ -178,5 +193,5 @@ class ClaimSpecs:
             return None
         specs = [spec for ref in refs if (spec := self._specs.get(ref)) is not None]
         missing = tuple(f"{ref[1]} {ref[2]}" for ref in refs if self._specs.get(ref) is None)
-        found = charge_of(specs, card_mib)
+        found = charge_of(specs, card_mib, self.most_cards() if self.most_cards else None)
         return ClaimCharge(found.core, found.blocks, found.unsized_cards, missing)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry
 
 from core.kube import Api
-from quota.claims import ClaimSpecs, Planned
+from quota.claims import ClaimSpecs, MostCards, Planned
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.demand import CardMemory
@@ -45,6 +45,7 @@ class QuotaService:
         *,
         card_memory: CardMemory | None = None,
         planned_templates: Planned | None = None,
+        most_cards: MostCards | None = None,
         peer_ca: Callable[[], bytes] | None = None,
         peer_name: str | None = None,
     ) -> None:
@@ -67,7 +68,10 @@ class QuotaService:
         )
         # DRA mode: what pods' claims of the fracgpu class request (read, then remembered).
         self.claims = ClaimSpecs(
-            api, request_timeout_s=config.request_timeout_s, planned=planned_templates
+            api,
+            request_timeout_s=config.request_timeout_s,
+            planned=planned_templates,
+            most_cards=most_cards,
         )
         election = config.leader_election
         self.elector = (
@@ -171,12 +175,14 @@ async def open_quota(
     registry: CollectorRegistry | None = None,
     card_memory: CardMemory | None = None,
     planned_templates: Planned | None = None,
+    most_cards: MostCards | None = None,
     peer_ca: Callable[[], bytes] | None = None,
     peer_name: str | None = None,
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
     required) or None (embedded mode). ``registry``: where metrics go (the server's own).
-    ``card_memory``: how much memory whole cards hold (the composition root knows the cards).
+    ``card_memory``: how much memory whole cards hold (the composition root knows the cards);
+    ``most_cards``: the most fracgpu cards one node has (DRA mode's ``allocationMode: All``).
     ``peer_ca``, ``peer_name``: the CA and the name that the leader's serving certificate is
     checked against when decisions are forwarded to it (:mod:`quota.forward`)."""
     metrics = QuotaMetrics(registry)
@@ -188,6 +194,7 @@ async def open_quota(
             metrics,
             card_memory=card_memory,
             planned_templates=planned_templates,
+            most_cards=most_cards,
         )
     if api is None:
         raise ValueError(
@@ -202,6 +209,7 @@ async def open_quota(
         api,
         card_memory=card_memory,
         planned_templates=planned_templates,
+        most_cards=most_cards,
         peer_ca=peer_ca,
         peer_name=peer_name,
     )

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from core import dra
+from core.contract import MAX_DEVICES
 from core.kube import RESOURCE_CLAIM_TEMPLATES, RESOURCE_CLAIMS, Api, call_json
 from quota.claims import CLAIM, TEMPLATE, ClaimCharge, ClaimSpecs, charge_of, claim_refs
 from quota.demand import Demand, pod_demand
@@ -25,6 +26,41 @@ def _share(cores: str, memory: str, count: int = 1) -> dict[str, Any]:
 
 def _spec(*requests: dict[str, Any]) -> dict[str, Any]:
     return {"devices": {"requests": [{"name": f"r{i}", **r} for i, r in enumerate(requests)]}}
+
+
+@pytest.mark.parametrize(
+    ("specs", "most_cards", "charge"),
+    [
+        pytest.param(
+            [_spec(_exact(allocationMode="All"))],
+            4,
+            ClaimCharge(400, 4 * 89),
+            id="every card of the largest node",
+        ),
+        pytest.param(
+            [_spec(_exact(allocationMode="All"))],
+            None,
+            ClaimCharge(100 * MAX_DEVICES, MAX_DEVICES * 89),
+            id="no node known: the most one container can get",
+        ),
+        pytest.param(
+            [_spec(_exact(allocationMode="All", capacity={"requests": {"cores": "10"}}))],
+            8,
+            ClaimCharge(80, 8 * 89),
+            id="a share of every card",
+        ),
+        pytest.param(
+            [_spec(_exact(allocationMode="ExactCount", count=2))],
+            8,
+            ClaimCharge(200, 178),
+            id="exact count is its count",
+        ),
+    ],
+)
+def test_allocation_mode_all_takes_every_card_a_node_has(
+    specs: list[dict[str, Any]], most_cards: int | None, charge: ClaimCharge
+) -> None:
+    assert charge_of(specs, L4_MIB, most_cards) == charge
 
 
 @pytest.mark.parametrize(

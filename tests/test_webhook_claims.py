@@ -253,11 +253,53 @@ def test_models_come_from_the_slices(
     assert known.models() == models
 
 
+def _on(node: str, spec: dict[str, Any]) -> dict[str, Any]:
+    return {**spec, "nodeName": node}
+
+
+@pytest.mark.parametrize(
+    ("slices", "most"),
+    [
+        pytest.param({}, None, id="no slice"),
+        pytest.param({"a": _on("n1", _slice([("L4", "22784Mi")] * 4))}, 4, id="one node"),
+        pytest.param(
+            {
+                "a": _on("n1", _slice([("L4", "22784Mi")] * 4)),
+                "b": _on("n2", _slice([("L4", "22784Mi")] * 8)),
+            },
+            8,
+            id="the largest node",
+        ),
+        pytest.param(
+            {
+                "a": _on("n1", _slice([("L4", "22784Mi")] * 4)),
+                "b": _on("n1", _slice([("L4", "22784Mi")] * 3)),
+            },
+            7,
+            id="a node's slices add up",
+        ),
+        pytest.param(
+            {"a": _on("n1", _slice([("L4", "22784Mi")] * 4, driver="gpu.nvidia.com"))},
+            None,
+            id="another driver's cards are not ours",
+        ),
+    ],
+)
+def test_the_most_cards_a_node_has_come_from_the_slices(
+    slices: dict[str, dict[str, Any]], most: int | None
+) -> None:
+    known = SliceModels()
+    for name, spec in slices.items():
+        known.set_slice(name, spec)
+    assert known.most_cards_on_a_node() == most
+
+
 def test_a_deleted_slice_takes_its_models_along() -> None:
     known = SliceModels()
     known.set_slice("a", _slice([("L4", "22784Mi")]))
     known.remove_slice("a")
     assert known.models() == {}
+    assert known.most_cards_on_a_node() is None
 
 
 async def test_templates_named_by_pods_and_workloads_are_referenced(team_api: Api) -> None:

@@ -176,12 +176,16 @@ class SliceModels:
 
     def __init__(self) -> None:
         self._slices: dict[str, dict[str, int]] = {}  # slice name -> product -> MiB
+        self._cards: dict[str, tuple[str, int]] = {}  # slice name -> (node, devices)
 
     def set_slice(self, name: str, slice_spec: Mapping[str, Any]) -> None:
         if slice_spec.get("driver") != dra.DRIVER:
             return
         found: dict[str, int] = {}
-        for device in slice_spec.get("devices") or []:
+        devices = slice_spec.get("devices") or []
+        node = slice_spec.get("nodeName") or (slice_spec.get("pool") or {}).get("name") or name
+        self._cards[name] = (str(node), len(devices) if isinstance(devices, list) else 0)
+        for device in devices:
             attributes = device.get("attributes") or {}
             product = (attributes.get(dra.PRODUCT_ATTRIBUTE) or {}).get("string")
             memory = ((device.get("capacity") or {}).get(dra.MEMORY) or {}).get("value")
@@ -195,6 +199,15 @@ class SliceModels:
 
     def remove_slice(self, name: str) -> None:
         self._slices.pop(name, None)
+        self._cards.pop(name, None)
+
+    def most_cards_on_a_node(self) -> int | None:
+        """The most fracgpu cards one node publishes (None: none does), which a claim with
+        ``allocationMode: All`` may take at once; quota charges it that many."""
+        per_node: dict[str, int] = {}
+        for node, count in self._cards.values():
+            per_node[node] = per_node.get(node, 0) + count
+        return max(per_node.values(), default=None) or None
 
     def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
         """Memory of the largest card of these models (None: any), for quota's whole cards."""

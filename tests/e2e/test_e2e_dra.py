@@ -428,3 +428,27 @@ def test_a_share_reaches_its_container_through_cdi_and_nothing_else_does(
     env = dict(line.split("=", 1) for line in inside("env").splitlines() if "=" in line)
     assert env[contract.VISIBLE_DEVICES_ENV] == contract.DEVICE_LIST_MOUNT_ROOT
     assert env[ENV_GPU] == "0.3"
+
+
+def test_a_hand_written_claim_for_every_card_is_counted_as_every_card(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """``allocationMode: All`` takes every matching card of the node (four here): under a
+    GPUQuota of 1.5 cards the pod that uses such a claim is refused (it was once counted as one
+    card and ran on all four)."""
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-",
+               stdin=manifest(gpu_quota("team", gpu="1.5")))  # fmt: skip
+    claim = {
+        "apiVersion": dra.API_VERSION,
+        "kind": "ResourceClaim",
+        "metadata": {"name": "everything"},
+        "spec": {"devices": {"requests": [{"name": "all", "exactly": {
+            "deviceClassName": dra.DEVICE_CLASS, "allocationMode": "All"}}]}},
+    }  # fmt: skip
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-", stdin=manifest(claim))
+    obj = node_pod("greedy", agent.node, {})
+    obj["spec"]["resourceClaims"] = [{"name": "gpus", "resourceClaimName": "everything"}]
+    obj["spec"]["containers"][0]["resources"] = {"claims": [{"name": "gpus"}]}
+    refused = kubectl("create", "-n", dra_namespace, "-f", "-", stdin=manifest(obj))
+    assert refused.returncode != 0, "a claim of all four cards was admitted under 1.5 cards"
+    assert "GPU quota exceeded" in refused.stderr, refused.stderr
