@@ -196,12 +196,17 @@ class NodeAgent:
     def exited(self) -> int | None:
         return None if self.process is None else self.process.poll()
 
-    def limits(self, since: float) -> list[contract.Limits]:
-        """The limits files the plugin wrote (PreStartContainer) since ``since`` (time.time())."""
+    def written(self) -> dict[Path, int]:
+        """Every limits file the plugin has written, with its modification time: a snapshot to
+        pass to :meth:`limits` (a time window would also catch the previous test's last file)."""
+        return {p: p.stat().st_mtime_ns for p in self.host_root.glob(self.limits_pattern)}
+
+    def limits(self, before: dict[Path, int]) -> list[contract.Limits]:
+        """The limits files the plugin wrote (or rewrote) since the snapshot ``before``."""
         return [
             contract.Limits.parse(p.read_text())
-            for p in self.host_root.glob(self.limits_pattern)
-            if p.stat().st_mtime >= since
+            for p, mtime in self.written().items()
+            if before.get(p) != mtime
         ]
 
     def log(self) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -110,12 +109,12 @@ ALLOCATIONS = [
 def test_pod_runs_with_the_limits_it_was_granted(
     agent: NodeAgent, kubectl: Kubectl, node_namespace: str, limits: Obj
 ) -> None:
-    since = time.time() - 1
+    before = agent.written()
     stored = create(kubectl, node_namespace, node_pod("gpu", agent.node, limits))
     wait_running(kubectl, node_namespace, "gpu", agent)
     core, mib_per_card = granted(stored)
     cards = max(core // 100, 1)
-    (written,) = agent.limits(since)
+    (written,) = agent.limits(before)
     assert len(written.devices) == cards
     assert set(written.devices) <= {c.uuid for c in CARDS}
     assert written.compute_percent == min(core, 100)
@@ -158,14 +157,14 @@ def test_plugin_restart_keeps_running_pods_and_allocates_again(
     agent.stop()
     agent.start()
     wait_for(agent.registered, 60, agent.log)
-    since = time.time() - 1
+    before = agent.written()
     create(kubectl, node_namespace, node_pod("after", agent.node, {"fracgpu.io/gpu": "0.5"}))
     wait_running(kubectl, node_namespace, "after", agent)
     status = kubectl.get("pod", "before", node_namespace)["status"]
     assert status["phase"] == "Running"
     assert [c["restartCount"] for c in status["containerStatuses"]] == [0]
     assert agent.exited() is None, agent.log()
-    assert 50 in [written.compute_percent for written in agent.limits(since)]
+    assert 50 in [written.compute_percent for written in agent.limits(before)]
 
 
 OPEN_DEVICE_PLUGIN_ISSUE = (
