@@ -749,7 +749,7 @@ async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
         kubelet.start()
         try:
             agent.prepare()
-            since = time.time() - 1
+            limits_before = agent.written()
             agent.start()
             await asyncio.to_thread(_poll, agent.registered)
             capacity = kubelet.capacity(CORE)
@@ -760,7 +760,7 @@ async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
             mounts = [m.host_path for m in response.mounts]
             chars = await asyncio.to_thread(lambda: [_is_char_device(p) for p in devices])
             present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in mounts])
-            written = await asyncio.to_thread(agent.limits, since)
+            written = await asyncio.to_thread(agent.limits, limits_before)
             await asyncio.to_thread(_poll, lambda: _published(fake))
         finally:
             agent.stop()
@@ -905,7 +905,7 @@ async def test_the_dra_agent_prepares_claims_with_paths_its_runtime_can_use(
         await kubelet.start()
         try:
             agent.prepare()
-            since = time.time() - 1
+            limits_before = agent.written()
             agent.start()
             await asyncio.to_thread(_poll, agent.registered)
             await asyncio.to_thread(_poll, lambda: bool(fake.objects("resourceslices")))
@@ -920,7 +920,7 @@ async def test_the_dra_agent_prepares_claims_with_paths_its_runtime_can_use(
             mounts = [m["hostPath"] for m in edits.mounts]
             chars = await asyncio.to_thread(lambda: [_is_char_device(p) for p in devices])
             present = await asyncio.to_thread(lambda: [os.path.exists(p) for p in mounts])
-            written = await asyncio.to_thread(agent.limits, since)
+            written = await asyncio.to_thread(agent.limits, limits_before)
             specs_prepared = agent.cdi_specs()
             await kubelet.unprepare(published["spec"]["driver"], [key])
             specs_after = agent.cdi_specs()

@@ -24,7 +24,9 @@ command -v runc >/dev/null || debs+=(runc)
 bb=$(LC_ALL=C ldd /bin/busybox 2>&1 || true)
 [[ -x /bin/busybox && $bb == *"not a dynamic"* ]] || debs+=(busybox-static)
 command -v cc >/dev/null || debs+=(gcc libc6-dev)
-command -v ip >/dev/null || debs+=(iproute2)
+command -v ip >/dev/null && command -v ss >/dev/null || debs+=(iproute2)
+command -v openssl >/dev/null || debs+=(openssl)
+command -v curl >/dev/null || debs+=(curl)
 if ((${#debs[@]})); then
     [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null || die "install these Debian packages first: ${debs[*]}"
     log "installing from Debian: ${debs[*]}"

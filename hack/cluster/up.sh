@@ -31,7 +31,7 @@ for b in etcd containerd containerd-shim-runc-v2 ctr; do
     [[ -x $TOOLS_BIN/$b ]] || die "$TOOLS_BIN/$b is missing: run 'make cluster'"
 done
 [[ -f $IMAGES/pause.tar && -f $IMAGES/busybox.tar ]] || die "images missing in $IMAGES: run 'make cluster'"
-for t in runc openssl curl ip; do command -v $t >/dev/null || die "$t is missing: run 'make cluster'"; done
+for t in runc openssl curl ip ss; do command -v $t >/dev/null || die "$t is missing: run 'make cluster'"; done
 [[ -x /usr/lib/cni/bridge ]] || die "the CNI plugins are missing in /usr/lib/cni: run 'make cluster'"
 ((${#CONTAINERD_SOCKET} + 8 < 108)) || die "FRACGPU_CLUSTER_STATE=$R is too long for unix socket paths"
 if [[ -S $DEVICE_PLUGIN_DIR/kubelet.sock ]] && ss -Hxl 2>/dev/null | grep -qF "$DEVICE_PLUGIN_DIR/kubelet.sock"; then
