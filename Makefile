@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down e2e
+.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e
 
 setup: $(STAMP) native
 
@@ -54,6 +54,10 @@ cluster-up: cluster
 
 cluster-down:
 	hack/cluster/down.sh
+
+# The cluster's binaries, images and Go caches (Go keeps its module cache read-only).
+cluster-clean:
+	@[ ! -d .build ] || { chmod -R u+w .build && rm -rf .build; }
 
 # The e2e suite on that cluster, device-plugin mode then DRA mode; nothing may be skipped.
 e2e: setup cluster

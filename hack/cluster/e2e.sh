@@ -14,7 +14,7 @@ PY="$ROOT/.venv/bin/python"
 T0=$SECONDS
 
 started=0
-if [[ $(cat "$R/version" 2>/dev/null) == "$KUBE_PATCH" ]] && alive kubelet >/dev/null; then
+if [[ $(cat "$R/version" 2>/dev/null) == "$KUBE_PATCH" && -f $R/e2e.env ]] && alive kubelet >/dev/null; then
     log "using the running cluster (Kubernetes v$KUBE_PATCH)"
 else
     [[ -d $R ]] && "$HACK/down.sh"
@@ -31,12 +31,9 @@ trap finish EXIT
 
 out="$FRACGPU_CLUSTER_CACHE/e2e/v$KUBE_PATCH"
 rm -rf "$out" && mkdir -p "$out"
-# The suite calls kubectl: this cluster's own, never an older one on PATH.
-export PATH="$KUBE_BIN:$PATH"
-export FRACGPU_E2E_KUBECONFIG="$KUBECONFIG_OUT" FRACGPU_E2E_KUBELET_DIR="$KUBELET_ROOT" \
-    FRACGPU_E2E_DEVICE_PLUGIN_DIR="$DEVICE_PLUGIN_DIR" FRACGPU_E2E_NODE_DIR="$NODE_DIR" \
-    FRACGPU_E2E_CDI_DIR="$CDI_DIR" FRACGPU_E2E_IMAGE="${FRACGPU_E2E_IMAGE:-$PAUSE_IMAGE}" \
-    FRACGPU_E2E_SHELL_IMAGE="${FRACGPU_E2E_SHELL_IMAGE:-$BUSYBOX_IMAGE}"
+# The suite's settings for this node, and this cluster's kubectl first on PATH (up.sh wrote them).
+# shellcheck source=/dev/null
+source "$R/e2e.env"
 
 # run MODE PYTEST-ARGS...: one pytest session; its JUnit report is checked for skips afterwards.
 run() {

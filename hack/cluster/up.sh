@@ -299,6 +299,20 @@ wait_for kubelet 30 test -S "$KUBELET_ROOT/pod-resources/kubelet.sock"
 wait_for kube-scheduler 30 curl -fsSk "https://127.0.0.1:$CLUSTER_SCHEDULER_PORT/healthz"
 
 ms=$((($(date +%s%N) - T0) / 1000000))
+# What the e2e suite needs to serve this node (docs/e2e.md); e2e.sh reads it too. The node
+# variables are left to the caller: FRACGPU_E2E_NODE or FRACGPU_E2E_DRA_NODE, never both.
+cat >"$R/e2e.env" <<EOE
+export PATH="$KUBE_BIN:\$PATH"
+export FRACGPU_E2E_KUBECONFIG="$KUBECONFIG_OUT"
+export FRACGPU_E2E_KUBELET_DIR="$KUBELET_ROOT"
+export FRACGPU_E2E_DEVICE_PLUGIN_DIR="$DEVICE_PLUGIN_DIR"
+export FRACGPU_E2E_NODE_DIR="$NODE_DIR"
+export FRACGPU_E2E_CDI_DIR="$CDI_DIR"
+export FRACGPU_E2E_IMAGE="\${FRACGPU_E2E_IMAGE:-$PAUSE_IMAGE}"
+export FRACGPU_E2E_SHELL_IMAGE="\${FRACGPU_E2E_SHELL_IMAGE:-$BUSYBOX_IMAGE}"
+# then: FRACGPU_E2E_NODE=$NODE_NAME (device-plugin mode) or FRACGPU_E2E_DRA_NODE=$NODE_NAME (DRA)
+EOE
+
 log "Kubernetes v$KUBE_PATCH up in $((ms / 1000)).$((ms % 1000 / 100)) s; node $NODE_NAME Ready"
 cat <<EOM
   kubeconfig:      $KUBECONFIG_OUT   (export KUBECONFIG=$KUBECONFIG_OUT)
@@ -309,5 +323,6 @@ cat <<EOM
   node files:      $NODE_DIR
   images:          $PAUSE_IMAGE (also ${PAUSE_ALIASES[*]}), $BUSYBOX_IMAGE
   logs:            $LOGS/
+  e2e settings:    source $R/e2e.env   (then FRACGPU_E2E_NODE or FRACGPU_E2E_DRA_NODE=$NODE_NAME)
   stop:            hack/cluster/down.sh
 EOM
