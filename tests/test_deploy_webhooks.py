@@ -18,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core import dra
 from core.contract import VISIBLE_DEVICES_ENV as VISIBLE_DEVICES
 from core.units import ENV_GPU, ENV_MEMORY_MIB
 from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
@@ -27,7 +28,6 @@ from webhook.inventory import Inventory
 from webhook.mutation import EPHEMERAL, TEMPLATE_PATHS, Mutator
 from webhook.resources import (
     ALWAYS_ON,
-    DEVICE_CLASS_GPU,
     DIALECT_RESOURCES,
     OPTIONAL_DIALECTS,
     Dialect,
@@ -231,7 +231,9 @@ DIALECT_ONLY = sorted(input_resources(OPTIONAL_DIALECTS) - input_resources(enabl
 
 def test_sample_resources_are_the_webhooks_own() -> None:
     assert sorted(r for d in ALWAYS_ON for r in DIALECT_RESOURCES[d]) == ALWAYS
-    assert all(name.startswith("fracgpu.io/") or name == DEVICE_CLASS_GPU for name in ALWAYS)
+    assert all(
+        name.startswith("fracgpu.io/") or name == dra.DEVICE_CLASS_RESOURCE for name in ALWAYS
+    )
     assert not any(name.startswith("fracgpu.io/") for name in DIALECT_ONLY)
 
 

@@ -12,12 +12,13 @@ import jsonpatch
 import kubernetes_validate
 import pytest
 
+from core import dra
 from core.admission import AdmissionRequest
 from webhook.claims import ClaimPlan, TemplateError
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
-from webhook.resources import DEVICE_CLASS_GPU, Card
+from webhook.resources import Card
 
 SLICE_MODELS = {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
 
@@ -82,7 +83,7 @@ def test_a_share_becomes_a_claim_from_a_shared_template() -> None:
 
 def test_the_device_class_extended_resource_becomes_whole_cards_in_a_claim() -> None:
     """Left alone, the scheduler would make this claim after admission, unseen by the quota."""
-    out = apply(mutator(), pod({DEVICE_CLASS_GPU: "2", "cpu": "1"}))
+    out = apply(mutator(), pod({dra.DEVICE_CLASS_RESOURCE: "2", "cpu": "1"}))
     spec = out["spec"]
     assert spec["resourceClaims"] == [
         {"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-cards-2"}

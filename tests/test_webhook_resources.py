@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from core import dra
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
 from webhook.resources import (
     DEFAULT_MAX_CARDS,
-    DEVICE_CLASS_GPU,
     Card,
     CardChoice,
     Dialect,
@@ -100,8 +100,8 @@ VALID = [
         {"tencent.com/vcuda-core": "50", "tencent.com/vcuda-memory": "30"}, 50, 30, id="tke-share"
     ),
     pytest.param({"tencent.com/vcuda-core": "200"}, 200, 0, id="tke-two-cards"),
-    pytest.param({DEVICE_CLASS_GPU: "1"}, 100, 0, id="device-class-one-card"),
-    pytest.param({DEVICE_CLASS_GPU: 2}, 200, 0, id="device-class-two-cards-yaml-int"),
+    pytest.param({dra.DEVICE_CLASS_RESOURCE: "1"}, 100, 0, id="device-class-one-card"),
+    pytest.param({dra.DEVICE_CLASS_RESOURCE: 2}, 200, 0, id="device-class-two-cards-yaml-int"),
 ]
 
 
@@ -118,12 +118,12 @@ GPU_RULE = (
 INVALID = [
     pytest.param({"fracgpu.io/gpu": "1.5"}, GPU_RULE + "1.5", id="one-and-a-half"),
     pytest.param(
-        {DEVICE_CLASS_GPU: "0.5"},
-        f"{DEVICE_CLASS_GPU} must be a whole number of cards; got 0.5",
+        {dra.DEVICE_CLASS_RESOURCE: "0.5"},
+        f"{dra.DEVICE_CLASS_RESOURCE} must be a whole number of cards; got 0.5",
         id="device-class-share",
     ),
     pytest.param(
-        {DEVICE_CLASS_GPU: "1", "fracgpu.io/gpumem": "8Gi"},
+        {dra.DEVICE_CLASS_RESOURCE: "1", "fracgpu.io/gpumem": "8Gi"},
         "mixes resources of different vocabularies",
         id="device-class-with-memory",
     ),

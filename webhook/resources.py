@@ -64,10 +64,6 @@ HAMI_MEM = "nvidia.com/gpumem"
 HAMI_MEM_PERCENTAGE = "nvidia.com/gpumem-percentage"
 TKE_CORE = "tencent.com/vcuda-core"
 TKE_MEMORY = "tencent.com/vcuda-memory"
-# The extended resource Kubernetes gives fracgpu's DeviceClass (KEP-5004; on by default in 1.36,
-# GA in 1.37): a pod that asks for it would get whole cards from a claim the scheduler makes after
-# admission, which neither webhook sees. The webhook takes it as whole cards in fracgpu's form.
-DEVICE_CLASS_GPU = dra.DEVICE_CLASS_RESOURCE
 
 
 class Dialect(StrEnum):
@@ -83,12 +79,15 @@ DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
     Dialect.CANONICAL: CANONICAL,
     Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE),
     Dialect.TKESTACK: (TKE_CORE, TKE_MEMORY),
-    Dialect.DEVICE_CLASS: (DEVICE_CLASS_GPU,),
+    # The extended resource Kubernetes gives fracgpu's DeviceClass (on by default in 1.36, GA in
+    # 1.37): a pod asking for it would get whole cards from a claim the scheduler makes after
+    # admission, which neither webhook sees; it is taken as whole cards in fracgpu's form.
+    Dialect.DEVICE_CLASS: (dra.DEVICE_CLASS_RESOURCE,),
 }
-# The dialects that can be switched off; ours, the canonical form and the DeviceClass's extended
-# resource (a way to a card that must never go uncounted) are always understood.
-OPTIONAL_DIALECTS = frozenset({Dialect.HAMI, Dialect.TKESTACK})
+# Always understood: ours, the canonical form and the DeviceClass's extended resource (a way to a
+# card that must never go uncounted). The others can be switched on.
 ALWAYS_ON = frozenset({Dialect.FRACGPU, Dialect.CANONICAL, Dialect.DEVICE_CLASS})
+OPTIONAL_DIALECTS = frozenset(Dialect) - ALWAYS_ON
 
 
 @dataclass(frozen=True, slots=True)
@@ -484,10 +483,11 @@ def _parse_tke(name: str, asked: Mapping[str, Any]) -> Ask | None:
 
 
 def _parse_device_class(name: str, asked: Mapping[str, Any]) -> Ask | None:
-    count = _count(name, DEVICE_CLASS_GPU, asked[DEVICE_CLASS_GPU], "cards")
+    key = dra.DEVICE_CLASS_RESOURCE
+    count = _count(name, key, asked[key], "cards")
     if count == 0:
         return None
-    return Ask(core=count * CORE_PER_CARD, core_key=DEVICE_CLASS_GPU, core_shown=str(count))
+    return Ask(core=count * CORE_PER_CARD, core_key=key, core_shown=str(count))
 
 
 _DIALECT_OF = {name: d for d, names in DIALECT_RESOURCES.items() for name in names}

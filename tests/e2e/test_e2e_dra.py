@@ -331,9 +331,9 @@ def test_a_gpu_quota_counts_claims(agent: DraAgent, kubectl: Kubectl, dra_namesp
 
 # --- what the real cluster showed and the fakes did not ------------------------------------------
 
-# The implicit extended resource every DeviceClass has (KEP-5004; on by default in 1.36, GA in
-# 1.37): left alone, the scheduler makes its claim after admission, where no webhook sees it.
-CLASS_RESOURCE = dra.DEVICE_CLASS_RESOURCE
+# dra.DEVICE_CLASS_RESOURCE, the implicit extended resource every DeviceClass has (KEP-5004; on by
+# default in 1.36, GA in 1.37): left alone, the scheduler makes its claim after admission, where
+# no webhook sees it.
 
 
 def test_the_quota_webhook_sees_the_pod_as_the_mutation_left_it(
@@ -354,7 +354,7 @@ def test_the_quota_webhook_sees_the_pod_as_the_mutation_left_it(
 
 def _class_resource_pod(name: str, node: str, cards: int) -> Obj:
     obj = node_pod(name, node, {})
-    obj["spec"]["containers"][0]["resources"] = {"limits": {CLASS_RESOURCE: str(cards)}}
+    obj["spec"]["containers"][0]["resources"] = {"limits": {dra.DEVICE_CLASS_RESOURCE: str(cards)}}
     return obj
 
 
@@ -387,7 +387,9 @@ def test_the_device_class_resource_is_whole_cards_counted_by_the_quota(
     create(kubectl, dra_namespace, _class_resource_pod("one", agent.node, 1))
     wait_running(kubectl, dra_namespace, "one", agent)
     stored = kubectl.get("pod", "one", dra_namespace)
-    assert CLASS_RESOURCE not in stored["spec"]["containers"][0]["resources"].get("limits", {})
+    assert dra.DEVICE_CLASS_RESOURCE not in stored["spec"]["containers"][0]["resources"].get(
+        "limits", {}
+    )
     assert len(cards_of(kubectl, dra_namespace, "one")) == 1
     refused = kubectl(
         "create", "-n", dra_namespace, "-f", "-",
