@@ -159,6 +159,12 @@ FG_EXPORT CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *g) {
     return end_capture(s, g, fg_real.cuStreamEndCapture_ptsz);
 }
 
+bool fg_graph_capturing(CUstream s) {
+    fg_rec rec;
+    return atomic_load_explicit(&capturing_streams, memory_order_relaxed) != 0 &&
+           fg_rec_get(FG_REC_CAPTURE, (uint64_t)(uintptr_t)s, &rec);
+}
+
 void fg_graph_captured(CUstream s, uint64_t bytes) {
     fg_rec rec;
     if (FG_LIKELY(atomic_load_explicit(&capturing_streams, memory_order_relaxed) == 0) ||

@@ -66,7 +66,7 @@ extern fg_state fg;
 #define FG_NVML_HOOKS(X) X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2)
 #define FG_NVML_USED(X)                                                                        \
     X(nvmlInit_v2) X(nvmlDeviceGetUUID) X(nvmlDeviceGetHandleByUUID)                           \
-    X(nvmlDeviceGetUtilizationRates)
+    X(nvmlDeviceGetUtilizationRates) X(nvmlDeviceGetSamples)
 
 #define FG_REAL_FIELD(name) __typeof__(name) *name;
 typedef struct {
@@ -105,6 +105,11 @@ int fg_nvml_device_index(nvmlDevice_t dev);
 void fg_graph_after_fork(void);
 /* A stream-ordered allocation of bytes on stream s: recorded if s is capturing. */
 void fg_graph_captured(CUstream s, uint64_t bytes);
+/* Whether s is being captured (begun through the hook). While it is, the hook makes no driver
+ * query of its own for s's allocations: a query may invalidate the capture (seen on an H200 with
+ * PyTorch's cudaMallocAsync backend), and what the capture allocates is charged when the graph
+ * is instantiated and launched. */
+bool fg_graph_capturing(CUstream s);
 
 /* throttle.c: wait for a launch token on the current device (only called when throttling). */
 void fg_throttle_acquire(void);

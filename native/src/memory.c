@@ -373,6 +373,12 @@ static CUresult pool_alloc(CUdeviceptr *dptr, size_t bytes, CUmemoryPool pool, C
     int idx = fg_current_index();
     if (idx == FG_NO_CONTEXT || !dptr || bytes == 0) return call(dptr, bytes, pool, stream, real);
     if (fg.mode == FG_MODE_DENY || idx == FG_NOT_GRANTED) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (fg_graph_capturing(stream)) {
+        /* A graph memory node, not the pool's: counted at instantiation and launch (graph.c). */
+        CUresult r = call(dptr, bytes, pool, stream, real);
+        if (r == CUDA_SUCCESS) fg_graph_captured(stream, bytes);
+        return r;
+    }
     if (!pool) {
         CUdevice d;
         if (!fg_real.cuDeviceGetMemPool || fg_real.cuCtxGetDevice(&d) != CUDA_SUCCESS ||
@@ -473,7 +479,9 @@ static CUresult free_any(CUdeviceptr p, CUstream s, bool async, __typeof__(cuMem
 }
 
 static CUresult free_async(CUdeviceptr p, CUstream s, __typeof__(cuMemFreeAsync) *real) {
-    if (!ENFORCED()) return real(p, s);
+    /* Captured, the free happens when the graph runs: records settle on the pool's next event,
+     * and a query now could invalidate the capture. */
+    if (!ENFORCED() || fg_graph_capturing(s)) return real(p, s);
     return free_any(p, s, true, real);
 }
 

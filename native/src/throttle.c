@@ -1,11 +1,21 @@
 /* Compute share: a token bucket per card, refilled by a sampler thread that reads the card's
  * utilisation from NVML and sets the launch rate that would bring it to the container's percent.
  *
- * Each period the sampler knows how many launches went out (L) and what utilisation they caused
- * (U), so one launch costs about U/L percent; the rate that yields the target T is L*T/U launches
- * per period, smoothed so that NVML's averaging lag does not make it oscillate. A launch takes a
- * token, or sleeps until the next refill. The hook never throttles at 100 % (fg.throttle false),
- * and the launch path then costs one branch. */
+ * NVML measures utilisation over sample periods of its own (1/6 s to 1 s by product; 200 ms on an
+ * H200), and a reading stays the same until the next one closes. So the sampler records how many
+ * launches went out in each of its 50 ms periods and acts only on fresh samples
+ * (nvmlDeviceGetSamples): over the last second of samples, L launches per period caused a mean
+ * utilisation U, so the rate that yields the target T is L*T/U launches per period, smoothed.
+ * Acting every period on a stale reading compounded each correction: a real H100 held a 30 %
+ * share at 44 %. Comparing over a second, not one sample, keeps work that runs long after its
+ * launch (a CUDA graph replay) from swinging the estimate. Drivers that keep no samples fall back
+ * to nvmlDeviceGetUtilizationRates every period.
+ *
+ * A launch takes a token, or sleeps until the next refill. Rates are fractional (one graph replay
+ * can cost more than a period of the card): a period's tokens are the whole part of the rate
+ * plus the fraction carried over. Until the first sample a process is not throttled (its launches'
+ * cost is not known yet). The hook never throttles at 100 % (fg.throttle false), and the launch
+ * path then costs one branch. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
@@ -14,17 +24,47 @@
 
 #define PERIOD_NS 50000000L /* refill and sample every 50 ms */
 #define WAIT_NS 200000L     /* a launch without a token sleeps this long before looking again */
+#define HISTORY 64          /* periods remembered: 3.2 s, longer than any NVML sample period */
+#define MAX_SAMPLES 128
+#define SPANS 64
+#define WINDOW_US 1000000ull /* the controller compares launches and utilisation over 1 s */
+#define MIN_RATE 0.02 /* launches per period: one a second, so a share always makes progress */
+
+typedef struct {
+    uint64_t end_us; /* CLOCK_REALTIME, as NVML stamps its samples */
+    int64_t launches;
+} fg_period;
+
+typedef struct {
+    uint64_t from_us, to_us; /* the time one NVML sample covers */
+    double util;
+} fg_span;
 
 typedef struct {
     _Atomic int64_t tokens;
     _Atomic int64_t launches; /* this period */
     _Atomic bool starved;     /* a launch waited this period */
     _Atomic bool active;
-    double rate;              /* launches per period; 0 = not yet measured (no limit) */
+    /* The sampler thread's alone: */
+    double rate;   /* launches per period; 0 = not yet measured (no limit) */
+    double credit; /* the fraction of a token carried into the next period */
     nvmlDevice_t nvml;
+    bool samples;          /* nvmlDeviceGetSamples works for this card */
+    fg_span spans[SPANS];  /* NVML's samples, newest last */
+    unsigned nspans;
+    unsigned long long seen_us; /* newest sample used; at first, when the sampler started */
+    fg_period history[HISTORY];
+    unsigned next;
 } fg_bucket;
 
 static fg_bucket buckets[FRACGPU_MAX_DEVICES];
+/* Built with -DFRACGPU_THROTTLE_TRACE (make HOOKDEFS=...): one line on stderr per decision, to
+ * watch the controller on a card. Never in a release build, which reads no environment. */
+#ifdef FRACGPU_THROTTLE_TRACE
+static const bool trace = true;
+#else
+static const bool trace = false;
+#endif
 static _Atomic int sampler_state; /* 0 not started, 1 running, 2 unavailable */
 static pthread_mutex_t start_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -34,27 +74,120 @@ static void sleep_ns(long ns) {
     }
 }
 
+static uint64_t realtime_us(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static double sample_value(nvmlValueType_t type, nvmlValue_t v) {
+    switch (type) {
+    case NVML_VALUE_TYPE_DOUBLE: return v.dVal;
+    case NVML_VALUE_TYPE_UNSIGNED_LONG: return (double)v.ulVal;
+    case NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: return (double)v.ullVal;
+    case NVML_VALUE_TYPE_SIGNED_LONG_LONG: return (double)v.sllVal;
+    case NVML_VALUE_TYPE_SIGNED_INT: return v.siVal;
+    default: return v.uiVal;
+    }
+}
+
+/* Adds the samples NVML took since the last call to b->spans; false when there is none (or
+ * samples are unsupported: then b->samples is cleared and the caller falls back). */
+static bool fresh_samples(fg_bucket *b) {
+    nvmlSample_t got[MAX_SAMPLES];
+    unsigned n = MAX_SAMPLES;
+    nvmlValueType_t type = NVML_VALUE_TYPE_UNSIGNED_INT;
+    nvmlReturn_t r = fg_real.nvmlDeviceGetSamples(b->nvml, NVML_GPU_UTILIZATION_SAMPLES,
+                                                  b->seen_us, &type, &n, got);
+    if (r == NVML_ERROR_NOT_FOUND || (r == NVML_SUCCESS && n == 0)) return false;
+    if (r != NVML_SUCCESS) {
+        b->samples = false;
+        return false;
+    }
+    bool added = false;
+    for (unsigned i = 0; i < n && i < MAX_SAMPLES; i++) { /* oldest first */
+        if (got[i].timeStamp <= b->seen_us) continue;
+        double v = sample_value(type, got[i].sampleValue);
+        b->spans[b->nspans++ % SPANS] =
+            (fg_span){b->seen_us, got[i].timeStamp, v < 0 ? 0 : v > 100 ? 100 : v};
+        b->seen_us = got[i].timeStamp;
+        added = true;
+    }
+    return added;
+}
+
+/* The card's mean utilisation over the samples of the last WINDOW_US, and the launches per
+ * period over the same time. */
+static void window(const fg_bucket *b, double *util, double *per_period) {
+    const fg_span *newest = &b->spans[(b->nspans - 1) % SPANS];
+    uint64_t from = newest->to_us, to = newest->to_us;
+    double busy = 0, time = 0;
+    for (unsigned k = 0; k < SPANS && k < b->nspans; k++) {
+        const fg_span *sp = &b->spans[(b->nspans - 1 - k) % SPANS];
+        if (k > 0 && sp->to_us + WINDOW_US < to) break;
+        busy += sp->util * (double)(sp->to_us - sp->from_us);
+        time += (double)(sp->to_us - sp->from_us);
+        from = sp->from_us;
+    }
+    *util = time > 0 ? busy / time : 0;
+    int64_t sum = 0;
+    int n = 0;
+    for (unsigned k = 0; k < HISTORY; k++) {
+        const fg_period *p = &b->history[k];
+        if (p->end_us > from && p->end_us <= to + PERIOD_NS / 2000) {
+            sum += p->launches;
+            n++;
+        }
+    }
+    /* Clocks that do not line up: the periods as long ago as the window is long. */
+    if (n == 0) {
+        n = (int)((to - from) / (PERIOD_NS / 1000)) + 1;
+        if (n > HISTORY) n = HISTORY;
+        for (int k = 1; k <= n; k++) sum += b->history[(b->next + HISTORY - k) % HISTORY].launches;
+    }
+    *per_period = (double)sum / n;
+}
+
 static void adjust(fg_bucket *b, double target) {
-    nvmlUtilization_t u;
-    if (!b->nvml || fg_real.nvmlDeviceGetUtilizationRates(b->nvml, &u) != NVML_SUCCESS) return;
     int64_t launched = atomic_exchange(&b->launches, 0);
     bool starved = atomic_exchange(&b->starved, false);
-    double util = u.gpu;
-    double rate = b->rate;
-    if (launched > 0 && util > 0.5) {
-        double wanted = (double)launched * target / util;
-        /* Smooth, and move up at most 2x a period so a burst of idle samples cannot open the
-         * gate wide; below the target and starved means the estimate is low: nudge it up. */
-        rate = rate > 0 ? 0.5 * rate + 0.5 * wanted : wanted;
-        if (starved && util < target) rate *= 1.0 + 0.5 * (target - util) / target;
-    } else if (starved) {
-        rate = rate > 0 ? rate * 2 : 1;
+    b->history[b->next++ % HISTORY] = (fg_period){realtime_us(), launched};
+    double util = 0, per_period = 0;
+    bool fresh = false;
+    if (b->samples && fresh_samples(b)) {
+        window(b, &util, &per_period);
+        fresh = true;
+    } else if (!b->samples) {
+        nvmlUtilization_t u;
+        if (b->nvml && fg_real.nvmlDeviceGetUtilizationRates(b->nvml, &u) == NVML_SUCCESS) {
+            util = u.gpu;
+            per_period = (double)launched;
+            fresh = true;
+        }
     }
-    if (rate < 1) rate = 1;
-    if (b->rate > 0 && rate > b->rate * 2) rate = b->rate * 2;
-    b->rate = rate;
-    /* Refill to one period's tokens, no more: unused ones do not pile up into a burst. */
-    atomic_store(&b->tokens, (int64_t)rate);
+    if (fresh) {
+        double rate = b->rate;
+        if (per_period > 0 && util > 0.5) {
+            /* Launches cost util/per_period each: the rate that costs the target. */
+            double wanted = per_period * target / util;
+            rate = rate > 0 ? 0.5 * rate + 0.5 * wanted : wanted;
+        } else if (starved && rate > 0 && per_period > 0) {
+            rate *= 2; /* launches that leave no trace on the card: they cost little */
+        }
+        if (rate > 0 && rate < MIN_RATE) rate = MIN_RATE;
+        /* Up at most 2x a sample, so a burst of idle samples cannot open the gate wide. */
+        if (b->rate > 0 && rate > b->rate * 2) rate = b->rate * 2;
+        if (trace)
+            fg_log("throttle: util %.1f launches/period %.2f starved %d rate %.3f -> %.3f", util,
+                   per_period, (int)starved, b->rate, rate);
+        b->rate = rate;
+    }
+    if (b->rate <= 0) return; /* not measured yet: no limit */
+    /* This period's tokens, and the fraction carried; unused ones do not pile up into a burst. */
+    double credit = b->credit + b->rate;
+    int64_t whole = (int64_t)credit;
+    b->credit = credit - (double)whole;
+    atomic_store(&b->tokens, whole);
 }
 
 static void *sampler(void *arg) {
@@ -77,6 +210,9 @@ static bool start_sampler(void) {
                   fg_real.nvmlDeviceGetUtilizationRates && fg_real.nvmlInit_v2() == NVML_SUCCESS;
         for (int i = 0; ok && i < fg.limits.ndevices; i++) {
             buckets[i].rate = 0;
+            buckets[i].credit = 0;
+            buckets[i].seen_us = realtime_us(); /* the driver's earlier history is not ours */
+            buckets[i].samples = fg_real.nvmlDeviceGetSamples != NULL;
             atomic_store(&buckets[i].tokens, INT64_MAX / 2);
             if (fg_real.nvmlDeviceGetHandleByUUID(fg.limits.devices[i], &buckets[i].nvml) !=
                 NVML_SUCCESS)

@@ -358,8 +358,17 @@ EXPORT CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *p, CUdevice d) {
     *p = &default_pool[d];
     return CUDA_SUCCESS;
 }
+/* Streams being captured, and whether a pool query broke their capture: the fake is strict
+ * where a real H200 was (PyTorch's capture, invalidated while the hook queried the pool). */
+static atomic_int captures;
+static atomic_bool capture_broken;
+static void query_during_capture(void) {
+    if (atomic_load(&captures) > 0) atomic_store(&capture_broken, true);
+}
+
 EXPORT CUresult cuDeviceGetMemPool(CUmemoryPool *p, CUdevice d) {
     NEED_INIT();
+    query_during_capture();
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     if (d < 0 || d >= ndev) return CUDA_ERROR_INVALID_DEVICE;
     *p = current_pool[d];
@@ -396,6 +405,7 @@ EXPORT CUresult cuMemPoolDestroy(CUmemoryPool p) {
 }
 EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool p, CUmemPool_attribute a, void *v) {
     NEED_INIT();
+    query_during_capture();
     if (!pool_ok(p) || !v) return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&mu);
     CUresult r = CUDA_SUCCESS;
@@ -1109,13 +1119,22 @@ EXPORT CUresult cuStreamDestroy_v2(CUstream s) {
 EXPORT CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode) {
     NEED_CTX();
     if (!s || s->magic != MAGIC_STREAM || s->capture) return CUDA_ERROR_INVALID_VALUE;
-    return cuGraphCreate(&s->capture, 0);
+    CUresult r = cuGraphCreate(&s->capture, 0);
+    if (r == CUDA_SUCCESS) atomic_fetch_add(&captures, 1);
+    return r;
 }
 EXPORT CUresult cuStreamEndCapture(CUstream s, CUgraph *g) {
     NEED_CTX();
     if (!s || s->magic != MAGIC_STREAM || !s->capture || !g) return CUDA_ERROR_INVALID_VALUE;
     *g = s->capture;
     s->capture = NULL;
+    bool broken = atomic_load(&capture_broken);
+    if (atomic_fetch_sub(&captures, 1) == 1) atomic_store(&capture_broken, false);
+    if (broken) {
+        cuGraphDestroy(*g);
+        *g = NULL;
+        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    }
     return CUDA_SUCCESS;
 }
 EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) {
@@ -1150,19 +1169,53 @@ EXPORT void fakecuda_memory(int d, uint64_t *total, uint64_t *used) {
     pthread_mutex_unlock(&mu);
 }
 
-/* Percent of the last UTIL_WINDOW_NS the card spent running kernels. */
-EXPORT unsigned fakecuda_utilization(int d) {
-    pthread_mutex_lock(&mu);
-    uint64_t now = now_ns(), from = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, busy = 0;
+/* Percent of (to - UTIL_WINDOW_NS, to] (monotonic ns) the card spent running kernels. */
+static unsigned busy_percent_locked(int d, uint64_t to) {
+    uint64_t from = to > UTIL_WINDOW_NS ? to - UTIL_WINDOW_NS : 0, busy = 0;
     size_t n = nspan[d];
     for (size_t k = 0; k < n && k < SPANS; k++) {
         span s = spans[d][(n - 1 - k) % SPANS];
         if (s.end <= from) break;
-        uint64_t a = s.start > from ? s.start : from, b = s.end < now ? s.end : now;
+        uint64_t a = s.start > from ? s.start : from, b = s.end < to ? s.end : to;
         if (b > a) busy += b - a;
     }
-    pthread_mutex_unlock(&mu);
     return (unsigned)(busy * 100 / UTIL_WINDOW_NS);
+}
+
+/* Percent of the last UTIL_WINDOW_NS the card spent running kernels. */
+EXPORT unsigned fakecuda_utilization(int d) {
+    pthread_mutex_lock(&mu);
+    unsigned u = busy_percent_locked(d, now_ns());
+    pthread_mutex_unlock(&mu);
+    return u;
+}
+
+/* The driver's utilisation samples, as NVML keeps them: one per UTIL_WINDOW_NS, at fixed
+ * boundaries, each the busy percent of the window it closes, stamped in CPU microseconds
+ * (CLOCK_REALTIME). Fills up to max samples newer than after_us, oldest first; returns how many. */
+EXPORT unsigned fakecuda_utilization_samples(int d, uint64_t after_us, uint64_t *stamps_us,
+                                             unsigned *values, unsigned max) {
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    pthread_mutex_lock(&mu);
+    uint64_t mono = now_ns();
+    uint64_t real = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
+    uint64_t last = mono / UTIL_WINDOW_NS * UTIL_WINDOW_NS, first = last;
+    /* The buffer holds the last 100 samples, as the real driver's holds a bounded history. */
+    for (int k = 0; k < 100 && first >= UTIL_WINDOW_NS; k++) {
+        uint64_t prev = first - UTIL_WINDOW_NS;
+        if ((prev + real - mono) / 1000 <= after_us) break;
+        first = prev;
+    }
+    unsigned n = 0;
+    for (uint64_t b = first; b <= last && n < max; b += UTIL_WINDOW_NS) {
+        uint64_t us = (b + real - mono) / 1000;
+        if (us <= after_us) continue;
+        stamps_us[n] = us;
+        values[n++] = busy_percent_locked(d, b);
+    }
+    pthread_mutex_unlock(&mu);
+    return n;
 }
 
 /* ---- cuGetProcAddress -------------------------------------------------------------------- */

@@ -4,6 +4,7 @@
  * NVML does not need a CUDA context.) */
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "cuda_api.h"
@@ -14,6 +15,8 @@
 int fakecuda_device_count(void);
 void fakecuda_memory(int d, uint64_t *total, uint64_t *used);
 unsigned fakecuda_utilization(int d);
+unsigned fakecuda_utilization_samples(int d, uint64_t after_us, uint64_t *stamps_us,
+                                      unsigned *values, unsigned max);
 
 struct nvmlDevice_st { int index; };
 static struct nvmlDevice_st devices[MAX_DEV] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
@@ -99,5 +102,34 @@ EXPORT nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t d, nvmlUtilizatio
     if (i < 0 || !u) return NVML_ERROR_INVALID_ARGUMENT;
     u->gpu = fakecuda_utilization(i);
     u->memory = 0;
+    return NVML_SUCCESS;
+}
+
+/* GPU utilisation samples only; FAKE_NVML_NO_SAMPLES=1 makes it unsupported, as on drivers that
+ * keep none, so the hook's fallback to nvmlDeviceGetUtilizationRates is exercised too. */
+EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, nvmlSamplingType_t type,
+                                         unsigned long long last_seen, nvmlValueType_t *value_type,
+                                         unsigned int *count, nvmlSample_t *samples) {
+    if (!atomic_load(&inits)) return NVML_ERROR_UNINITIALIZED;
+    const char *off = getenv("FAKE_NVML_NO_SAMPLES");
+    if (off && *off == '1') return NVML_ERROR_NOT_SUPPORTED;
+    int i = index_of(d);
+    if (i < 0 || !count || !value_type) return NVML_ERROR_INVALID_ARGUMENT;
+    if (type != NVML_GPU_UTILIZATION_SAMPLES) return NVML_ERROR_NOT_SUPPORTED;
+    uint64_t stamps[100];
+    unsigned values[100];
+    unsigned n = fakecuda_utilization_samples(i, last_seen, stamps, values, 100);
+    *value_type = NVML_VALUE_TYPE_UNSIGNED_INT;
+    if (!samples) {
+        *count = n;
+        return NVML_SUCCESS;
+    }
+    if (n == 0) return NVML_ERROR_NOT_FOUND;
+    if (n > *count) n = *count;
+    for (unsigned k = 0; k < n; k++) {
+        samples[k].timeStamp = stamps[k];
+        samples[k].sampleValue.uiVal = values[k];
+    }
+    *count = n;
     return NVML_SUCCESS;
 }
