@@ -9,6 +9,7 @@ from pathlib import Path
 from core import contract
 from core.flags import add_kube_flags
 from deviceplugin.config import (
+    DEFAULT_GUARD_PROCESS_OVERHEAD_MIB,
     DEFAULT_IGNORED_XIDS,
     DEFAULT_RECONCILE_INTERVAL_S,
     KUBELET_DEVICE_PLUGIN_DIR,
@@ -142,7 +143,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     guard.add_argument(
         "--guard-process-overhead-mib",
         type=_mib,
-        default=512,
+        default=DEFAULT_GUARD_PROCESS_OVERHEAD_MIB,
         metavar="MIB",
         help="allowance per process for its CUDA context, which NVML counts and the hook does not",
     )

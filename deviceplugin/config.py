@@ -21,6 +21,11 @@ DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68)
 DEFAULT_RECONCILE_INTERVAL_S = 1.0
 
 
+# What the guard allows each process beyond its container's grant: its CUDA context, which NVML
+# counts and the hook does not. A bare context took 518 MiB on an H200 (driver 580.159).
+DEFAULT_GUARD_PROCESS_OVERHEAD_MIB = 640
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
     plugin_dir: Path = KUBELET_DEVICE_PLUGIN_DIR
@@ -63,7 +68,7 @@ class Config:
     guard_interval_s: float = 0.5
     guard_grace_s: float = 1.0  # continuous excess before the kill
     guard_kill: bool = True
-    guard_process_overhead_mib: int = 512  # per process: the CUDA context NVML counts
+    guard_process_overhead_mib: int = DEFAULT_GUARD_PROCESS_OVERHEAD_MIB
     guard_proc_root: Path = Path("/proc")  # the node's, with the host PID namespace
     guard_container_logs: Path = Path("/var/log/containers")
 

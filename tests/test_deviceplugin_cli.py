@@ -44,7 +44,7 @@ def test_guard_defaults() -> None:
     config = config_from(parse())
     assert (config.guard_interval_s, config.guard_grace_s) == (0.5, 1.0)
     assert config.guard_kill is True
-    assert config.guard_process_overhead_mib == 512
+    assert config.guard_process_overhead_mib == 640
     assert config.guard_proc_root == Path("/proc")
     assert config.guard_container_logs == Path("/var/log/containers")
 
