@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e
+.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
 
 setup: $(STAMP) native
 
@@ -40,6 +40,18 @@ test-fast: setup
 
 # The whole test suite: lint, types, then every pytest suite (the native ones included).
 test: lint typecheck unit
+
+# On a machine with an NVIDIA GPU (docs/testing.md): the hook under PyTorch, NVML inventory,
+# health and the guard, then the hook's cost on the real driver. GPU_PYTHON is the interpreter
+# that has torch and fracgpu's dependencies. Each test file runs in its own process: pynvml
+# binds its library once per process, and the device-plugin suite must get the real one.
+GPU_PYTHON ?= $(BIN)/python
+test-gpu:
+	@status=0; \
+	$(GPU_PYTHON) -m pytest -p no:cacheprovider -m gpu tests/test_native_gpu.py -v -s || status=1; \
+	$(GPU_PYTHON) -m pytest -p no:cacheprovider -m gpu tests/test_deviceplugin_gpu.py -v -s || status=1; \
+	$(GPU_PYTHON) -m bench.native_gpu || status=1; \
+	exit $$status
 
 # The project's real cluster (hack/cluster, docs/testing.md): Kubernetes, etcd and containerd built
 # from Go modules; one node on loopback, as root. KUBE_VERSION picks 1.36 or 1.37 (the default).

@@ -20,6 +20,7 @@ import json
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 
@@ -57,7 +58,7 @@ def kit() -> Iterator[Kit]:
 
 def run_torch(
     kit: Kit, script: str, timeout: float = 300, extra: Mapping[str, str] | None = None
-) -> dict[str, float]:
+) -> dict[str, Any]:
     # The real driver, not the fakes: no LD_LIBRARY_PATH, only the hook preloaded.
     env = {k: v for k, v in kit.env(hooked=True).items() if k != "LD_LIBRARY_PATH"}
     env.update(extra or {})
@@ -70,7 +71,7 @@ def run_torch(
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    result: dict[str, float] = json.loads(proc.stdout.strip().splitlines()[-1])
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -124,7 +125,7 @@ with torch.cuda.stream(side):
     y = x * 2  # warm-up outside the capture, as torch.cuda.graph wants
 torch.cuda.current_stream().wait_stream(side)
 g = torch.cuda.CUDAGraph()
-replayed = 0
+replayed, error = 0, ""
 try:
     with torch.cuda.graph(g):
         big = torch.empty(int(os.environ["GRAPH_BYTES"]), dtype=torch.uint8, device="cuda")
@@ -132,26 +133,35 @@ try:
     g.replay()
     torch.cuda.synchronize()
     replayed = 1
-except RuntimeError:  # out of memory at instantiation or launch
-    pass
-print(json.dumps({"replayed": replayed}))
+except RuntimeError as e:  # out of memory at instantiation or launch
+    error = str(e)[:400]
+print(json.dumps({"replayed": replayed, "error": error}))
 """
 
 
 @pytest.mark.parametrize(
-    ("gib", "replayed"),
-    [pytest.param(6, 0, id="beyond-the-share"), pytest.param(1, 1, id="within-the-share")],
+    ("gib", "hooked", "replayed"),
+    [
+        pytest.param(6, True, False, id="beyond-the-share"),
+        pytest.param(1, True, True, id="within-the-share"),
+        pytest.param(6, False, True, id="beyond-the-share-without-the-hook"),
+    ],
 )
 def test_graph_memory_nodes_beyond_the_share_do_not_replay(
-    kit: Kit, gib: int, replayed: int
+    kit: Kit, gib: int, hooked: bool, replayed: bool
 ) -> None:
     # Under the cudaMallocAsync backend an allocation inside torch.cuda.graph is captured as a
-    # graph memory node: nothing is allocated until the graph is launched.
+    # graph memory node: nothing is allocated until the graph is launched. Without the hook the
+    # same script must replay, so a refusal is the hook's and not the script's.
     assert UUID is not None
     kit.write_limits(4 * GIB, 100, devices=(UUID,))
     extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "GRAPH_BYTES": str(gib * GIB)}
+    if not hooked:
+        extra["LD_PRELOAD"] = ""
     out = run_torch(kit, GRAPH, extra=extra)
-    assert out["replayed"] == replayed
+    assert bool(out["replayed"]) == replayed, out["error"]
+    if not replayed:
+        assert "out of memory" in str(out["error"]).lower(), out["error"]
 
 
 SPEED = """
