@@ -57,7 +57,11 @@ def kit() -> Iterator[Kit]:
 
 
 def run_torch(
-    kit: Kit, script: str, timeout: float = 300, extra: Mapping[str, str] | None = None
+    kit: Kit,
+    script: str,
+    timeout: float = 300,
+    extra: Mapping[str, str] | None = None,
+    check_exit: bool = True,
 ) -> dict[str, Any]:
     # The real driver, not the fakes: no LD_LIBRARY_PATH, only the hook preloaded.
     env = {k: v for k, v in kit.env(hooked=True).items() if k != "LD_LIBRARY_PATH"}
@@ -70,7 +74,7 @@ def run_torch(
         timeout=timeout,
         check=False,
     )
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode == 0 or not check_exit, proc.stderr
     result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
     return result
 
@@ -158,10 +162,27 @@ def test_graph_memory_nodes_beyond_the_share_do_not_replay(
     extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "GRAPH_BYTES": str(gib * GIB)}
     if not hooked:
         extra["LD_PRELOAD"] = ""
-    out = run_torch(kit, GRAPH, extra=extra)
+    # A refused graph's program aborts at exit (test below); what it saw before that is checked.
+    out = run_torch(kit, GRAPH, extra=extra, check_exit=replayed)
     assert bool(out["replayed"]) == replayed, out["error"]
     if not replayed:
         assert "out of memory" in str(out["error"]).lower(), out["error"]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="open: after the hook refuses a graph's instantiation (out of memory), PyTorch's "
+    "cudaMallocAsync backend frees the never-launched captured allocation outside the graph at "
+    "exit; the driver answers cudaErrorInvalidValue and PyTorch aborts (seen on an H200, "
+    "PyTorch 2.11). Whether a graph the driver itself cannot fit ends the same way was not "
+    "checked.",
+)
+def test_a_program_whose_graph_is_refused_exits_cleanly(kit: Kit) -> None:
+    assert UUID is not None
+    kit.write_limits(4 * GIB, 100, devices=(UUID,))
+    extra = {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync", "GRAPH_BYTES": str(6 * GIB)}
+    out = run_torch(kit, GRAPH, extra=extra)
+    assert not out["replayed"]
 
 
 SPEED = """
