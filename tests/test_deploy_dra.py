@@ -16,7 +16,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from core import contract
+from core import contract, dra
 from core.kube import kube_client
 from deviceplugin.dra.cli import add_parser, config_from
 from quota.claims import CLAIM, TEMPLATE, ClaimSpecs
@@ -169,8 +169,12 @@ def test_rbac_is_the_least_the_plugin_needs() -> None:
             ["get", "list", "watch", "create", "update", "delete"]
         ),
         ("resource.k8s.io", "resourceclaims"): ["get"],
+        ("resource.k8s.io", "resourceclaims/status"): ["patch"],
+        ("resource.k8s.io", "resourceclaims/driver"): ["associated-node:patch"],
         ("", "nodes"): ["get"],
     }
+    (driver_rule,) = [r for r in role["rules"] if r["resources"] == ["resourceclaims/driver"]]
+    assert driver_rule["resourceNames"] == [dra.DRIVER]
 
 
 def test_the_role_is_bound_to_the_pods_service_account() -> None:
@@ -405,3 +409,73 @@ def test_the_recorded_calls_are_read_as_rbac_checks_them() -> None:
         ("team-a", "resource.k8s.io", "resourceclaimtemplates", "t", "patch"),
         ("cluster", "resource.k8s.io", "resourceslices", "*any*", "list"),
     ]
+
+
+# ---- the DeviceClass policy ---------------------------------------------------------------------
+
+
+def _class_admitted(name: str, spec: Obj) -> bool:
+    policy = find(render(OVERLAY), "ValidatingAdmissionPolicy", "fracgpu-device-classes")
+    obj = {"metadata": {"name": name}, "spec": spec}
+    return policy_admits(policy, {"operation": "CREATE", "userInfo": {}}, obj, None)
+
+
+def _selectors(*expressions: str) -> Obj:
+    return {"selectors": [{"cel": {"expression": e}} for e in expressions]}
+
+
+@pytest.mark.parametrize(
+    ("name", "spec", "admitted"),
+    [
+        pytest.param(
+            "gpu.fracgpu.io", _selectors('device.driver == "gpu.fracgpu.io"'), True, id="ours"
+        ),
+        pytest.param(
+            "gpu.fracgpu.io",
+            {**_selectors('device.driver == "gpu.fracgpu.io"'), "extendedResourceName": "x.io/g"},
+            False,
+            id="ours-with-an-explicit-extended-resource",
+        ),
+        pytest.param(
+            "nic", _selectors('device.driver == "nic.example.com"'), True, id="other-driver"
+        ),
+        pytest.param(
+            "nvidia",
+            _selectors(
+                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
+            ),
+            True,
+            id="other-driver-and-a-condition",
+        ),
+        pytest.param(
+            "nic",
+            {
+                **_selectors('device.driver == "nic.example.com"'),
+                "extendedResourceName": "x.io/nic",
+            },
+            True,
+            id="other-driver-with-an-extended-resource",
+        ),
+        pytest.param("all", {}, False, id="no-selectors"),
+        pytest.param(
+            "sneaky", _selectors('device.driver == "gpu.fracgpu.io"'), False, id="our-driver"
+        ),
+        pytest.param(
+            "widened",
+            _selectors('device.driver == "nic.example.com" || true'),
+            False,
+            id="or-widens",
+        ),
+        pytest.param(
+            "ternary",
+            _selectors('device.driver == "nic.example.com" && false ? false : true'),
+            False,
+            id="ternary-widens",
+        ),
+        pytest.param(
+            "attr", _selectors("device.attributes['x'].model == 'H100'"), False, id="no-driver-pin"
+        ),
+    ],
+)
+def test_only_fracgpus_class_reaches_its_devices(name: str, spec: Obj, admitted: bool) -> None:
+    assert _class_admitted(name, spec) is admitted

@@ -22,10 +22,12 @@ from deviceplugin.dra.driver import DraDriver
 from deviceplugin.dra.metrics import DraMetrics
 from deviceplugin.dra.service import CardBoard, PluginServers
 from deviceplugin.dra.slices import CardState, SlicePublisher
+from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.health import HealthMonitor
 from deviceplugin.http import serve
 
 log = logging.getLogger(__name__)
+MERGE_PATCH = "application/merge-patch+json"
 
 
 class DraDaemon:
@@ -41,6 +43,8 @@ class DraDaemon:
         self.http: ThreadingHTTPServer | None = None
         self._stack = AsyncExitStack()
         self._reconciler: asyncio.Task[None] | None = None
+        self._status_task: asyncio.Task[None] | None = None
+        self.status: ClaimStatusWriter | None = None
 
     async def _get_claim(self, ref: ClaimRef) -> dict[str, Any]:
         assert self.api is not None
@@ -48,6 +52,17 @@ class DraDaemon:
             self.api,
             "GET",
             RESOURCE_CLAIMS.path(ref.namespace, ref.name),
+            timeout_s=self.config.claim_timeout_s,
+        )
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        assert self.api is not None
+        return await call_json(
+            self.api,
+            method,
+            path,
+            body=body,
+            content_type=MERGE_PATCH if method == "PATCH" else "application/json",
             timeout_s=self.config.claim_timeout_s,
         )
 
@@ -59,9 +74,27 @@ class DraDaemon:
         version = inventory.driver_version()
         self.board = board = CardBoard([CardState(c, inventory.details(c)) for c in cards])
         self.api = api = await self._stack.enter_async_context(kube_client(config.kubeconfig))
-        self.driver = DraDriver(config, cards, self._get_claim)
-        self.driver.install_host_files()
-        self.driver.restore()
+        self.driver = driver = DraDriver(config, cards, self._get_claim)
+        driver.install_host_files()
+        driver.restore()
+        self.status = status = ClaimStatusWriter(
+            call=self._call,
+            claims_path=lambda ref: RESOURCE_CLAIMS.path(ref.namespace, ref.name),
+            driver=config.driver_name,
+            node=config.node_name,
+            health_of=board.health_of,
+        )
+        driver.on_change = status.mark
+
+        def mark_all() -> None:
+            for prepared in driver.prepared.values():
+                status.mark(prepared.ref, prepared.results)
+
+        # A card's health changed; and after a restart, so that the entries say what this
+        # plugin holds now.
+        board.on_change(mark_all)
+        mark_all()
+        self._status_task = asyncio.create_task(status.run(), name="dra-claim-status")
         self.metrics.prepared.set(len(self.driver.prepared))
         self.publisher = SlicePublisher(
             api,
@@ -125,6 +158,11 @@ class DraDaemon:
             self.http.shutdown()
             self.http.server_close()
             self.http = None
+        if self._status_task is not None:
+            self._status_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._status_task
+            self._status_task = None
         if self._reconciler is not None:
             self._reconciler.cancel()
             with suppress(asyncio.CancelledError):

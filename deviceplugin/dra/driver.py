@@ -91,6 +91,9 @@ class DraDriver:
         self._lock = asyncio.Lock()
         self.prepared: dict[str, Prepared] = {}
         self.checkpoint_writes = 0
+        # Told each claim whose prepared results changed (none: unprepared); the claim status
+        # writer (status.py) listens, off kubelet's path.
+        self.on_change: Callable[[ClaimRef, tuple[Result, ...]], None] = lambda ref, res: None
 
     # ---- files -----------------------------------------------------------------------------
 
@@ -296,6 +299,10 @@ class DraDriver:
                     new.append(ref.uid)
             if new:
                 await self._save_or_undo(new, outcomes)
+                for uid in new:
+                    prepared = self.prepared.get(uid)
+                    if prepared is not None:
+                        self.on_change(prepared.ref, prepared.results)
         for uid, outcome in outcomes.items():
             if outcome.error:
                 log.warning("prepare failed", extra={"uid": uid, "error": outcome.error})
@@ -373,6 +380,7 @@ class DraDriver:
                 errors[ref.uid] = ""
                 if self.prepared.pop(ref.uid, None) is not None:
                     changed = True
+                    self.on_change(ref, ())
                     log.info(
                         "claim unprepared",
                         extra={"claim": f"{ref.namespace}/{ref.name}", "uid": ref.uid},

@@ -57,6 +57,11 @@ class CardBoard:
     def states(self) -> list[CardState]:
         return [self._states[i] for i in sorted(self._states)]
 
+    def health_of(self, index: int) -> tuple[bool, str]:
+        """A card's health and, when unhealthy, why."""
+        state = self._states.get(index)
+        return (True, "") if state is None else (state.healthy, state.reason)
+
     def on_change(self, listener: Callable[[], None]) -> None:
         self._listeners.append(listener)
 

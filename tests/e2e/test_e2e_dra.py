@@ -27,6 +27,7 @@ from core import contract, dra
 from core.units import ENV_GPU
 from tests.e2e.harness import (
     ADMISSION_DRA,
+    DEPLOY,
     ENV_DRA_NODE,
     HarnessError,
     Kubectl,
@@ -34,6 +35,7 @@ from tests.e2e.harness import (
     Settings,
     delete_namespace,
     e2e_run,
+    render,
     sigterm_interrupts,
     wait_until_admission_effective,
 )
@@ -459,3 +461,101 @@ def test_a_hand_written_claim_for_every_card_is_counted_as_every_card(
         # A claim a user wrote outlives its pods: the namespace's clean-up waits for none left.
         kubectl("delete", "pods", "--all", "-n", dra_namespace, "--grace-period=0", "--force")
         kubectl("delete", "resourceclaim", "everything", "-n", dra_namespace)
+
+
+def _device_class(name: str, expression: str | None, extended: str | None = None) -> Obj:
+    spec: Obj = {}
+    if expression is not None:
+        spec["selectors"] = [{"cel": {"expression": expression}}]
+    if extended is not None:
+        spec["extendedResourceName"] = extended
+    return {"apiVersion": dra.API_VERSION, "kind": "DeviceClass", "metadata": {"name": name},
+            "spec": spec}  # fmt: skip
+
+
+def test_only_fracgpus_device_class_can_reach_its_cards(agent: DraAgent, kubectl: Kubectl) -> None:
+    """deploy/overlays/dra's policy, on the real API server (its CEL compiler and cost limits):
+    a second class that could select fracgpu's devices, or an explicit extended resource on
+    fracgpu's own, is refused with the fix; a class pinned to another driver is not. Server-side
+    dry runs only: no class is left behind."""
+    policy = [o for o in render(DEPLOY / "overlays" / "dra")
+              if o["metadata"]["name"] == "fracgpu-device-classes"]  # fmt: skip
+    assert {o["kind"] for o in policy} == {
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+    }
+    kubectl.ok("apply", "-f", "-", stdin="---\n".join(manifest(o) for o in policy))
+
+    def dry_run(obj: Obj) -> Any:
+        return kubectl("create", "--dry-run=server", "-f", "-", stdin=manifest(obj))
+
+    sneaky = _device_class("e2e-sneaky", f'device.driver == "{dra.DRIVER}"')
+    try:
+        # A new policy takes effect within seconds (the API server's policy informer).
+        wait_for(
+            lambda: dry_run(sneaky).returncode != 0, 30, lambda: "the DeviceClass policy in effect"
+        )
+        refused = dry_run(sneaky)
+        assert "could select fracgpu's devices" in refused.stderr, refused.stderr
+        refused = dry_run(_device_class("e2e-everything", None))
+        assert "could select fracgpu's devices" in refused.stderr, refused.stderr
+        widened = _device_class("e2e-widened", 'device.driver == "nic.example.com" || true')
+        assert dry_run(widened).returncode != 0
+        ours = _device_class(
+            dra.DEVICE_CLASS, f'device.driver == "{dra.DRIVER}"', "example.com/gpu"
+        )
+        refused = kubectl("apply", "--dry-run=server", "-f", "-", stdin=manifest(ours))
+        assert "extendedResourceName example.com/gpu is not allowed" in refused.stderr, refused
+        nic = _device_class("e2e-nic", 'device.driver == "nic.example.com"', "example.com/nic")
+        allowed = dry_run(nic)
+        assert allowed.returncode == 0, allowed.stderr
+    finally:
+        for obj in policy:
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+
+
+def test_the_share_is_shown_in_its_claim_and_its_cards_health_in_the_pod(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """``kubectl get resourceclaim -o yaml`` shows the share the plugin prepared (its card,
+    cores and MiB, Ready, CardHealthy) in status.devices, and kubelet puts the card's health,
+    as the plugin's health stream reports it, in the pod's allocatedResourcesStatus (a beta
+    feature on by default in 1.36 and 1.37)."""
+    create(kubectl, dra_namespace, node_pod("shown", agent.node, share("0.3", "4Gi")))
+    wait_running(kubectl, dra_namespace, "shown", agent)
+    claim = claim_of(kubectl, dra_namespace, "shown")
+    (result,) = results(claim)
+    cores, memory = consumed(claim)
+
+    def ours() -> list[Obj]:
+        now = kubectl.get("resourceclaim", claim["metadata"]["name"], dra_namespace)
+        devices = (now.get("status") or {}).get("devices") or []
+        return [d for d in devices if d.get("driver") == dra.DRIVER]
+
+    wait_for(lambda: bool(ours()), 10, lambda: json.dumps(claim.get("status"), indent=1))
+    (entry,) = ours()
+    key = ("pool", "device", "shareID")
+    assert tuple(entry.get(k) for k in key) == tuple(result.get(k) for k in key)
+    assert entry["data"]["cores"] == cores
+    assert entry["data"]["memoryMiB"] * MIB == memory
+    card = CARDS[int(result["device"].rsplit("-", 1)[1])]
+    assert entry["data"]["uuid"] == card.uuid
+    conditions = {c["type"]: c["status"] for c in entry["conditions"]}
+    assert conditions == {"Ready": "True", "CardHealthy": "True"}
+
+    def health() -> list[Obj]:
+        pod = kubectl.get("pod", "shown", dra_namespace)
+        statuses = (pod.get("status") or {}).get("containerStatuses") or []
+        found: list[Obj] = []
+        for status in statuses:
+            found += status.get("allocatedResourcesStatus") or []
+        return found
+
+    wait_for(lambda: bool(health()), 60, lambda: json.dumps(health()))
+    (claimed,) = health()
+    assert claimed["name"].startswith("claim:"), claimed
+    (resource,) = claimed["resources"]
+    # kubelet names the device by the CDI ID the plugin gave it (one per claim and share).
+    assert resource["resourceID"].startswith(f"k8s.{dra.DRIVER}/claim="), resource
+    assert claim["metadata"]["uid"] in resource["resourceID"], resource
+    assert resource["health"] == "Healthy"
