@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_serve(sub)
     _add_review(sub)
+    _add_mode(sub)
     # In the order `fracgpu --help` lists them.
     add_quota_parser(sub)
     add_certs_parser(sub)
@@ -67,6 +68,24 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     add_kube_flags(p)
     _add_admission_flags(p)
     p.set_defaults(run=_run_serve)
+
+
+def _add_mode(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "mode",
+        help="which mode to install fracgpu in on this cluster, and which one it admits in",
+        description="Ask the API server: DRA mode is the default where Kubernetes is 1.36 or "
+        "later and serves resource.k8s.io/v1, device-plugin mode elsewhere. Also says which "
+        "mode `fracgpu serve` admits pods in (admission.allocation: auto) and why.",
+    )
+    add_kube_flags(p)
+    p.set_defaults(run=_run_mode)
+
+
+def _run_mode(args: argparse.Namespace) -> int:
+    from fracgpu.mode import run
+
+    return run(args)
 
 
 def _add_review(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

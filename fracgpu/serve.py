@@ -34,6 +34,7 @@ from webhook.claimstore import TemplateStore, slice_informer
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
+from webhook.mode import resolve as resolve_mode
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
 from webhook.schedwatch import SchedulerPresence, scheduler_informer
@@ -135,8 +136,11 @@ async def run_server(
         stack.push_async_callback(certificates.close)
         waiting["serving certificate"] = certificates.ready
         background: list[Awaitable[Any]] = [certificates.run()]
+        mode = await resolve_mode(admission.allocation, api)
+        log.info("admission mode", extra={"allocation": mode.allocation, "why": mode.why})
+        admission = admission.model_copy(update={"allocation": mode.allocation})
         # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
-        dra = admission.allocation == "dra" and api is not None
+        dra = mode.allocation == "dra" and api is not None
         models = SliceModels() if dra else None
         templates = TemplateStore(api) if dra and api is not None else None
         card_memory = models.largest_card_mib if models else inventory.largest_card_mib

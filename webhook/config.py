@@ -53,11 +53,13 @@ class InventoryConfig(_Section):
 
 
 class AdmissionConfig(_Section):
-    allocation: Literal["device-plugin", "dra"] = Field(
-        "device-plugin",
-        description="how shares reach cards: device-plugin (extended resources fracgpu.io/core "
-        "and fracgpu.io/memory, any Kubernetes) or dra (ResourceClaims placed by the stock "
-        "scheduler on one card, Kubernetes 1.36 or later with fracgpu dra-plugin on the nodes)",
+    allocation: Literal["auto", "device-plugin", "dra"] = Field(
+        "auto",
+        description="how shares reach cards: dra (ResourceClaims placed by the stock scheduler "
+        "on one card, Kubernetes 1.36 or later with fracgpu dra-plugin on the nodes), "
+        "device-plugin (extended resources fracgpu.io/core and fracgpu.io/memory, any "
+        "Kubernetes), or auto: dra where fracgpu's DeviceClass is installed (it comes with the "
+        "DRA plugin), else device-plugin; decided at start and logged",
     )
     dialects: list[Dialect] = Field(
         default_factory=list, description="extra vocabularies to accept: hami, tkestack"

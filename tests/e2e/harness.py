@@ -96,7 +96,10 @@ CARD_MIB = 24576
 # The admission configuration passed to `fracgpu serve`, stated in full rather than left to
 # defaults that may change: the scenarios compute what they expect from this same configuration.
 # No fracgpu-scheduler runs in an e2e cluster, so GPU pods keep the cluster's default scheduler.
+# Device-plugin mode, named: with the default (auto) a DeviceClass left by another run would
+# switch the webhook to DRA mode.
 ADMISSION: dict[str, Any] = {
+    "allocation": "device-plugin",
     "scheduler_name": "",
     "inventory": {"models": {CARD_PRODUCT: CARD_MIB}, "watch_nodes": False},
 }

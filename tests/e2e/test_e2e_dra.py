@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -559,3 +561,20 @@ def test_the_share_is_shown_in_its_claim_and_its_cards_health_in_the_pod(
     assert resource["resourceID"].startswith(f"k8s.{dra.DRIVER}/claim="), resource
     assert claim["metadata"]["uid"] in resource["resourceID"], resource
     assert resource["health"] == "Healthy"
+
+
+def test_fracgpu_mode_says_dra_here(dra_run: Run, settings: Settings) -> None:
+    """``kubectl fracgpu mode`` on this 1.36+ cluster: DRA mode to install, and with the DRA
+    overlay's DeviceClass in place, DRA mode admitted by ``admission.allocation: auto``."""
+    out = subprocess.run(
+        [sys.executable, "-m", "fracgpu.cli", "mode", "--kubeconfig", str(settings.kubeconfig)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("install:   dra mode"), out.stdout
+    assert "kubectl apply -k deploy/overlays/dra" in lines[1], out.stdout
+    assert lines[2].startswith("admitting: dra mode"), out.stdout
