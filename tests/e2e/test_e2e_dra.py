@@ -578,3 +578,47 @@ def test_fracgpu_mode_says_dra_here(dra_run: Run, settings: Settings) -> None:
     assert lines[0].startswith("install:   dra mode"), out.stdout
     assert "kubectl apply -k deploy/overlays/dra" in lines[1], out.stdout
     assert lines[2].startswith("admitting: dra mode"), out.stdout
+
+
+PLUGIN_ACCOUNT = "system:serviceaccount:fracgpu:fracgpu-dra-plugin"
+
+
+@pytest.mark.parametrize(
+    ("question", "allowed"),
+    [
+        pytest.param(("get", "resourceclaims"), True, id="read-a-claim"),
+        pytest.param(("patch", "resourceclaims", "--subresource=status"), True, id="patch-status"),
+        pytest.param(("update", "resourceclaims", "--subresource=status"), False, id="no-update"),
+        pytest.param(
+            ("associated-node:patch", f"resourceclaims/{dra.DRIVER}", "--subresource=driver"),
+            True,
+            id="its-own-drivers-entries",
+        ),
+        pytest.param(
+            ("associated-node:patch", "resourceclaims/nic.example.com", "--subresource=driver"),
+            False,
+            id="not-another-drivers",
+        ),
+        pytest.param(
+            ("arbitrary-node:patch", f"resourceclaims/{dra.DRIVER}", "--subresource=driver"),
+            False,
+            id="not-for-other-nodes",
+        ),
+    ],
+)
+def test_the_plugins_role_allows_its_status_writes_and_no_more(
+    dra_run: Run, kubectl: Kubectl, question: tuple[str, ...], allowed: bool
+) -> None:
+    """The DRA overlay's ClusterRole on the real RBAC authorizer (the suite's plugin runs with
+    the cluster admin's credentials, so its writes alone would not show the role suffices). RBAC
+    names the service account as a subject: the account itself need not exist to be asked about."""
+    objs = [o for o in render(DEPLOY / "overlays" / "dra")
+            if o["metadata"]["name"] == "fracgpu-dra-plugin"
+            and o["kind"] in ("ClusterRole", "ClusterRoleBinding")]  # fmt: skip
+    kubectl.ok("apply", "-f", "-", stdin="---\n".join(manifest(o) for o in objs))
+    try:
+        answer = kubectl("auth", "can-i", *question, "-n", "default", "--as", PLUGIN_ACCOUNT)
+        assert answer.stdout.strip() == ("yes" if allowed else "no"), answer
+    finally:
+        for obj in objs:
+            kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
