@@ -622,3 +622,71 @@ def test_the_plugins_role_allows_its_status_writes_and_no_more(
     finally:
         for obj in objs:
             kubectl("delete", obj["kind"], obj["metadata"]["name"], "--ignore-not-found")
+
+
+CHURN_WAVES = 4
+CHURN_SEED = 20261126
+
+
+def _churn_limits(rng: Any) -> Obj:
+    """A share with or without memory, a memory-heavy one, or one or two whole cards."""
+    kind = rng.choice(["share", "share", "share-mem", "memory-heavy", "whole", "two"])
+    if kind == "share":
+        return share(f"0.{rng.randint(1, 7)}")
+    if kind == "share-mem":
+        return share(f"0.{rng.randint(1, 6)}", f"{rng.choice([2, 4, 6])}Gi")
+    if kind == "memory-heavy":
+        return share("0.1", f"{rng.choice([12, 16, 20])}Gi")
+    return share("1" if kind == "whole" else "2")
+
+
+def test_churn_leaves_no_pod_failed_and_every_limits_file_its_claims(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """Waves of shares (with and without memory, memory-heavy), whole cards and two-card pods,
+    each created in a burst; half of what exists deleted at random between waves. After every
+    wave: no pod Failed, each pod Running or Pending with the scheduler's reason, and every
+    running pod's limits file holds exactly what its claim consumed on its card."""
+    import random
+
+    rng = random.Random(CHURN_SEED)
+    alive: list[str] = []
+    for wave in range(CHURN_WAVES):
+        names = [f"w{wave}-{i}" for i in range(rng.randint(5, 8))]
+        burst = "---\n".join(
+            manifest(node_pod(name, agent.node, _churn_limits(rng))) for name in names
+        )
+        kubectl.ok("create", "-n", dra_namespace, "-f", "-", stdin=burst)
+        alive += names
+
+        def current() -> list[Obj]:
+            return [
+                p for p in pods(kubectl, dra_namespace) if "deletionTimestamp" not in p["metadata"]
+            ]
+
+        def settled() -> bool:
+            for pod in current():
+                phase = pod["status"].get("phase")
+                assert phase != "Failed", describe(kubectl, dra_namespace, agent)
+                if phase == "Running":
+                    continue
+                scheduled = _condition(pod, "PodScheduled") or {}
+                if scheduled.get("status") != "False" or not scheduled.get("message"):
+                    return False
+            return True
+
+        wait_for(settled, 90, lambda: describe(kubectl, dra_namespace, agent))
+        for pod in current():
+            if pod["status"].get("phase") != "Running":
+                continue
+            claim = claim_of(kubectl, dra_namespace, pod["metadata"]["name"])
+            path = agent.host_root / "claims" / claim["metadata"]["uid"] / "limits"
+            written = contract.Limits.parse((path / contract.LIMITS_FILE).read_text())
+            granted = results(claim)
+            cards = sorted(CARDS[int(r["device"].rsplit("-", 1)[1])].uuid for r in granted)
+            assert sorted(written.devices) == cards, pod["metadata"]["name"]
+            if len(granted) == 1 and "consumedCapacity" in granted[0]:
+                assert (written.compute_percent, written.memory_bytes) == consumed(claim)
+        gone = rng.sample(alive, len(alive) // 2)
+        kubectl.ok("delete", "pods", "-n", dra_namespace, *gone, "--wait=false")
+        alive = [n for n in alive if n not in gone]
