@@ -516,3 +516,39 @@ async def test_a_corrupt_checkpoint_is_ignored() -> None:
         node.config.checkpoint_path.write_text("{not json")
         await node.start_plugin()
         assert await node.wait_registered(2.0)
+
+
+# ---- the share in its claim ---------------------------------------------------------------------
+
+
+def _entries(node: DraNode, claim: dict[str, Any]) -> list[dict[str, Any]]:
+    now = node.fake.get("resourceclaims", claim["metadata"]["name"], "default") or {}
+    return [d for d in (now.get("status") or {}).get("devices") or [] if d["driver"] == DRIVER]
+
+
+async def _eventually(check: Any, within_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.02)
+    return True
+
+
+async def test_the_share_shows_in_its_claim_follows_card_health_and_goes_at_unprepare() -> None:
+    async with dra_node(2) as node:
+        claim, _ = await prepared(node, "shown", cores=30, memory="8Gi")
+        assert await _eventually(lambda: bool(_entries(node, claim)))
+        (entry,) = _entries(node, claim)
+        assert (entry["data"]["cores"], entry["data"]["memoryMiB"]) == (30, 8192)
+        card = entry["data"]["card"]
+
+        def healthy() -> str:
+            (e,) = _entries(node, claim)
+            return {c["type"]: c["status"] for c in e["conditions"]}["CardHealthy"]
+
+        node.nvml.xid(card, 79)
+        assert await _eventually(lambda: healthy() == "False")
+        assert node.kubelet is not None
+        await node.kubelet.unprepare(DRIVER, [node.key(claim)])
+        assert await _eventually(lambda: not _entries(node, claim))

@@ -83,6 +83,7 @@ class DraDaemon:
             driver=config.driver_name,
             node=config.node_name,
             health_of=board.health_of,
+            on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
         )
         driver.on_change = status.mark
 

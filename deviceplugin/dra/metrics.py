@@ -42,6 +42,12 @@ class DraMetrics:
             ["how"],
             registry=self.registry,
         )
+        self.status_writes = Counter(
+            f"{PREFIX}_claim_status_writes",
+            "Writes of claims' status.devices: written, or failed (retried every 2 s)",
+            ["result"],
+            registry=self.registry,
+        )
         self.health_events = Counter(
             f"{PREFIX}_health_events",
             "NVML health events seen, by card and reason",

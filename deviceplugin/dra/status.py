@@ -29,6 +29,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
+
 from core.kube import KubeConflict, KubeError, KubeNotFound
 from deviceplugin.dra.claims import ClaimRef, Result
 
@@ -130,6 +132,7 @@ class ClaimStatusWriter:
     supported: bool | None = None  # None until the first write shows whether the field is kept
     writes: int = 0
     failures: int = 0
+    on_write: Callable[[str], None] = lambda result: None  # "written" or "failed"
     _wanted: dict[str, tuple[ClaimRef, tuple[Result, ...]]] = field(default_factory=dict)
     _wake: asyncio.Event = field(default_factory=asyncio.Event)
 
@@ -152,8 +155,9 @@ class ClaimStatusWriter:
             for uid, (ref, results) in batch.items():
                 try:
                     await self.sync(ref, results)
-                except (KubeError, OSError, TimeoutError) as exc:
+                except (KubeError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                     self.failures += 1
+                    self.on_write("failed")
                     log.warning(
                         "claim status not written; retried",
                         extra={"claim": str(ref), "error": str(exc)},
@@ -199,6 +203,7 @@ class ClaimStatusWriter:
             except KubeConflict:
                 continue  # someone wrote in between: read again
             self.writes += 1
+            self.on_write("written")
             if new and self.supported is None:
                 kept = (written.get("status") or {}).get("devices") or []
                 self.supported = any(d.get("driver") == self.driver for d in kept)

@@ -6,6 +6,7 @@ Everything lives in a short temporary directory (unix socket paths must stay und
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import shutil
@@ -19,9 +20,11 @@ from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.daemon import DraDaemon
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.drakubelet import ClaimKey, FakeDraKubelet
-from tests.fakes.draobjects import allocate_claim
+from tests.fakes.draobjects import allocate_claim, canonicalize
 from tests.fakes.gpunode import cards as fake_cards
+from tests.fakes.kinds import RESOURCE_CLAIM
 from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
+from tests.fakes.objectrules import now
 
 DRIVER = "gpu.fracgpu.io"
 NODE = "node-a"
@@ -128,7 +131,11 @@ class DraNode:
         return self.slices()[0]
 
     def create_claim(self, claim: dict[str, Any]) -> dict[str, Any]:
-        return self.fake.put(claim)
+        # As the API server stores it (canonical quantities), so that later writes through the
+        # API (the plugin's status) find the spec they would have found.
+        stored = copy.deepcopy(claim)
+        canonicalize(RESOURCE_CLAIM, stored, now())
+        return self.fake.put(stored)
 
     def allocate(self, name: str, namespace: str = "default", pod: Any = None) -> dict[str, Any]:
         return allocate_claim(self.fake.store, namespace, name, pod=pod)
