@@ -34,6 +34,7 @@ from webhook.claimstore import TemplateStore, slice_informer
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
+from webhook.mode import ModeError
 from webhook.mode import resolve as resolve_mode
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
@@ -102,6 +103,9 @@ def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
     except ServingError as exc:
         # Something for the operator to fix, not a bug: one line, no traceback.
         log.error("cannot start: no usable serving certificate", extra={"error": str(exc)})
+        return 2
+    except ModeError as exc:
+        log.error("cannot start: admission mode unknown", extra={"error": str(exc)})
         return 2
 
 

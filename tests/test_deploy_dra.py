@@ -442,7 +442,8 @@ def _selectors(*expressions: str) -> Obj:
         pytest.param(
             "nvidia",
             _selectors(
-                "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'"
+                "device.driver == 'gpu.nvidia.com' && "
+                "device.attributes['gpu.nvidia.com'].type == 'gpu'"
             ),
             True,
             id="other-driver-and-a-condition",

@@ -33,6 +33,8 @@ WEBHOOK_CORE = (
     | _all("cluster", "fracgpu.io", "gpuquotas", "get list watch update patch")
     | _all("cluster", "fracgpu.io", "gpuquotas/status", "get list watch update patch")
     | _all(NAMESPACE, "coordination.k8s.io", "leases", "get list watch create update patch")
+    # admission.allocation auto: does fracgpu's DeviceClass exist (webhook/mode.py)?
+    | _all("cluster", "resource.k8s.io", "deviceclasses", "get", "gpu.fracgpu.io")
 )
 WEBHOOK_OWN_CERTS = (
     _all(NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-webhook-tls")

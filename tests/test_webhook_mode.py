@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from core import dra
-from core.kube import DEVICE_CLASSES, call_json, kube_client
+from core.kube import DEVICE_CLASSES, KubeError, call_json, kube_client
 from tests.fakes.apiserver import FakeApiServer
-from webhook.mode import Cluster, admitting, read_cluster, resolve, to_install
+from webhook.mode import Cluster, ModeError, admitting, read_cluster, resolve, to_install
 
 
 @pytest.mark.parametrize(
@@ -71,3 +71,23 @@ async def test_auto_follows_the_device_class(tmp_path: Path) -> None:
         mode = await resolve("auto", api)
         assert mode.allocation == "dra"
         assert f"DeviceClass {dra.DEVICE_CLASS} is installed" in mode.why
+
+
+async def test_a_refusal_to_read_the_device_class_says_how_to_fix() -> None:
+    async def refused(api: object, method: str, path: str, **_: object) -> object:
+        raise KubeError(403, "Forbidden", f"cannot get {path}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("webhook.mode.call_json", refused)
+        with pytest.raises(ModeError, match="grant get on it"):
+            await resolve("auto", object())
+
+
+async def test_an_api_server_that_never_answers_stops_the_start_with_the_fix() -> None:
+    async def down(api: object, method: str, path: str, **_: object) -> object:
+        raise OSError("connection refused")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("webhook.mode.call_json", down)
+        with pytest.raises(ModeError, match=r"set admission\.allocation to dra or device-plugin"):
+            await resolve("auto", object(), within_s=0)

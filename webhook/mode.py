@@ -29,6 +29,10 @@ DRA_SINCE = (1, 36)
 DECIDE_WITHIN_S = 60.0  # serve retries this long before it gives up starting
 
 
+class ModeError(RuntimeError):
+    """``auto`` could not be decided: the API server did not answer, or refused to say."""
+
+
 @dataclass(frozen=True, slots=True)
 class Mode:
     allocation: Allocation
@@ -116,21 +120,34 @@ def admitting(cluster: Cluster) -> Mode:
     )
 
 
-async def resolve(configured: str, api: Any | None) -> Mode:
+async def resolve(configured: str, api: Any | None, within_s: float = DECIDE_WITHIN_S) -> Mode:
     """The mode ``serve`` admits in. ``auto`` asks the cluster, retrying while the API server
     does not answer (a wrong guess would send every GPU pod to a node agent that is not there);
-    after DECIDE_WITHIN_S it raises the last error."""
+    raises ModeError after ``within_s``, or at once when the API server refuses to say."""
     if configured in ("dra", "device-plugin"):
         chosen: Allocation = "dra" if configured == "dra" else "device-plugin"
         return Mode(chosen, "set in the configuration (admission.allocation)")
     if api is None:
         return Mode("device-plugin", "standalone: no cluster to ask")
-    deadline = asyncio.get_running_loop().time() + DECIDE_WITHIN_S
+    deadline = asyncio.get_running_loop().time() + within_s
     while True:
         try:
             return admitting(await read_cluster(api))
-        except (KubeError, aiohttp.ClientError, OSError, TimeoutError) as exc:
-            if asyncio.get_running_loop().time() > deadline:
-                raise
-            log.warning("cannot tell the mode yet; asking again", extra={"error": str(exc)})
-            await asyncio.sleep(2.0)
+        except KubeError as exc:
+            if exc.status == 403:
+                raise ModeError(
+                    f"admission.allocation auto must read DeviceClass {dra.DEVICE_CLASS} and was "
+                    f"refused ({exc}): grant get on it (deploy/base/webhook-rbac.yaml does), or "
+                    "set admission.allocation to dra or device-plugin"
+                ) from None
+            error: Exception = exc
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            error = exc
+        if asyncio.get_running_loop().time() > deadline:
+            raise ModeError(
+                f"admission.allocation auto: the API server did not say within {within_s:g} s "
+                f"whether DRA mode is installed ({error}); set admission.allocation to dra or "
+                "device-plugin to start without asking"
+            )
+        log.warning("cannot tell the mode yet; asking again", extra={"error": str(error)})
+        await asyncio.sleep(2.0)
