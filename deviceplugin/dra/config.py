@@ -19,10 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core import contract
+from core import contract, dra
 from deviceplugin.config import DEFAULT_IGNORED_XIDS, hook_library, ld_so_preload
 
-DEFAULT_DRIVER = "gpu.fracgpu.io"
+DEFAULT_DRIVER = dra.DRIVER
 DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
 DEFAULT_CDI_ROOT = Path("/var/run/cdi")
 DEFAULT_METRICS_PORT = 9403  # the device plugin has 9402; a node runs one of the two

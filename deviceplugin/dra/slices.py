@@ -32,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from core import dra
 from core.kube import (
     NODES,
     RESOURCE_SLICES,
@@ -50,10 +51,10 @@ from deviceplugin.inventory import Card, CardDetails
 
 log = logging.getLogger(__name__)
 
-API_VERSION = "resource.k8s.io/v1"
+API_VERSION = dra.API_VERSION
 MEMORY_STEP_BYTES = BLOCK_MIB * MIB
-CORES = "cores"
-MEMORY = "memory"
+CORES = dra.CORES
+MEMORY = dra.MEMORY
 PCI_BUS_ID = "resource.kubernetes.io/pciBusID"
 MAX_STRING_ATTRIBUTE = 64
 TAINT_EFFECT = "NoSchedule"
@@ -101,9 +102,9 @@ def device(state: CardState, driver: str, driver_version: str | None) -> Obj:
     card = state.card
     memory = memory_capacity(card)
     attributes: Obj = {
-        "uuid": {"string": card.uuid},
-        "index": {"int": card.index},
-        "productName": {"string": card.product[:MAX_STRING_ATTRIBUTE]},
+        dra.UUID_ATTRIBUTE: {"string": card.uuid},
+        dra.INDEX_ATTRIBUTE: {"int": card.index},
+        dra.PRODUCT_ATTRIBUTE: {"string": card.product[:MAX_STRING_ATTRIBUTE]},
     }
     if state.details.pci_bus_id:
         attributes[PCI_BUS_ID] = {"string": state.details.pci_bus_id}
