@@ -127,9 +127,14 @@ def _add_admission_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduler-name", help="scheduler set on GPU pods ('' leaves it alone)")
 
 
-def admission_config(args: argparse.Namespace) -> AdmissionConfig:
-    """The admission section of --config, with command-line flags on top."""
-    raw = load_yaml(args.config).get("admission") or {}
+def admission_config(
+    args: argparse.Namespace, document: dict[str, object] | None = None
+) -> AdmissionConfig:
+    """The admission section of --config (``document``: the file already read), with
+    command-line flags on top."""
+    if document is None:
+        document = load_yaml(args.config)
+    raw = document.get("admission") or {}
     try:
         config = AdmissionConfig.model_validate(raw)
     except ValidationError as exc:
@@ -166,7 +171,8 @@ def _run_review(args: argparse.Namespace) -> int:
 def _run_serve(args: argparse.Namespace) -> int:
     from fracgpu.serve import serve
 
-    return serve(args, admission_config(args))
+    document = load_yaml(args.config)  # read once: admission here, the rest in serve
+    return serve(args, admission_config(args, document), document)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

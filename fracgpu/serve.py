@@ -64,8 +64,10 @@ class ServeConfig(BaseModel):
     )
 
 
-def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
-    raw = load_yaml(args.config)
+def load(
+    args: argparse.Namespace, admission: AdmissionConfig, document: dict[str, Any] | None = None
+) -> ServeConfig:
+    raw = dict(load_yaml(args.config) if document is None else document)
     raw.pop("admission", None)  # already read, with flags applied
     try:
         config = ServeConfig.model_validate(raw)
@@ -96,8 +98,10 @@ def load(args: argparse.Namespace, admission: AdmissionConfig) -> ServeConfig:
     )
 
 
-def serve(args: argparse.Namespace, admission: AdmissionConfig) -> int:
-    config = load(args, admission)
+def serve(
+    args: argparse.Namespace, admission: AdmissionConfig, document: dict[str, Any] | None = None
+) -> int:
+    config = load(args, admission, document)
     try:
         return asyncio.run(run_server(config, standalone=args.standalone))
     except ServingError as exc:
