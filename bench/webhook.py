@@ -65,7 +65,8 @@ async def _server(port: int, directory: Path) -> None:
     from webhook.config import AdmissionConfig
     from webhook.inventory import Inventory
     from webhook.mutation import Mutator
-    from webhook.server import build_app, listen
+    from webhook.server import build_app
+    from webhook.transport import listen
 
     async def fixed_allow(req: AdmissionRequest) -> AdmissionResponse:
         return AdmissionResponse.allow(req.uid)

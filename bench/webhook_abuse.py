@@ -73,7 +73,8 @@ async def _serve(port: int, directory: Path) -> None:
     from webhook.inventory import Inventory
     from webhook.metrics import AdmissionMetrics
     from webhook.mutation import Mutator
-    from webhook.server import build_app, listen
+    from webhook.server import build_app
+    from webhook.transport import listen
 
     certs = await open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
     metrics = AdmissionMetrics()

@@ -39,7 +39,8 @@ from webhook.mode import resolve as resolve_mode
 from webhook.mutation import Mutator
 from webhook.nodewatch import node_informer
 from webhook.schedwatch import SchedulerPresence, scheduler_informer
-from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app, listen
+from webhook.server import MUTATE_PATH, VALIDATE_PATH, Reviewer, build_app
+from webhook.transport import listen
 from webhook.waitwatch import WaitExplainer
 
 log = logging.getLogger(__name__)

@@ -23,7 +23,8 @@ from quota.metrics import QuotaMetrics
 from quota.service import QuotaService, open_quota
 from tests.fakes.apiserver import FakeApiServer
 from tests.quota_pods import counted_quota, gpu_pod, review
-from webhook.server import build_app, listen
+from webhook.server import build_app
+from webhook.transport import listen
 
 ELECTION = {"lease_duration_s": 2.0, "renew_interval_s": 0.1, "lease_namespace": "team-a"}
 

@@ -35,7 +35,8 @@ from webhook.config import AdmissionConfig, ServerLimits
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
-from webhook.server import (
+from webhook.server import build_app
+from webhook.transport import (
     LARGE_BODY_BYTES,
     LINGER_S,
     MAX_PIECE_BYTES,
@@ -43,7 +44,6 @@ from webhook.server import (
     LoopShare,
     _Connection,
     _next_piece,
-    build_app,
     listen,
 )
 
