@@ -23,12 +23,11 @@ from typing import Any, cast
 
 from certs.config import CertsConfig
 from certs.metrics import CertsMetrics
+from core.informer import EventType, Informer
 from core.kube import (
     MUTATING_WEBHOOK_CONFIGURATIONS,
     VALIDATING_WEBHOOK_CONFIGURATIONS,
     Api,
-    EventType,
-    Informer,
     KubeError,
     KubeNotFound,
     RawBody,

@@ -34,7 +34,8 @@ from typing import Any
 
 import aiohttp
 
-from core.kube import GPUQUOTAS, PODS, Api, Informer, KubeError, KubeNotFound, call_json
+from core.informer import Informer, InformerSettings
+from core.kube import GPUQUOTAS, PODS, Api, KubeError, KubeNotFound, call_json
 from quota.claims import ClaimSpecs, claim_refs
 from quota.demand import CardMemory, Demand, is_terminal, pod_demand
 from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Pending, Scoped
@@ -84,15 +85,14 @@ class UsageController:
         self.grace = timedelta(seconds=grace_s)
         self.pending_limit = pending_limit
         self.clock = clock
-        self.pods = Informer(
-            api, PODS, handler=self._on_pod, request_timeout_s=request_timeout_s, name="quota-pods"
-        )
+        settings = InformerSettings(request_timeout_s=request_timeout_s)
+        self.pods = Informer(api, PODS, handler=self._on_pod, name="quota-pods", settings=settings)
         self.quotas = Informer(
             api,
             GPUQUOTAS,
             handler=self._on_quota,
-            request_timeout_s=request_timeout_s,
             name="quota-controller-gpuquotas",
+            settings=settings,
         )
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()

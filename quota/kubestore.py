@@ -19,16 +19,8 @@ from typing import Any, cast
 
 import aiohttp
 
-from core.kube import (
-    GPUQUOTAS,
-    Api,
-    Informer,
-    KubeConflict,
-    KubeError,
-    KubeNotFound,
-    call_json,
-    object_key,
-)
+from core.informer import Informer, InformerSettings
+from core.kube import GPUQUOTAS, Api, KubeConflict, KubeError, KubeNotFound, call_json, object_key
 from quota.model import API_VERSION
 from quota.store import Conflict, NotFound, Obj, Unavailable
 
@@ -43,7 +35,12 @@ class KubeQuotaStore:
         self.api = api
         self.request_timeout_s = request_timeout_s
         self._informer = (
-            Informer(api, GPUQUOTAS, request_timeout_s=request_timeout_s, name="quota-gpuquotas")
+            Informer(
+                api,
+                GPUQUOTAS,
+                name="quota-gpuquotas",
+                settings=InformerSettings(request_timeout_s=request_timeout_s),
+            )
             if watch
             else None
         )

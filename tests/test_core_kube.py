@@ -14,13 +14,11 @@ import pytest
 from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
 from prometheus_client import CollectorRegistry
 
+from core.informer import EventType, Informer, InformerMetrics, InformerSettings
 from core.kube import (
     NODES,
     PODS,
     SECRETS,
-    EventType,
-    Informer,
-    InformerMetrics,
     KubeConfigError,
     KubeConflict,
     KubeError,
@@ -82,10 +80,12 @@ async def api(fake: FakeApiServer, tmp_path: Path) -> AsyncIterator[Any]:
         yield client
 
 
-def informer(api: Any, resource: Resource = NODES, **kwargs: Any) -> Informer:
-    kwargs.setdefault("backoff_initial_s", 0.05)
-    kwargs.setdefault("backoff_max_s", 0.2)
-    return Informer(api, resource, **kwargs)
+def informer(
+    api: Any, resource: Resource = NODES, *, page_size: int = 500, **kwargs: Any
+) -> Informer:
+    # Quick backoff: the tests take the API server down and bring it back.
+    settings = InformerSettings(page_size=page_size, backoff_initial_s=0.05, backoff_max_s=0.2)
+    return Informer(api, resource, settings=settings, **kwargs)
 
 
 # --- client factory and raw calls -----------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from core.informer import EventType, Informer
 from core.kube import (
     CRONJOBS,
     DAEMONSETS,
@@ -25,8 +26,6 @@ from core.kube import (
     RESOURCE_SLICES,
     STATEFULSETS,
     Api,
-    EventType,
-    Informer,
     KubeConflict,
     KubeError,
     KubeNotFound,

@@ -6,7 +6,8 @@ Kubernetes client.
 
 from __future__ import annotations
 
-from core.kube import NODES, Api, EventType, Informer, RawBody
+from core.informer import EventType, Informer
+from core.kube import NODES, Api, RawBody
 from webhook.inventory import Inventory
 
 

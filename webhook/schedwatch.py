@@ -15,7 +15,8 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Any
 
-from core.kube import LEASES, EventType, Informer
+from core.informer import EventType, Informer
+from core.kube import LEASES
 
 # kube-scheduler's default lease duration; a Lease that does not say uses it.
 DEFAULT_LEASE_S = 15

@@ -14,7 +14,8 @@ import logging
 from contextlib import AsyncExitStack
 
 from core import events
-from core.kube import PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, Informer, KubeError, RawBody
+from core.informer import Informer
+from core.kube import PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, RawBody
 from webhook.waiting import REASON, Ask, asks_of, explain, free_cards, waits_for_gpu
 
 log = logging.getLogger(__name__)

@@ -33,11 +33,11 @@ from typing import Any
 import aiohttp
 
 from core import dra
+from core.informer import Informer, InformerSettings
 from core.kube import (
     NODES,
     RESOURCE_SLICES,
     Api,
-    Informer,
     KubeConflict,
     KubeError,
     KubeNotFound,
@@ -284,7 +284,7 @@ class SlicePublisher:
             field_selector=f"spec.nodeName={node},spec.driver={driver}",
             handler=self._on_event,
             name="resourceslices",
-            backoff_max_s=backoff_max_s,
+            settings=InformerSettings(backoff_max_s=backoff_max_s),
         )
         self.in_sync = asyncio.Event()  # set after a pass found the slice as wanted
         # Our last write, until the watch has shown it: (name, resourceVersion, when). A pass
