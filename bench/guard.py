@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from tempfile import TemporaryDirectory
 
+from prometheus_client import CollectorRegistry
+
 from bench.deviceplugin import percentile
 from deviceplugin import guard as nodeguard
 from deviceplugin.config import Config
@@ -127,7 +129,10 @@ def scan_cost(node: GpuNode, procs: NodeProc, processes: int, scans: int) -> lis
         nodeguard.grant_of(node.config, node.plugin.cards),
     )
     guard = nodeguard.Guard(
-        node.plugin.cards.values(), owners, nodeguard.ProcReader(procs.proc), Metrics()
+        node.plugin.cards.values(),
+        owners,
+        nodeguard.ProcReader(procs.proc),
+        Metrics(CollectorRegistry()),
     )
     if len(guard.scan_once().usage[0].processes) != processes:
         raise RuntimeError("the scan did not map every process to the container")

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from bench._load import Result, open_loop, server_process
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
@@ -77,7 +79,7 @@ async def _serve(port: int, directory: Path) -> None:
     from webhook.transport import listen
 
     certs = await open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
-    metrics = AdmissionMetrics()
+    metrics = AdmissionMetrics(CollectorRegistry())
     app = build_app(
         {"/mutate": Mutator(AdmissionConfig(), Inventory(MODELS))},
         metrics=metrics,

@@ -17,28 +17,28 @@ class CertsMetrics:
             registry=registry,
         )
         self.reloads = Counter(
-            "fracgpu_certs_reloads_total",
+            "fracgpu_certs_reloads",
             "Times a new serving certificate was loaded into the running server.",
             registry=registry,
         )
         self.rotations = Counter(
-            "fracgpu_certs_rotations_total",
+            "fracgpu_certs_rotations",
             "Times this process wrote renewed certificates to the store.",
             registry=registry,
         )
         self.conflicts = Counter(
-            "fracgpu_certs_store_conflicts_total",
+            "fracgpu_certs_store_conflicts",
             "Writes to the store lost to another writer (the winner's certificates are used).",
             registry=registry,
         )
         self.injections = Counter(
-            "fracgpu_certs_cabundle_injections_total",
+            "fracgpu_certs_cabundle_injections",
             "caBundle updates written into webhook configurations.",
             ["kind", "name"],
             registry=registry,
         )
         self.errors = Counter(
-            "fracgpu_certs_errors_total",
+            "fracgpu_certs_errors",
             "Failures while refreshing, rotating or injecting certificates (retried).",
             ["operation"],
             registry=registry,

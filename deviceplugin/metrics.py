@@ -43,8 +43,8 @@ class _CardCollector(Collector):
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.allocations = Counter(
             f"{PREFIX}_allocations",
             "Allocate container requests served",

@@ -26,6 +26,8 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
+from prometheus_client import CollectorRegistry
+
 from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
 from core.units import ENV_MEMORY_MIB
@@ -88,7 +90,7 @@ class DevicePlugin:
         self.config = config
         self.cards = {c.index: c for c in cards}
         self.allocator = Allocator(self.cards.values(), pair_window_s=config.pair_window_s)
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(CollectorRegistry())
         self.metrics.watch_cards(self.allocator.usage)
         self.podresources = podresources or PodResourcesClient(
             config.podresources_socket, config.podresources_timeout_s

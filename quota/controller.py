@@ -33,6 +33,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 
 from core.informer import Informer, InformerSettings
 from core.kube import GPUQUOTAS, PODS, Api, KubeError, KubeNotFound, call_json
@@ -76,7 +77,7 @@ class UsageController:
         self.card_memory = card_memory
         self.claims = claims
         self.store = store
-        self.metrics = metrics or QuotaMetrics()
+        self.metrics = metrics or QuotaMetrics(CollectorRegistry())
         self.resync_s = resync_s
         self.debounce_s = debounce_s
         self.min_interval_s = min_interval_s

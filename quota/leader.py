@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 
 from core.kube import LEASES, Api, KubeError, call_json
 from quota.config import LeaderElection
@@ -51,7 +52,7 @@ class LeaderElector:
         self.config = config
         self.identity = config.holder()
         self.namespace = config.namespace()
-        self.metrics = metrics or QuotaMetrics()
+        self.metrics = metrics or QuotaMetrics(CollectorRegistry())
         self.request_timeout_s = request_timeout_s
         self.is_leader = False
         self._observed: tuple[str, str] | None = None  # (holder, renewTime) last seen

@@ -13,8 +13,8 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 class QuotaMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         r = self.registry
         labels = ["namespace", "quota", "resource"]
         self.limit = Gauge(

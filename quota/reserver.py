@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from prometheus_client import CollectorRegistry
+
 from quota import messages
 from quota.demand import Demand
 from quota.ledger import DEFAULT_PENDING_LIMIT, Ledger, Violation
@@ -90,7 +92,7 @@ class Reserver:
         ``count_wait_s``: how long a pod waits for a new quota to be counted before it is
         denied."""
         self.store = store
-        self.metrics = metrics or QuotaMetrics()
+        self.metrics = metrics or QuotaMetrics(CollectorRegistry())
         self.timeout_s = timeout_s
         self.max_attempts = max_attempts
         self.require_quota = require_quota

@@ -185,7 +185,7 @@ async def open_quota(
     ``most_cards``: the most fracgpu cards one node has (DRA mode's ``allocationMode: All``).
     ``peer_ca``, ``peer_name``: the CA and the name that the leader's serving certificate is
     checked against when decisions are forwarded to it (:mod:`quota.forward`)."""
-    metrics = QuotaMetrics(registry)
+    metrics = QuotaMetrics(registry or CollectorRegistry())
     if config.mode == "embedded":
         objects = load_quota_file(config.file) if config.file is not None else []
         return QuotaService(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pynvml
 import pytest
+from prometheus_client import CollectorRegistry
 
 from deviceplugin import inventory
 from deviceplugin.config import Config
@@ -170,7 +171,7 @@ def make_guard(
     overhead_mib: int = 0,
 ) -> Setup:
     clock = Clock()
-    metrics = Metrics()
+    metrics = Metrics(CollectorRegistry())
     calls: list[int] = []
 
     def list_containers() -> list[ContainerDevices]:
@@ -521,7 +522,9 @@ def test_podresources_failure_is_no_action(
         raise PodResourcesError("kubelet PodResources List on /x failed: UNAVAILABLE: down")
 
     owners = Owners(node.logs, failing, grant_of(CONFIG, {c.index: c for c in cards}), clock=clock)
-    guard = Guard(cards, owners, ProcReader(node.proc), Metrics(), grace_s=0.0, clock=clock)
+    guard = Guard(
+        cards, owners, ProcReader(node.proc), Metrics(CollectorRegistry()), grace_s=0.0, clock=clock
+    )
     child = node.spawn()
     node.enter(child.pid, ALICE)
     fake.process(0, child.pid, 4096)

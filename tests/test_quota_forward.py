@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.serving import open_serving
@@ -295,7 +296,7 @@ async def test_forwarding_checks_the_leaders_certificate(
 
     app = build_app({}, handlers={DECIDE_PATH: decide})
     listener = await listen(app, "127.0.0.1", 0, certs.context)
-    metrics = QuotaMetrics()
+    metrics = QuotaMetrics(CollectorRegistry())
     forwarder = Forwarder(
         lambda: f"https://127.0.0.1:{listener.port}",
         metrics,

@@ -5,6 +5,7 @@ from typing import Any
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
+from prometheus_client import CollectorRegistry
 
 from quota.claims import ClaimSpecs, Ref
 from quota.metrics import QuotaMetrics
@@ -25,7 +26,7 @@ async def _post(client: TestClient[Any, Any], request: dict[str, Any]) -> dict[s
 
 async def test_validate_endpoint() -> None:
     store = MemoryStore([counted_quota(gpu=1)])
-    metrics = QuotaMetrics()
+    metrics = QuotaMetrics(CollectorRegistry())
     reviewer = QuotaReviewer(Reserver(store, metrics=metrics), metrics)
     async with TestClient(TestServer(build_app({"/validate": reviewer}))) as client:
         first = await _post(client, review(gpu_pod("a", 60, 8)))
@@ -65,7 +66,7 @@ def _claiming_pod(name: str, template: str) -> dict[str, Any]:
 )
 async def test_claims_that_cannot_be_read(template: str, dry_run: bool, allowed: bool) -> None:
     store = MemoryStore([counted_quota(gpu=1)])
-    metrics = QuotaMetrics()
+    metrics = QuotaMetrics(CollectorRegistry())
     reviewer = QuotaReviewer(Reserver(store, metrics=metrics), metrics, claims=_NoTemplates(None))
     async with TestClient(TestServer(build_app({"/validate": reviewer}))) as client:
         answer = await _post(client, review(_claiming_pod("p", template), dry_run=dry_run))

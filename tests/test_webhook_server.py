@@ -26,6 +26,7 @@ import jsonpatch
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry
 
 from certs.config import CertsConfig
 from certs.serving import open_serving
@@ -94,7 +95,7 @@ async def boom(req: AdmissionRequest) -> AdmissionResponse:
 async def running(directory: Path, limits: ServerLimits | None = None) -> AsyncIterator[Server]:
     """The admission app served by ``listen`` (the production path) on a free loopback port."""
     certs = await open_serving(CertsConfig(mode="directory", directory=directory), standalone=True)
-    metrics = AdmissionMetrics()
+    metrics = AdmissionMetrics(CollectorRegistry())
     mutator = Mutator(AdmissionConfig(), Inventory({"NVIDIA-H100-80GB-HBM3": 81559}))
     release = asyncio.Event()
 

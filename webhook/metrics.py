@@ -1,8 +1,6 @@
-"""Prometheus metrics of the admission server, in a registry of its own (tests build many)."""
+"""Prometheus metrics of the admission server, in the registry its caller passes."""
 
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -10,11 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 _BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
-@dataclass
 class AdmissionMetrics:
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
-
-    def __post_init__(self) -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.reviews = Counter(
             "fracgpu_admission_reviews",
             "Admission reviews answered, by endpoint, outcome and reason.",

@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from core.admission import AdmissionRequest, AdmissionResponse, AdmissionReview, ReviewError
 from webhook.config import ServerLimits
@@ -61,7 +61,7 @@ def build_app(
 ) -> web.Application:
     """The admission app: ``reviewers`` answer AdmissionReviews at their paths; ``handlers``
     are other POST endpoints served on the same listener (the quota leader's decisions)."""
-    metrics = metrics or AdmissionMetrics()
+    metrics = metrics or AdmissionMetrics(CollectorRegistry())
     limits = limits or ServerLimits()
     guard = ConnectionGuard(limits, metrics)
     budget = BodyBudget(limits, metrics)

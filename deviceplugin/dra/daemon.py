@@ -14,6 +14,8 @@ from contextlib import AsyncExitStack, suppress
 from http.server import ThreadingHTTPServer
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from core.kube import RESOURCE_CLAIMS, Api, KubeConfigError, call_json, kube_client
 from deviceplugin import inventory
 from deviceplugin.dra.claims import ClaimRef
@@ -33,7 +35,7 @@ MERGE_PATCH = "application/merge-patch+json"
 class DraDaemon:
     def __init__(self, config: DraConfig, *, metrics: DraMetrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or DraMetrics()
+        self.metrics = metrics or DraMetrics(CollectorRegistry())
         self.api: Api | None = None
         self.board: CardBoard | None = None
         self.driver: DraDriver | None = None

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the DRA kubelet plugin, on its own registry."""
+"""Prometheus metrics of the DRA kubelet plugin, in the registry its caller passes."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ PREFIX = "fracgpu_dra_plugin"
 
 
 class DraMetrics:
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.registry = registry
         self.registered = Gauge(
             f"{PREFIX}_registered",
             "1 while kubelet has the plugin registered",
