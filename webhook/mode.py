@@ -73,14 +73,16 @@ async def read_cluster(api: Any) -> Cluster:
         serves = any(r.get("name") == "deviceclasses" for r in group.get("resources") or [])
     except KubeNotFound:
         serves = False
-    installed = False
-    if serves:
-        try:
-            await call_json(api, "GET", DEVICE_CLASSES.path(name=dra.DEVICE_CLASS))
-            installed = True
-        except KubeNotFound:
-            pass
+    installed = serves and await _exists(api, DEVICE_CLASSES.path(name=dra.DEVICE_CLASS))
     return Cluster(version, serves, installed)
+
+
+async def _exists(api: Any, path: str) -> bool:
+    try:
+        await call_json(api, "GET", path)
+    except KubeNotFound:
+        return False
+    return True
 
 
 def to_install(cluster: Cluster) -> Mode:

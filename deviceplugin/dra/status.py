@@ -163,6 +163,10 @@ class ClaimStatusWriter:
                         extra={"claim": str(ref), "error": str(exc)},
                     )
                     retry[uid] = (ref, results)
+                except Exception:  # a bug here must not stop the worker for every later claim
+                    self.failures += 1
+                    self.on_write("failed")
+                    log.exception("claim status not written", extra={"claim": str(ref)})
             if retry:
                 await asyncio.sleep(RETRY_S)
                 for uid, wanted in retry.items():
