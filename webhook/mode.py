@@ -104,8 +104,11 @@ def to_install(cluster: Cluster) -> Mode:
 def admitting(cluster: Cluster) -> Mode:
     """The mode to admit pods in: the one whose node agent is installed."""
     if cluster.device_class:
-        note = "" if cluster.supports_dra else f" (but Kubernetes {cluster.version_text} is older "
-        note += "" if cluster.supports_dra else "than the 1.36 DRA mode needs)"
+        note = (
+            ""
+            if cluster.supports_dra
+            else f" (but Kubernetes {cluster.version_text} is older than the 1.36 DRA mode needs)"
+        )
         return Mode(
             "dra",
             f"DeviceClass {dra.DEVICE_CLASS} is installed, and with it the DRA plugin{note}",

@@ -49,13 +49,7 @@ class DraDaemon:
         self.status: ClaimStatusWriter | None = None
 
     async def _get_claim(self, ref: ClaimRef) -> dict[str, Any]:
-        assert self.api is not None
-        return await call_json(
-            self.api,
-            "GET",
-            RESOURCE_CLAIMS.path(ref.namespace, ref.name),
-            timeout_s=self.config.claim_timeout_s,
-        )
+        return await self._call("GET", RESOURCE_CLAIMS.path(ref.namespace, ref.name), None)
 
     async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         assert self.api is not None

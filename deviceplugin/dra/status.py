@@ -99,12 +99,16 @@ def _key(entry: Obj) -> tuple[Any, ...]:
     return (entry.get("driver"), entry.get("pool"), entry.get("device"), entry.get("shareID"))
 
 
-def _without_times(entry: Obj) -> Obj:
-    conditions = [
-        {k: v for k, v in c.items() if k != "lastTransitionTime"}
-        for c in entry.get("conditions") or []
-    ]
-    return {**entry, "conditions": conditions}
+def _by_key(entries: list[Obj]) -> dict[tuple[Any, ...], Obj]:
+    """Entries by their list-map key, condition times left out: what a write would change."""
+    out: dict[tuple[Any, ...], Obj] = {}
+    for entry in entries:
+        conditions = [
+            {k: v for k, v in c.items() if k != "lastTransitionTime"}
+            for c in entry.get("conditions") or []
+        ]
+        out[_key(entry)] = {**entry, "conditions": conditions}
+    return out
 
 
 def _keep_transition_times(old: list[Obj], new: list[Obj]) -> None:
@@ -194,9 +198,7 @@ class ClaimStatusWriter:
             old = [d for d in devices if d.get("driver") == self.driver]
             new = entries(self.driver, self.node, results, self.health_of)
             _keep_transition_times(old, new)
-            if sorted(map(_key, old)) == sorted(map(_key, new)) and [
-                _without_times(e) for e in sorted(old, key=_key)
-            ] == [_without_times(e) for e in sorted(new, key=_key)]:
+            if _by_key(old) == _by_key(new):
                 return
             body = {
                 "metadata": {"resourceVersion": meta.get("resourceVersion")},
