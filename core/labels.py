@@ -24,6 +24,10 @@ MEMORY_LABEL = f"{DOMAIN}/gpu.memory-mib"
 COUNT_LABEL = f"{DOMAIN}/gpu.count"
 INVENTORY_ANNOTATION = f"{DOMAIN}/gpu.inventory"
 INVENTORY_VERSION = 1
+# What each card of a node has free, written by the device plugin (device-plugin mode) at most
+# once a second as it changes, read by the webhook to tell a waiting pod why, in its units.
+FREE_ANNOTATION = f"{DOMAIN}/gpu.free"
+FREE_VERSION = 1
 GFD_PRODUCT_LABEL = "nvidia.com/gpu.product"
 GFD_MEMORY_LABEL = "nvidia.com/gpu.memory"
 # (product label, memory label) pairs, most authoritative first.

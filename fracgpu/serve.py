@@ -181,6 +181,9 @@ async def run_server(
                 waiting=waiting,
                 background=background,
             )
+        if api is not None and models is None:
+            # Device-plugin mode: a pod no card can host waits Pending; say why, in its units.
+            background.append(WaitExplainer(api, device_plugin=True).run())
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory)
             await stack.enter_async_context(informer)

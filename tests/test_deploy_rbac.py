@@ -35,6 +35,8 @@ WEBHOOK_CORE = (
     | _all(NAMESPACE, "coordination.k8s.io", "leases", "get list watch create update patch")
     # admission.allocation auto: does fracgpu's DeviceClass exist (webhook/mode.py)?
     | _all("cluster", "resource.k8s.io", "deviceclasses", "get", "gpu.fracgpu.io")
+    # GPUShareDoesNotFit on a pod that waits Pending, in both modes (webhook/waitwatch.py)
+    | _all("cluster", "", "events", "create")
 )
 WEBHOOK_OWN_CERTS = (
     _all(NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-webhook-tls")

@@ -1,9 +1,10 @@
-"""webhook/waiting.py: a waiting DRA pod told, in cards and MiB, what it asks and what is free."""
+"""webhook/waiting.py: a waiting GPU pod told, in cards and MiB, what it asks and what is free."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -11,9 +12,20 @@ import pytest
 
 from core import dra
 from core.kube import kube_client
+from core.labels import FREE_ANNOTATION
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.support import eventually
-from webhook.waiting import Ask, FreeCard, asks_of, explain, free_cards, waits_for_gpu
+from webhook.waiting import (
+    Ask,
+    FreeCard,
+    asks_of,
+    asks_of_pod,
+    explain,
+    free_cards,
+    free_cards_of_nodes,
+    waits_for_gpu,
+    waits_for_share,
+)
 from webhook.waitwatch import WaitExplainer
 
 GIB = 1024
@@ -263,5 +275,123 @@ async def test_a_waiting_pod_gets_one_event_per_explanation(tmp_path: Path) -> N
     assert event["reason"] == "GPUShareDoesNotFit"
     assert event["message"] == (
         "largest free share on any node: 0.40 card and 4096 MiB on gpu-0 of node-a; "
+        "this pod asks 0.50 card and 8192 MiB"
+    )
+
+
+# --- device-plugin mode: what each node's plugin publishes free, and the pod's own limits -------
+
+
+def _gpu_node(name: str, cards: list[tuple[int, int]], *, raw: str | None = None) -> dict[str, Any]:
+    document = {
+        "version": 1,
+        "cards": [{"index": i, "cores": c, "memoryMiB": m} for i, (c, m) in enumerate(cards)],
+    }
+    text = raw if raw is not None else json.dumps(document)
+    return {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "annotations": {FREE_ANNOTATION: text}},
+    }
+
+
+@pytest.mark.parametrize(
+    ("nodes", "free"),
+    [
+        pytest.param(
+            [_gpu_node("a", [(40, 12288), (0, 0)])],
+            [FreeCard(40, 12288, "a", "card 0"), FreeCard(0, 0, "a", "card 1")],
+            id="each card of a node",
+        ),
+        pytest.param([{"metadata": {"name": "cpu"}}], [], id="a node without the annotation"),
+        pytest.param([_gpu_node("a", [], raw="{")], [], id="unreadable: left out"),
+        pytest.param(
+            [_gpu_node("a", [], raw='{"version": 7, "cards": []}')], [], id="other version"
+        ),
+        pytest.param([_gpu_node("a", [], raw='{"version": 1, "cards": [{}]}')], [], id="bad card"),
+    ],
+)
+def test_free_cards_of_nodes(nodes: list[dict[str, Any]], free: list[FreeCard]) -> None:
+    assert free_cards_of_nodes(nodes) == free
+
+
+def _dp_pod(*limits: dict[str, str], message: str = "0/1 nodes are available: 1 Insufficient "
+            "fracgpu.io/core.") -> dict[str, Any]:  # fmt: skip
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "waiting", "namespace": "team-a", "uid": "uid-waiting"},
+        "spec": {
+            "containers": [
+                {"name": f"c{i}", "image": "x", "resources": {"limits": lim}}
+                for i, lim in enumerate(limits)
+            ]
+        },
+        "status": {
+            "phase": "Pending",
+            "conditions": [
+                {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+                 "message": message}
+            ],
+        },
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("pod", "asks"),
+    [
+        pytest.param(
+            _dp_pod({"fracgpu.io/core": "50", "fracgpu.io/memory": "32"}),
+            [Ask(cores=50, memory_mib=8192)],
+            id="a share",
+        ),
+        pytest.param(_dp_pod({"fracgpu.io/core": "200"}), [Ask(cards=2)], id="whole cards"),
+        pytest.param(_dp_pod({"cpu": "1"}, {"fracgpu.io/core": "100"}), [Ask(cards=1)], id="mixed"),
+        pytest.param(_dp_pod({"fracgpu.io/core": "bad"}), [], id="unreadable: none"),
+    ],
+)
+def test_what_a_device_plugin_pod_asks(pod: dict[str, Any], asks: list[Ask]) -> None:
+    assert asks_of_pod(pod) == asks
+
+
+@pytest.mark.parametrize(
+    ("message", "waits"),
+    [
+        pytest.param("0/1 nodes are available: 1 Insufficient fracgpu.io/core.", True, id="core"),
+        pytest.param("0/2 nodes are available: 2 Insufficient fracgpu.io/memory.", True, id="mem"),
+        pytest.param("0/1 nodes are available: 1 Insufficient cpu.", False, id="cpu"),
+    ],
+)
+def test_which_device_plugin_pods_wait_for_a_card(message: str, waits: bool) -> None:
+    assert waits_for_share(_dp_pod({"fracgpu.io/core": "50"}, message=message)) is waits
+
+
+def test_a_device_plugin_explanation_with_no_node_publishing() -> None:
+    assert explain([Ask(cores=50, memory_mib=8192)], [], device_plugin=True) == (
+        f"no node publishes what its cards have free (Node annotation {FREE_ANNOTATION}); this "
+        "pod asks 0.50 card and 8192 MiB; check that fracgpu device-plugin runs on the GPU nodes "
+        "with --node-name"
+    )
+
+
+async def test_a_waiting_device_plugin_pod_gets_an_event(tmp_path: Path) -> None:
+    async with (
+        FakeApiServer(namespaces=(*DEFAULT_NAMESPACES, "team-a")) as fake,
+        kube_client(fake.kubeconfig(tmp_path / "kubeconfig")) as api,
+    ):
+        fake.put(_gpu_node("node-a", [(40, 12288), (30, 20480)]))
+        fake.put(_dp_pod({"fracgpu.io/core": "50", "fracgpu.io/memory": "32"}))
+        explainer = WaitExplainer(api, interval_s=0.05, device_plugin=True)
+        task = asyncio.create_task(explainer.run())
+        try:
+            await eventually(lambda: len(fake.objects("events", "team-a")) == 1)
+            [event] = fake.objects("events", "team-a")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    assert event["reason"] == "GPUShareDoesNotFit"
+    assert event["message"] == (
+        "largest free share on any node: 0.40 card and 12288 MiB on card 0 of node-a; "
         "this pod asks 0.50 card and 8192 MiB"
     )

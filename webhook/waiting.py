@@ -1,4 +1,4 @@
-"""Why a GPU pod waits, in the user's units (DRA mode).
+"""Why a GPU pod waits, in the user's units (both modes).
 
 When no card can hold a claim, kube-scheduler says only "cannot allocate all claims": the same
 words for a cluster that is full, one whose free capacity is spread over cards too thin to hold
@@ -7,24 +7,31 @@ out what the user needs to know instead: what the pod asks, and the largest shar
 has free, with where it is ("largest free share on any node: 0.40 card and 12288 MiB on gpu-1 of
 node-a; this pod asks 0.50 card and 8192 MiB").
 
-It is arithmetic over what the API server already holds: the driver's ResourceSlices (each
-card's ``cores`` and ``memory``) and the allocated ResourceClaims (what each share consumes).
+In DRA mode it is arithmetic over what the API server already holds: the driver's
+ResourceSlices (each card's ``cores`` and ``memory``) and the allocated ResourceClaims (what each
+share consumes). In device-plugin mode kube-scheduler says "Insufficient fracgpu.io/core", in
+hundredths summed over a node, and only the node's plugin knows each card's share: it writes
+what each card has free in the Node annotation ``fracgpu.io/gpu.free``, read here.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from core import dra
+from core.labels import FREE_ANNOTATION, FREE_VERSION
 from core.quantity import QuantityError, parse_quantity
-from core.units import BLOCK_MIB, CORE_PER_CARD, MIB, cards_phrase
+from core.units import BLOCK_MIB, CORE, CORE_PER_CARD, MEMORY, MIB, cards_phrase
 
 NO_FIT_MESSAGE = "cannot allocate all claims"
 """What kube-scheduler's FailedScheduling event and PodScheduled condition say for a claim that
 fits nowhere (observed on Kubernetes 1.36)."""
 REASON = "GPUShareDoesNotFit"
+INSUFFICIENT = "Insufficient fracgpu.io/"
+"""What kube-scheduler's message says for a device-plugin pod that fits no node's sums."""
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -128,9 +135,15 @@ def _ask(option: Mapping[str, Any]) -> Ask:
     )
 
 
-def explain(asks: list[Ask], free: list[FreeCard]) -> str:
+def explain(asks: list[Ask], free: list[FreeCard], *, device_plugin: bool = False) -> str:
     """The sentence a waiting pod's event carries."""
     wanted = "; ".join(ask.phrase() for ask in asks) or "a GPU"
+    if not free and device_plugin:
+        return (
+            f"no node publishes what its cards have free (Node annotation {FREE_ANNOTATION}); "
+            f"this pod asks {wanted}; check that fracgpu device-plugin runs on the GPU nodes "
+            f"with --node-name"
+        )
     if not free:
         return (
             f"no node publishes fracgpu GPUs (no ResourceSlice of {dra.DRIVER}); this pod asks "
@@ -163,5 +176,65 @@ def waits_for_gpu(pod: Mapping[str, Any]) -> bool:
         condition.get("type") == "PodScheduled"
         and condition.get("status") == "False"
         and NO_FIT_MESSAGE in str(condition.get("message") or "")
+        for condition in status.get("conditions") or []
+    )
+
+
+def free_cards_of_nodes(nodes: Iterable[Mapping[str, Any]]) -> list[FreeCard]:
+    """Every card of every node whose device plugin publishes what it has free (device-plugin
+    mode); a node with an unreadable annotation is left out."""
+    free: list[FreeCard] = []
+    for node in nodes:
+        meta = node.get("metadata") or {}
+        raw = (meta.get("annotations") or {}).get(FREE_ANNOTATION)
+        if not isinstance(raw, str):
+            continue
+        try:
+            document = json.loads(raw)
+            if document.get("version") != FREE_VERSION:
+                continue
+            cards = [
+                FreeCard(
+                    int(card["cores"]),
+                    int(card["memoryMiB"]),
+                    str(meta.get("name") or ""),
+                    f"card {int(card['index'])}",
+                )
+                for card in document["cards"]
+            ]
+        except (ValueError, TypeError, KeyError, AttributeError):
+            continue
+        free.extend(cards)
+    return free
+
+
+def asks_of_pod(pod: Mapping[str, Any]) -> list[Ask]:
+    """What each GPU container of a device-plugin pod needs from a card, from the canonical
+    resources the webhook wrote (``fracgpu.io/core`` in hundredths, ``fracgpu.io/memory`` in
+    256 MiB blocks; whole cards carry core alone)."""
+    asks: list[Ask] = []
+    for container in (pod.get("spec") or {}).get("containers") or []:
+        limits = (container.get("resources") or {}).get("limits") or {}
+        core = _number(limits.get(CORE)) or 0
+        if core <= 0:
+            continue
+        memory = _number(limits.get(MEMORY)) or 0
+        if core % CORE_PER_CARD == 0:
+            asks.append(Ask(cards=core // CORE_PER_CARD))
+        else:
+            asks.append(Ask(cores=core, memory_mib=memory * BLOCK_MIB))
+    return asks
+
+
+def waits_for_share(pod: Mapping[str, Any]) -> bool:
+    """A device-plugin pod the scheduler left Pending because no node's free fracgpu capacity
+    (what one card can host, by the device plugin's honesty rule) covers it."""
+    status = pod.get("status") or {}
+    if status.get("phase") not in (None, "Pending"):
+        return False
+    return any(
+        condition.get("type") == "PodScheduled"
+        and condition.get("status") == "False"
+        and INSUFFICIENT in str(condition.get("message") or "")
         for condition in status.get("conditions") or []
     )

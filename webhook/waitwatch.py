@@ -1,10 +1,12 @@
-"""Tells a waiting DRA pod, with an Event, why no card takes it (webhook.waiting has the words).
+"""Tells a waiting GPU pod, with an Event, why no card takes it (webhook.waiting has the words).
 
-Runs in ``fracgpu serve`` when admission is in DRA mode. It follows Pending pods, the driver's
-ResourceSlices and the ResourceClaims with informers, and every ``interval_s`` explains each pod
-that kube-scheduler left Pending with "cannot allocate all claims". An Event is posted when the
-explanation changes, not on every pass: capacity moves, and so does the answer, but a pod that
-waits for an hour gets a handful of Events, not hundreds.
+Runs in ``fracgpu serve`` in both modes. It follows Pending pods with an informer and, every
+``interval_s``, explains each pod that kube-scheduler left Pending because no card fits: in DRA
+mode "cannot allocate all claims", over the driver's ResourceSlices and the ResourceClaims; in
+device-plugin mode "Insufficient fracgpu.io/...", over what each node's plugin publishes free
+per card on its Node. An Event is posted when the explanation changes, not on every pass:
+capacity moves, and so does the answer, but a pod that waits for an hour gets a handful of
+Events, not hundreds.
 """
 
 from __future__ import annotations
@@ -15,8 +17,19 @@ from contextlib import AsyncExitStack
 
 from core import events
 from core.informer import Informer
-from core.kube import PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, RawBody
-from webhook.waiting import REASON, Ask, asks_of, explain, free_cards, waits_for_gpu
+from core.kube import NODES, PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, RawBody
+from webhook.waiting import (
+    REASON,
+    Ask,
+    FreeCard,
+    asks_of,
+    asks_of_pod,
+    explain,
+    free_cards,
+    free_cards_of_nodes,
+    waits_for_gpu,
+    waits_for_share,
+)
 
 log = logging.getLogger(__name__)
 
@@ -24,21 +37,26 @@ COMPONENT = "fracgpu-webhook"
 
 
 class WaitExplainer:
-    def __init__(self, api: Api, *, interval_s: float = 10.0) -> None:
+    def __init__(self, api: Api, *, interval_s: float = 10.0, device_plugin: bool = False) -> None:
         self.api = api
         self.interval_s = interval_s
-        self.pods = Informer(
-            api, PODS, field_selector="status.phase=Pending", name="dra-waiting-pods"
-        )
+        self.device_plugin = device_plugin
+        self.pods = Informer(api, PODS, field_selector="status.phase=Pending", name="waiting-pods")
         self.slices = Informer(api, RESOURCE_SLICES, name="dra-waiting-slices")
         self.claims = Informer(api, RESOURCE_CLAIMS, name="dra-waiting-claims")
+        self.nodes = Informer(api, NODES, name="waiting-nodes")
         self._told: dict[str, str] = {}  # pod uid -> the explanation last posted
+
+    def _informers(self) -> tuple[Informer, ...]:
+        if self.device_plugin:
+            return (self.pods, self.nodes)
+        return (self.pods, self.slices, self.claims)
 
     async def run(self) -> None:
         async with AsyncExitStack() as stack:
-            for informer in (self.pods, self.slices, self.claims):
+            for informer in self._informers():
                 await stack.enter_async_context(informer)
-            for informer in (self.pods, self.slices, self.claims):
+            for informer in self._informers():
                 await informer.wait_synced()
             while True:
                 try:
@@ -47,7 +65,17 @@ class WaitExplainer:
                     log.warning("could not post a waiting pod's event", extra={"error": str(exc)})
                 await asyncio.sleep(self.interval_s)
 
+    def _free(self) -> list[FreeCard]:
+        if self.device_plugin:
+            return free_cards_of_nodes(self.nodes.objects())
+        return free_cards(self.slices.objects(), self.claims.objects())
+
+    def _waits(self, pod: RawBody) -> bool:
+        return waits_for_share(pod) if self.device_plugin else waits_for_gpu(pod)
+
     def _asks(self, pod: RawBody) -> list[Ask]:
+        if self.device_plugin:
+            return asks_of_pod(pod)
         namespace = str((pod.get("metadata") or {}).get("namespace") or "")
         asks: list[Ask] = []
         for entry in (pod.get("status") or {}).get("resourceClaimStatuses") or []:
@@ -58,19 +86,19 @@ class WaitExplainer:
 
     async def explain_once(self) -> list[str]:
         """Post what changed; returns the messages posted (for tests and logs)."""
-        free = free_cards(self.slices.objects(), self.claims.objects())
+        free = self._free()
         waiting: set[str] = set()
         posted: list[str] = []
         for pod in self.pods.objects():
             meta = pod.get("metadata") or {}
             uid = str(meta.get("uid") or "")
-            if not waits_for_gpu(pod):
+            if not self._waits(pod):
                 continue
             asks = self._asks(pod)
             if not asks:
                 continue  # no claim of ours (yet)
             waiting.add(uid)
-            message = explain(asks, free)
+            message = explain(asks, free, device_plugin=self.device_plugin)
             if self._told.get(uid) == message:
                 continue
             event = events.pod_event(
