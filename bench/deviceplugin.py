@@ -6,7 +6,8 @@ On a fake 8-card node (8 x 80 GiB: 800 core IDs, 2,560 memory IDs), over real gR
 sockets, with the strict FakeKubelet and the fake NVML (no GPU needed):
 
 1. Allocate + PreStartContainer: per container, the four RPCs kubelet makes (Allocate for each
-   resource, then PreStartContainer for each, which needs PodResources and the limits file).
+   resource, with IDs drawn at random as kubelet draws them, then PreStartContainer for each,
+   which needs PodResources and writes the limits file and the CDI spec).
    Measured twice: after a gap of ``--gap-ms`` between the Allocates and PreStartContainer
    (kubelet calls PreStart only once the pod sandbox exists, which the plugin uses to verify
    ahead), and with PreStartContainer right after the Allocates (a stress case a real kubelet
@@ -220,12 +221,12 @@ def allocate_and_prestart(
     node: GpuNode, driver: Driver, containers: int, gap_s: float, port: int
 ) -> tuple[list[float], list[float], dict[str, list[float]]]:
     kubelet = node.kubelet
-    stubs = {name: kubelet.resources[name].stub for name in (CORE, MEMORY)}
     timed: list[float] = []
     baseline: list[float] = []
     parts: dict[str, list[float]] = {"allocate": [], "prestart": []}
     request = {CORE: 10, MEMORY: 32}  # 80 such containers fill the node
     live: list[Pod] = []
+    rng = random.Random(0)
     for i in range(containers):
         if len(live) == 80:
             # The node is full: the pods end, and the plugin's reconciliation frees them
@@ -237,18 +238,10 @@ def allocate_and_prestart(
         pod = Pod("bench", f"p{i}", [Container("c", dict(request))])
         chosen: dict[str, list[str]] = {}
         allocate = 0.0
-        for name in (CORE, MEMORY):  # choice as kubelet makes it (not timed)
-            answer = stubs[name].GetPreferredAllocation(
-                pb.PreferredAllocationRequest(
-                    container_requests=[
-                        pb.ContainerPreferredAllocationRequest(
-                            available_deviceIDs=sorted(kubelet.free(name)),
-                            allocation_size=request[name],
-                        )
-                    ]
-                )
-            )
-            chosen[name] = list(answer.container_responses[0].deviceIDs)
+        for name in (CORE, MEMORY):
+            # IDs drawn as kubelet's device manager draws them (the plugin asks for no
+            # preference: IDs are counts), not timed
+            chosen[name] = rng.sample(sorted(kubelet.free(name)), request[name])
             allocate += driver.run([allocate_step(name, chosen[name])])[0]
             # kubelet records the devices as soon as its Allocate succeeds; so does the bench
             kubelet.allocations.setdefault(pod.key, {}).setdefault("c", {})[name] = chosen[name]

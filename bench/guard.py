@@ -126,7 +126,7 @@ def scan_cost(node: GpuNode, procs: NodeProc, processes: int, scans: int) -> lis
     owners = nodeguard.Owners(
         procs.logs,
         lambda: node.plugin.podresources.list({CONFIG.core_resource, CONFIG.memory_resource}),
-        nodeguard.grant_of(node.config, node.plugin.cards),
+        nodeguard.grant_of(node.config),
     )
     guard = nodeguard.Guard(
         node.plugin.cards.values(),

@@ -1,13 +1,22 @@
-"""What this node holds: cards, their health, and which device IDs are allocated to whom.
+"""What this node holds: cards, their health, and which container holds what on which card.
 
 One lock guards all of it; the gRPC handlers, the health thread and the reconciler call in from
 their own threads. Every change bumps ``version`` and wakes ListAndWatch streams, which then send
 the complete list again (kubelet replaces its view with each message).
 
-The allocator owns ID ownership, card health and reconciliation with kubelet's PodResources. It
-delegates the rest to units that hold no lock of their own: which free IDs are advertised and
-which card a container should get (``placement``, pure functions over a snapshot taken here), the
-pairing of a container's two Allocate calls (``pairing``) and the per-card ListAndWatch lists
+**Device IDs are counts, the ledger says where.** kubelet picks a container's IDs per resource
+from what it believes free and may pick any of them, so an ID names no card. Each container is
+an ``Allocation``: the IDs kubelet gave it (which identify it: IDs are exclusive on a node) and
+the card(s) the plugin placed it on, from its own per-card ledger, once both of its amounts are
+known (the second of its two Allocate calls; whole cards, which come without memory, at the
+first). A container that no card can host at that moment (capacity kubelet counted free an
+instant before the plugin learnt of it, see ``docs/device-plugin.md``) is recorded *waiting*:
+its Allocate still succeeds, because the card reaches the container only at PreStartContainer
+(through CDI), and it is placed as soon as a card can host it.
+
+The allocator delegates policy to units that hold no lock of their own: the card a container
+gets and how much a node offers (``placement``, pure functions over a snapshot taken here), the
+pairing of a container's two Allocate calls (``pairing``) and the ListAndWatch lists
 (``listing``).
 
 Allocations are freed when kubelet's PodResources no longer lists their IDs (``reconcile``):
@@ -23,8 +32,7 @@ import logging
 import threading
 import time
 import uuid
-from collections import defaultdict
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -33,8 +41,8 @@ from core.units import CORE_PER_CARD, card_blocks
 from deviceplugin import placement
 from deviceplugin.ids import DeviceId, DeviceIdError, Kind
 from deviceplugin.inventory import Card
-from deviceplugin.listing import CardListState, ListedDevice, ListingCache
-from deviceplugin.pairing import Clock, Half, Pairing
+from deviceplugin.listing import GroupState, ListedDevice, ListingCache
+from deviceplugin.pairing import Clock, Pairing
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +69,7 @@ def container_dir_name(core_ids: Iterable[str]) -> str:
 class Allocation:
     core: tuple[str, ...]
     memory: tuple[str, ...]
-    cards: tuple[int, ...]
+    cards: tuple[int, ...]  # where the plugin placed it; () while it is not placed
     created: float  # wall-clock seconds; ADOPTED for a container learnt from a listing
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
     # PodResources confirmed that one container holds exactly these core and memory IDs
@@ -75,13 +83,20 @@ class Allocation:
         return {*self.core, *self.memory}
 
     @property
+    def whole_cards(self) -> int:
+        """How many whole cards the container asks for (core in hundreds); 0 for a share."""
+        n = len(self.core)
+        return n // CORE_PER_CARD if n and n % CORE_PER_CARD == 0 else 0
+
+    @property
     def whole_cards_only(self) -> bool:
-        """Whole cards admitted without memory: all core IDs of each card, no memory IDs."""
-        return (
-            bool(self.core)
-            and not self.memory
-            and len(self.core) == CORE_PER_CARD * len(self.cards)
-        )
+        """Whole cards admitted without memory: all of each card is theirs."""
+        return bool(self.whole_cards) and not self.memory
+
+    @property
+    def placeable(self) -> bool:
+        """Both amounts known and valid: whole cards, or a share with core and memory."""
+        return bool(self.whole_cards) or (0 < len(self.core) < CORE_PER_CARD and bool(self.memory))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -116,13 +131,28 @@ def _text(value: object) -> str:
 
 
 WHOLE_CORE_PAIR_S = 0.5
-"""How long whole cards' core waits for a memory call. Whole cards come without memory now, and
-while a half is pending its cards' memory is listed Healthy, which the scheduler would count:
-kubelet makes a container's second call within milliseconds, so a moment is enough for pods that
-still carry memory."""
+"""How long whole cards' core waits for a memory call. Whole cards come without memory now;
+kubelet makes a container's second call within milliseconds, so a moment is enough for pods
+that still carry memory."""
 
 ADOPTED = 0.0
 """``Allocation.created`` of a container learnt from PodResources: old enough to be freed."""
+
+SETTLE_S = 0.5
+"""How long the number of Healthy IDs of a resource is kept from falling after a change that
+is not kubelet's own allocation nor a card failing.
+
+kube-scheduler decides by the Node's allocatable, which follows the lists a moment later (the
+plugin writes it within milliseconds, kubelet at its status period), and kubelet admits the pods
+it bound by its own count of the lists. A change can hide capacity kubelet and the scheduler
+counted free: an ended container's IDs released onto a card that is not offered, a share
+placed on an entirely free card that hides the open card's rest. If the lists shrank at once,
+kubelet would refuse (``UnexpectedAdmissionError``) a pod the scheduler placed by the older
+figure. Kept for a moment instead, such a pod is admitted, and if no card can host it, it
+waits for one (``docs/device-plugin.md``); after the moment the lists say what is offered. The
+moment is short: a pod bound by the over-offer waits on this node instead of Pending, where
+another node might take it. The plugin writes the Node's allocatable within milliseconds, and
+kubelet admits a bound pod within tens of milliseconds."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +180,7 @@ class Allocator:
         cards: Iterable[Card],
         *,
         pair_window_s: float = 5.0,
+        settle_s: float = SETTLE_S,
         clock: Clock = time.monotonic,
         wall: Clock = time.time,
     ) -> None:
@@ -161,15 +192,21 @@ class Allocator:
         self._health: dict[int, tuple[bool, str]] = {i: (True, "") for i in self.cards}
         self._allocations: dict[str, Allocation] = {}
         self._owner: dict[str, str] = {}  # device ID -> allocation key
-        # card -> kind -> allocated numbers, kept in step with _owner (read on every list)
-        self._in_use: dict[int, dict[Kind, set[int]]] = {
-            i: {Kind.CORE: set(), Kind.MEMORY: set()} for i in self.cards
+        # (kind, ID group) -> allocated numbers, kept in step with _owner (read on every list)
+        self._owned: dict[tuple[Kind, int], set[int]] = {
+            (kind, i): set() for kind in Kind for i in self.cards
         }
+        # card -> [core, memory] the placed allocations hold there (the ledger)
+        self._used: dict[int, list[int]] = {i: [0, 0] for i in self.cards}
         # allocation key -> when a listing first missed it (wall clock of that listing)
         self._missing: dict[str, float] = {}
         totals = {Kind.CORE: {i: CORE_PER_CARD for i in self.cards}, Kind.MEMORY: self.blocks}
-        self._lists = ListingCache(totals, {i: c.numa_node for i, c in self.cards.items()})
-        self._open: int | None = None  # the one partly used card advertised (placement)
+        self._lists = ListingCache(totals)
+        self._open: int | None = None  # the one partly used card offered (placement)
+        self._settle_s = settle_s
+        # kind -> (Healthy IDs listed at least, until when): see SETTLE_S
+        self._floor: dict[Kind, tuple[int, float]] = {}
+        self._listed: dict[Kind, int] = dict.fromkeys(Kind, 0)  # Healthy at the last change
         self._cond = threading.Condition()
         self.version = 0
 
@@ -185,6 +222,7 @@ class Allocator:
         with self._cond:
             while True:
                 self._expire_half()
+                self._expire_floors()
                 if self.version != seen:
                     return self.version
                 remaining = deadline - self._clock()
@@ -193,14 +231,42 @@ class Allocator:
                 left = self.pairing.seconds_left()
                 if left is not None:
                     remaining = min(remaining, max(left, 0.001))
+                for _, until in self._floor.values():
+                    remaining = min(remaining, max(until - self._clock(), 0.001))
                 self._cond.wait(remaining)
 
-    def _changed(self) -> None:
+    def _changed(self, *, settle: bool = True) -> None:
+        """Place what waits if it now fits, choose the open card, keep the lists from shrinking
+        for a moment (``SETTLE_S``; not after a card's health changed: ``settle`` false), wake
+        the streams. Lock held."""
+        self._place_waiting()
         self._open = placement.open_partial_card(
             self._snapshot().values(), self._open, keep=self.pairing.pending is not None
         )
+        now = self._clock()
+        for kind in Kind:
+            owned = self._owned_count(kind)
+            listed = owned + self._offered_now(kind)
+            if not settle:
+                self._floor.pop(kind, None)
+            elif listed < self._listed[kind] and self._settle_s > 0:
+                floor = self._floor.get(kind)
+                keep = max(self._listed[kind], floor[0] if floor else 0)
+                self._floor[kind] = (keep, now + self._settle_s)
+            self._listed[kind] = owned + self._offered(kind)
         self.version += 1
         self._cond.notify_all()
+
+    def _expire_floors(self) -> None:
+        now = self._clock()
+        if any(until <= now for _, until in self._floor.values()):
+            self._floor = {k: f for k, f in self._floor.items() if f[1] > now}
+            self._changed(settle=False)
+
+    def settling(self, kind: Kind) -> bool:
+        """Whether more IDs of ``kind`` are listed than offered, for a moment (``SETTLE_S``)."""
+        with self._cond:
+            return self._offered(kind) > self._offered_now(kind)
 
     def _expire_half(self) -> None:
         if self.pairing.expire():
@@ -210,14 +276,30 @@ class Allocator:
         with self._cond:
             return list(self._allocations.values())
 
+    def waiting(self) -> list[Allocation]:
+        """Containers admitted by kubelet that no card could host yet, oldest first."""
+        with self._cond:
+            return self._waiting()
+
+    def _waiting(self) -> list[Allocation]:
+        pending = self.pairing.pending
+        return sorted(
+            (
+                a
+                for a in self._allocations.values()
+                if not a.cards and a.placeable and (pending is None or pending.key != a.key)
+            ),
+            key=lambda a: a.created,
+        )
+
     def usage(self) -> list[CardUsage]:
         with self._cond:
             return [
                 CardUsage(
                     card=card,
                     blocks=self.blocks[i],
-                    core_used=len(self._in_use[i][Kind.CORE]),
-                    memory_used=len(self._in_use[i][Kind.MEMORY]),
+                    core_used=self._used[i][0],
+                    memory_used=self._used[i][1],
                     healthy=self._health[i][0],
                     reason=self._health[i][1],
                 )
@@ -230,80 +312,130 @@ class Allocator:
             i: placement.CardState(
                 index=i,
                 blocks=self.blocks[i],
-                core_used=len(self._in_use[i][Kind.CORE]),
-                memory_used=len(self._in_use[i][Kind.MEMORY]),
+                core_used=self._used[i][0],
+                memory_used=self._used[i][1],
                 healthy=self._health[i][0],
                 numa_node=card.numa_node,
             )
             for i, card in self.cards.items()
         }
 
-    def _pending(self) -> placement.Pending | None:
-        half = self.pairing.pending
-        return None if half is None else placement.Pending(half.kind, half.cards)
+    def _charge(self, allocation: Allocation, sign: int) -> None:
+        """Add (1) or remove (-1) what a placed allocation holds on its cards. Lock held."""
+        if allocation.whole_cards:
+            for card in allocation.cards:
+                self._used[card][0] += sign * CORE_PER_CARD
+                self._used[card][1] += sign * self.blocks[card]
+        elif allocation.cards:
+            card = allocation.cards[0]
+            self._used[card][0] += sign * len(allocation.core)
+            self._used[card][1] += sign * len(allocation.memory)
 
-    def _partner(self, kind: Kind, size: int, cards: frozenset[int] | None = None) -> Half | None:
-        """The pending half that a call of ``kind`` for ``size`` IDs (on ``cards``, once
-        known) completes, or None. Lock held.
+    def _place(self, allocation: Allocation) -> bool:
+        """Give an unplaced allocation its card(s) if the ledger has room. Lock held."""
+        if allocation.cards or not allocation.placeable:
+            return bool(allocation.cards)
+        chosen = placement.place(self._snapshot(), len(allocation.core), len(allocation.memory))
+        if not chosen:
+            return False
+        allocation.cards = tuple(sorted(chosen))
+        self._charge(allocation, 1)
+        return True
 
-        A half of whole cards' core pairs only with all of those cards' memory: whole cards
-        come without memory now, so another container's memory call after one is no partner,
-        and pairing it would put that container on the whole cards' card.
-        """
-        half = self.pairing.partner_of(kind)
-        if half is None or half.kind is not Kind.CORE or half.size % CORE_PER_CARD:
-            return half
-        whole_memory = sum(self.blocks[c] for c in half.cards)
-        if size == whole_memory and (cards is None or cards == half.cards):
-            return half
-        self.pairing.end()  # its container had no memory: this call is another container's
-        self._changed()
-        return None
+    def _place_waiting(self) -> None:
+        for allocation in self._waiting():
+            if self._place(allocation):
+                log.info(
+                    "waiting container placed",
+                    extra={"cards": list(allocation.cards), "dir": allocation.dir_name},
+                )
 
     def _own(self, device: str, key: str) -> None:
         if device not in self._owner:
             parsed = DeviceId.parse(device)
-            if parsed.card in self._in_use:
-                self._in_use[parsed.card][parsed.kind].add(parsed.number)
+            owned = self._owned.get((parsed.kind, parsed.card))
+            if owned is not None:
+                owned.add(parsed.number)
         self._owner[device] = key
 
     def _disown(self, device: str) -> None:
         if self._owner.pop(device, None) is not None:
             parsed = DeviceId.parse(device)
-            if parsed.card in self._in_use:
-                self._in_use[parsed.card][parsed.kind].discard(parsed.number)
+            owned = self._owned.get((parsed.kind, parsed.card))
+            if owned is not None:
+                owned.discard(parsed.number)
 
     def devices(self, kind: Kind) -> list[ListedDevice]:
-        """The complete ListAndWatch list for one resource, with the placement rules applied."""
-        return [device for card in self.listing(kind)[1] for device in card]
+        """The complete ListAndWatch list for one resource."""
+        return [device for group in self.listing(kind)[1] for device in group]
+
+    def offered(self, kind: Kind) -> int:
+        """How many free IDs of ``kind`` are listed Healthy now."""
+        with self._cond:
+            return self._offered(kind)
+
+    def _offered_now(self, kind: Kind) -> int:
+        """What the ledger offers now, before the settling floor."""
+        if self._waiting():
+            # Admitted containers wait for a card: what frees up is theirs first, and nothing
+            # new is invited to this node until they are placed.
+            return 0
+        offered = placement.offered(self._snapshot().values(), kind, open_card=self._open)
+        half = self.pairing.pending
+        partner = None if half is None else self._allocations.get(half.key)
+        if half is not None and half.kind is kind and partner is not None and not partner.cards:
+            # The first call's IDs came out of what was offered; the ledger cannot hold them
+            # until the container is placed, so they are taken off here.
+            offered = max(offered - half.size, 0)
+        if half is not None and half.kind is not kind:
+            # Between a container's two calls, kubelet counts the second against the IDs it
+            # saw Healthy at the first; what that call changed (ended containers released,
+            # whole cards placed, another card opened) must not shrink that list meanwhile.
+            offered = max(offered, half.hold - self._owned_count(kind))
+        return offered
+
+    def _offered(self, kind: Kind) -> int:
+        """What the lists offer: the ledger's offer, or more while a floor holds."""
+        offered = self._offered_now(kind)
+        floor = self._floor.get(kind)
+        if floor is not None and floor[1] > self._clock():
+            offered = max(offered, floor[0] - self._owned_count(kind))
+        return offered
+
+    def _owned_count(self, kind: Kind) -> int:
+        return sum(len(self._owned[(kind, group)]) for group in self.cards)
 
     def listing(self, kind: Kind) -> tuple[object, list[tuple[ListedDevice, ...]]]:
-        """A signature of the device list and the list itself per card, from one snapshot.
+        """A signature of the device list and the list itself per ID group, from one snapshot.
 
-        Equal signatures mean equal lists (ListAndWatch skips identical resends). A card's
-        tuple is the same object for as long as that card's state holds (see ``listing``).
+        Equal signatures mean equal lists (ListAndWatch skips identical resends). A group's
+        tuple is the same object for as long as that group's state holds (see ``listing``).
         """
         with self._cond:
             self._expire_half()
-            shown = placement.advertised(
-                self._snapshot().values(), kind, open_card=self._open, pending=self._pending()
-            )
-            total = CORE_PER_CARD if kind is Kind.CORE else 0
-            states = tuple(
-                (
-                    i,
-                    CardListState(
-                        self._health[i][0],
-                        # a card with nothing free lists the same either way: one state
-                        None
-                        if i in shown or len(used) == (total or self.blocks[i])
-                        else frozenset(used),
-                    ),
+            left = self._offered(kind)
+            sick_cards = {i for i, (ok, _) in self._health.items() if not ok}
+            sick_keys = {
+                a.key for a in self._allocations.values() if sick_cards.intersection(a.cards)
+            }
+            states = []
+            for group in sorted(self.cards):
+                owned = self._owned[(kind, group)]
+                total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[group]
+                shown = min(left, total - len(owned))
+                left -= shown
+                sick = (
+                    frozenset(
+                        n
+                        for n in owned
+                        if self._owner.get(str(DeviceId(group, kind, n))) in sick_keys
+                    )
+                    if sick_keys
+                    else frozenset()
                 )
-                for i in sorted(self.cards)
-                for used in (self._in_use[i][kind],)
-            )
-            return states, self._lists.lists(kind, states)
+                states.append((group, GroupState(frozenset(owned), sick, shown)))
+            signature = tuple(states)
+            return signature, self._lists.lists(kind, states)
 
     # ---- health ------------------------------------------------------------------------
 
@@ -317,7 +449,7 @@ class Allocator:
                 "card health changed",
                 extra={"card": card, "healthy": healthy, "reason": reason},
             )
-            self._changed()
+            self._changed(settle=healthy)
             return True
 
     def is_healthy(self, card: int) -> bool:
@@ -326,8 +458,17 @@ class Allocator:
 
     # ---- Allocate ----------------------------------------------------------------------
 
-    def _parse(self, kind: Kind, ids: Iterable[str], resource: str) -> dict[int, list[int]]:
-        by_card: dict[int, list[int]] = defaultdict(list)
+    def _known(self, kind: Kind, text: str) -> bool:
+        """Whether ``text`` is an ID this plugin lists for ``kind``."""
+        try:
+            parsed = DeviceId.parse(text)
+        except DeviceIdError:
+            return False
+        total = CORE_PER_CARD if kind is Kind.CORE else self.blocks.get(parsed.card, 0)
+        return parsed.kind is kind and parsed.card in self.cards and parsed.number < total
+
+    def _check(self, kind: Kind, ids: Iterable[str], resource: str) -> None:
+        """That every ID is one this plugin lists for ``kind``, once; AllocationError if not."""
         seen: set[str] = set()
         for text in ids:
             try:
@@ -343,66 +484,55 @@ class Allocator:
                 )
             total = CORE_PER_CARD if kind is Kind.CORE else self.blocks.get(parsed.card, 0)
             if parsed.card not in self.cards or parsed.number >= total:
-                raise AllocationError(
-                    f"{resource}: device ID {text!r} is unknown on this node "
-                    f"(cards: {sorted(self.cards)})"
-                )
-            by_card[parsed.card].append(parsed.number)
-        if not by_card:
+                raise AllocationError(f"{resource}: device ID {text!r} is unknown on this node")
+        if not seen:
             raise AllocationError(f"{resource}: the request holds no device IDs")
-        return by_card
-
-    def _check_shape(self, kind: Kind, by_card: Mapping[int, list[int]], resource: str) -> None:
-        if len(by_card) == 1:
-            return
-        counts = ", ".join(f"card {c}: {len(n)}" for c, n in sorted(by_card.items()))
-        if kind is Kind.CORE:
-            if all(len(n) == CORE_PER_CARD for n in by_card.values()):
-                return
+        if kind is Kind.CORE and len(seen) > CORE_PER_CARD and len(seen) % CORE_PER_CARD:
             raise AllocationError(
-                f"{resource}: {sum(len(n) for n in by_card.values())} IDs span cards ({counts}); "
-                f"a share of a card must lie on one card and whole cards take all "
-                f"{CORE_PER_CARD} IDs of each. Request 1–100 (one card) or a multiple of 100."
+                f"{resource}: {len(seen)} is neither a share of one card (1-{CORE_PER_CARD - 1}) "
+                f"nor whole cards (a multiple of {CORE_PER_CARD}); the fracgpu admission webhook "
+                f"sizes requests, so create the pod through it"
             )
-        if all(len(n) == self.blocks[c] for c, n in by_card.items()):
-            return
-        raise AllocationError(
-            f"{resource}: memory IDs span cards ({counts}); a container's memory must lie on the "
-            f"card of its core share, or be the whole memory of each of its whole cards"
-        )
+        if kind is Kind.CORE and len(seen) // CORE_PER_CARD > len(self.cards):
+            raise AllocationError(
+                f"{resource}: {len(seen) // CORE_PER_CARD} whole cards asked for, this node has "
+                f"{len(self.cards)}"
+            )
 
     def allocate(self, kind: Kind, ids: list[str], resource: str) -> Allocation:
-        """Record one Allocate container request; raise AllocationError if it can never work."""
+        """Record one Allocate container request; raise AllocationError if it can never work.
+
+        The container is placed when both of its amounts are known (or at once for whole
+        cards); one that no card can host yet is kept waiting, never refused.
+        """
         try:
-            by_card = self._parse(kind, ids, resource)
-            self._check_shape(kind, by_card, resource)
+            self._check(kind, ids, resource)
         except AllocationError:
             with self._cond:
                 # Refused, but what kubelet handed out is free all the same: list it so at
                 # once, and the Node's allocatable follows, rather than at the next reading.
+                self._abandon_half(kind)
                 if self._release_reassigned(ids):
                     self._changed()
-            self._abandon_half(kind, len(ids))
             raise
-        cards = frozenset(by_card)
         with self._cond:
             self._expire_half()
+            other = placement.other(kind)
+            listed_other = self._owned_count(other) + self._offered(other)
             self._release_reassigned(ids)
-            half = self._partner(kind, len(ids), cards)
-            if half is not None and half.key in self._allocations:
-                self.pairing.end(second_size=len(ids))
-                partner = self._allocations[half.key]
-                if half.cards != cards:
-                    self._drop(half.key, why="partner allocation failed")
-                    self._changed()
-                    here = ",".join(str(c) for c in sorted(cards))
-                    there = ",".join(str(c) for c in sorted(half.cards))
-                    raise AllocationError(
-                        f"{resource}: kubelet assigned this container's {kind.name.lower()} on "
-                        f"card {here} but its {half.kind.name.lower()} on card {there}; both "
-                        f"must be on the same card. This happens when no single card had both "
-                        f"free; delete the pod so that it is scheduled again."
-                    )
+            half = self.pairing.partner_of(kind)
+            partner = None if half is None else self._allocations.get(half.key)
+            if partner is not None and partner.whole_cards and kind is Kind.MEMORY:
+                # Whole cards come without memory now: a memory call after them pairs only if
+                # it is all of their cards' memory; else it is the next container's first.
+                whole_memory = sum(self.blocks[c] for c in partner.cards) or (
+                    partner.whole_cards * max(self.blocks.values())
+                )
+                if len(ids) != whole_memory:
+                    partner = None
+                    self.pairing.end()
+            if partner is not None:
+                self.pairing.end()
                 if kind is Kind.CORE:
                     partner.core = tuple(ids)
                 else:
@@ -410,62 +540,75 @@ class Allocator:
                 partner.verified = False  # what PodResources confirmed was the first half
                 for device in ids:
                     self._own(device, partner.key)
+                self._place(partner)
                 self._changed()
                 return partner
             allocation = Allocation(
                 core=tuple(ids) if kind is Kind.CORE else (),
                 memory=tuple(ids) if kind is Kind.MEMORY else (),
-                cards=tuple(sorted(cards)),
+                cards=(),
                 created=self._wall(),
             )
             self._add(allocation)
-            whole_core = kind is Kind.CORE and len(ids) == CORE_PER_CARD * len(cards)
+            if allocation.whole_cards:
+                self._place(allocation)
             self.pairing.begin(
                 kind,
-                cards,
                 allocation.key,
                 len(ids),
-                window_s=WHOLE_CORE_PAIR_S if whole_core else None,
+                hold=listed_other,
+                window_s=WHOLE_CORE_PAIR_S if allocation.whole_cards else None,
             )
             self._changed()
             return allocation
+
+    def forget(self, allocation: Allocation, *, why: str) -> None:
+        """Drop an allocation whose Allocate was refused (kubelet rejects the pod)."""
+        with self._cond:
+            self._drop(allocation.key, why=why)
+            self._changed()
 
     def _release_reassigned(self, ids: Iterable[str], keep: Collection[str] = ()) -> bool:
         """Drop the allocations of containers whose IDs kubelet hands out as free; whether any
         was dropped. Lock held.
 
-        kubelet is the authority on what is free: it offers and assigns only devices of pods it
-        no longer runs (and an init container's, which its app containers reuse: ``keep``), and
-        it may do so before the reconciler has read PodResources again.
+        kubelet is the authority on what is free: it assigns only devices of pods it no longer
+        runs (and an init container's, which its app containers reuse: ``keep``), and it may do
+        so before the reconciler has read PodResources again.
         """
         stale = {self._owner[d] for d in ids if d in self._owner and d not in keep}
         for key in stale:
             self._drop(key, why="kubelet reassigned its devices")
         return bool(stale)
 
-    def _abandon_half(self, kind: Kind, size: int) -> None:
-        """The container's second Allocate failed: kubelet rejects the pod and frees its first."""
-        with self._cond:
-            self._expire_half()
-            half = self.pairing.partner_of(kind)
-            if half is not None:
-                self.pairing.end(second_size=size)
-                self._drop(half.key, why="partner allocation failed")
-                self._changed()
+    def _abandon_half(self, kind: Kind) -> None:
+        """The container's second Allocate failed: kubelet rejects the pod and frees its first.
+        Lock held."""
+        self._expire_half()
+        half = self.pairing.partner_of(kind)
+        if half is not None:
+            self.pairing.end()
+            self._drop(half.key, why="partner allocation failed")
+            self._changed()
 
     def _add(self, allocation: Allocation) -> None:
         self._allocations[allocation.key] = allocation
         for device in allocation.ids():
             self._own(device, allocation.key)
+        self._charge(allocation, 1)
 
     def _drop(self, key: str, *, why: str) -> None:
         allocation = self._allocations.pop(key, None)
         self._missing.pop(key, None)
         if allocation is None:
             return
+        self._charge(allocation, -1)
         for device in allocation.ids():
             if self._owner.get(device) == key:
                 self._disown(device)
+        half = self.pairing.pending
+        if half is not None and half.key == key:
+            self.pairing.end()
         log.info(
             "allocation freed",
             extra={"cards": list(allocation.cards), "dir": allocation.dir_name, "why": why},
@@ -476,48 +619,19 @@ class Allocator:
     def preferred(
         self, kind: Kind, available: Iterable[str], must_include: Iterable[str], size: int
     ) -> list[str]:
-        """The IDs this container should get, or [] to leave the choice to kubelet."""
-        free: dict[int, list[int]] = defaultdict(list)
-        available, must_include = list(available), list(must_include)
-        for text in available:
-            try:
-                parsed = DeviceId.parse(text)
-            except DeviceIdError:
-                continue
-            if parsed.kind is kind and parsed.card in self.cards:
-                free[parsed.card].append(parsed.number)
-        must: dict[int, list[int]] = defaultdict(list)
-        for text in must_include:
-            try:
-                parsed = DeviceId.parse(text)
-            except DeviceIdError:
-                return []
-            must[parsed.card].append(parsed.number)
-        with self._cond:  # one snapshot for the whole decision
-            self._expire_half()
-            # An ended container's IDs offered as free: its card has room again, and this
-            # container may fit there, where the plugin's own records would have refused it.
-            if self._release_reassigned(available, keep=set(must_include)):
+        """The IDs this container should get: any will do (IDs are counts), so the ones kubelet
+        must include and then the lowest it offers. An ended container's IDs offered as free
+        are released at once."""
+        available = sorted(i for i in available if self._known(kind, i))
+        must = list(must_include)
+        if not all(self._known(kind, i) for i in must):
+            return []
+        with self._cond:
+            if self._release_reassigned(available, keep=set(must)):
                 self._changed()
-            cards = self._snapshot()
-            self._partner(kind, size)
-            pending = self._pending()
-            other_size = self.pairing.expected_other(kind, size) if pending is None else None
-            allowed = placement.advertised(
-                cards.values(), kind, open_card=self._open
-            ) & placement.advertised(cards.values(), placement.other(kind), open_card=self._open)
-        chosen = placement.choose_cards(
-            kind,
-            size,
-            {c: len(n) for c, n in free.items()},
-            cards,
-            must=set(must),
-            allowed=allowed,
-            pending=pending,
-            other_size=other_size,
-        )
-        picked = placement.pick_ids(kind, size, chosen, free=free, must=must, cards=cards)
-        return [str(DeviceId(card, kind, n)) for card, n in picked]
+        rest = [i for i in available if i not in set(must)]
+        chosen = must + rest[: max(size - len(must), 0)]
+        return chosen if len(chosen) == size else []
 
     # ---- PodResources reconciliation and the checkpoint --------------------------------
 
@@ -545,23 +659,37 @@ class Allocator:
         adopted.verified = True
         return adopted
 
-    def adopt(self, core: list[str], memory: list[str]) -> Allocation:
-        """Record a container learnt from PodResources (PreStartContainer, restart recovery)."""
-        cards = {DeviceId.parse(i).card for i in [*core, *memory]}
+    def adopt(
+        self, core: list[str], memory: list[str], cards: Collection[int] | None = None
+    ) -> Allocation:
+        """Record a container learnt from PodResources (PreStartContainer, restart recovery),
+        on ``cards`` when its limits file names them, else where the ledger has room."""
         with self._cond:
             for device in [*core, *memory]:
                 stale = self._owner.get(device)
                 if stale is not None:
                     self._drop(stale, why="superseded by PodResources")
-            allocation = Allocation(
-                core=tuple(core),
-                memory=tuple(memory),
-                cards=tuple(sorted(cards)),
-                created=self._wall(),
-            )
-            self._add(allocation)
+            allocation = self._adopted(core, memory, cards, created=self._wall())
             self._changed()
             return allocation
+
+    def _adopted(
+        self,
+        core: Iterable[str],
+        memory: Iterable[str],
+        cards: Collection[int] | None,
+        *,
+        created: float,
+    ) -> Allocation:
+        allocation = Allocation(
+            core=tuple(sorted(core)),
+            memory=tuple(sorted(memory)),
+            cards=tuple(sorted(c for c in cards or () if c in self.cards)),
+            created=created,
+        )
+        self._add(allocation)
+        self._place(allocation)
+        return allocation
 
     def reconcile(
         self,
@@ -571,13 +699,15 @@ class Allocator:
         grace_s: float,
         confirm_s: float,
         may_free: bool = True,
+        cards_of: Callable[[Collection[str]], Collection[int] | None] | None = None,
     ) -> Reconciled:
         """Align with PodResources ``List`` (core IDs, memory IDs per container).
 
         Frees allocations none of whose IDs are listed, once a listing at least ``confirm_s``
         after the first one that missed them misses them too (never younger than ``grace_s`` at
         the time of the listing: an Allocate can race the List; never when ``may_free`` is
-        false). Adopts listed containers that are unknown.
+        false). Adopts listed containers that are unknown, on the cards ``cards_of`` (their
+        core IDs) says they run on.
 
         It runs every pass over a full node (thousands of IDs) while RPCs wait for the
         interpreter lock, so the common case, a container listed exactly as recorded, is
@@ -622,15 +752,8 @@ class Allocator:
                 # this plugin was not looking): kubelet's listing wins.
                 for stale in {owner[i] for i in (*core, *memory) if i in owner}:
                     self._drop(stale, why="superseded by PodResources")
-                cards = {DeviceId.parse(i).card for i in (*core, *memory)}
-                allocation = Allocation(
-                    core=tuple(sorted(core)),
-                    memory=tuple(sorted(memory)),
-                    cards=tuple(sorted(cards)),
-                    created=ADOPTED,
-                )
-                self._add(allocation)
-                adopted.append(allocation)
+                hint = cards_of(core) if cards_of is not None and core else None
+                adopted.append(self._adopted(core, memory, hint, created=ADOPTED))
             if freed or adopted:  # a quiet pass wakes no ListAndWatch stream
                 self._changed()
             return Reconciled(freed, adopted, len(self._missing))
@@ -639,5 +762,8 @@ class Allocator:
         with self._cond:
             for allocation in allocations:
                 if all(DeviceId.parse(i).card in self.cards for i in allocation.ids()):
+                    if not all(c in self.cards for c in allocation.cards):
+                        allocation.cards = ()
                     self._add(allocation)
+                    self._place(allocation)
             self._changed()

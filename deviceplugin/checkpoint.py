@@ -24,7 +24,11 @@ from deviceplugin.inventory import Card
 
 log = logging.getLogger(__name__)
 
-VERSION = 1
+VERSION = 2
+"""2: an allocation's ``cards`` are where the plugin placed it (its IDs name no card), and may
+be empty (waiting for a card). Version 1, written while IDs named cards, is read as version 2:
+its ``cards`` were the cards of its IDs, which is where those containers run."""
+READABLE = (1, VERSION)
 
 
 class CheckpointError(ValueError):
@@ -77,7 +81,7 @@ def read(path: Path, cards: Mapping[int, Card]) -> list[Allocation]:
         return []
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
-    if not isinstance(document, dict) or document.get("version") != VERSION:
+    if not isinstance(document, dict) or document.get("version") not in READABLE:
         raise CheckpointError(f"checkpoint {path} has an unsupported format")
     expected = {str(i): c.uuid for i, c in cards.items()}
     recorded = document.get("cards")

@@ -78,6 +78,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--dev-root", type=Path, default=Path("/dev"))
     parser.add_argument(
+        "--cdi-root",
+        type=Path,
+        default=Path("/var/run/cdi"),
+        help="where the container runtime reads CDI specs; each container's card reaches it "
+        "through one, written at PreStartContainer (default: /var/run/cdi)",
+    )
+    parser.add_argument(
+        "--no-cdi",
+        action="store_true",
+        help="for runtimes without CDI: name the card in the Allocate answer instead; a pod "
+        "admitted while no single card can host it then fails instead of waiting",
+    )
+    parser.add_argument(
         "--ignore-xids",
         type=_xids,
         default=frozenset(DEFAULT_IGNORED_XIDS),
@@ -168,6 +181,7 @@ def config_from(args: argparse.Namespace) -> Config:
         podresources_socket=args.pod_resources_socket,
         host_root=args.host_root,
         dev_root=args.dev_root,
+        cdi_root=None if args.no_cdi else args.cdi_root,
         ignored_xids=args.ignore_xids,
         nvml_library=args.nvml_library,
         metrics_address=args.metrics_address,

@@ -32,6 +32,9 @@ class Config:
     podresources_socket: Path = KUBELET_PODRESOURCES_SOCKET
     host_root: Path = Path(contract.HOST_ROOT)
     dev_root: Path = Path("/dev")
+    # CDI directory of the runtime: the card is bound at PreStartContainer through a spec here;
+    # None: named in the Allocate answer (runtimes without CDI; no waiting, see device-plugin.md)
+    cdi_root: Path | None = Path("/var/run/cdi")
     ignored_xids: frozenset[int] = field(default_factory=lambda: frozenset(DEFAULT_IGNORED_XIDS))
     nvml_library: Path | None = None
     metrics_address: str = "0.0.0.0"
@@ -41,6 +44,9 @@ class Config:
     # With node_name: write the Node's allocatable GPU resources as soon as they change, rather
     # than leave them to kubelet's node-status period (node.AllocatableMirror says why).
     node_allocatable: bool = True
+    # after withdrawing the Node's allocatable at stop, keep serving this long: a pod the
+    # scheduler bound just before is still admitted through this plugin, not refused by kubelet
+    stop_drain_s: float = 2.0
     watch_interval_s: float = 0.25  # kubelet.sock / own socket polling
     # PodResources reconciliation: how often kubelet's List is read, and when a missing
     # container counts as gone (a second listing at least confirm_s after the first miss; never
@@ -54,6 +60,7 @@ class Config:
     podresources_timeout_s: float = 5.0
     register_timeout_s: float = 10.0
     pair_window_s: float = 5.0
+    settle_s: float = 0.5  # lists kept from shrinking after a change that hides capacity
     # kubelet records a container's devices once its second Allocate has *answered*, so a List
     # at once mostly shows half of them: the early verifier's first look waits verify_delay_s,
     # then retries verify_retries times, verify_spacing_s apart, doubled after each miss

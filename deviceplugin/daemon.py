@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import time
 from http.server import ThreadingHTTPServer
 from types import FrameType
 
@@ -88,7 +89,7 @@ class Daemon:
         owners = Owners(
             config.guard_container_logs,
             lambda: plugin.podresources.list(resources),
-            grant_of(config, plugin.cards),
+            grant_of(config),
         )
         if config.node_name:
             self.events = EventReporter(config, kill=config.guard_kill)
@@ -139,6 +140,12 @@ class Daemon:
 
     def stop(self) -> None:
         self._stop.set()
+        if self.mirror is not None:
+            # Before the sockets go: no pod must be placed here while nothing serves them, and
+            # one bound just before the withdrawal must still find the plugin serving.
+            self.mirror.stop()
+            if self.mirror.withdraw() and self.supervisor is not None:
+                time.sleep(self.config.stop_drain_s)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -152,8 +159,6 @@ class Daemon:
             self.events.stop()
         if self.publisher is not None:
             self.publisher.stop()
-        if self.mirror is not None:
-            self.mirror.stop()
         if self._reconciler is not None:
             self._reconciler.join(timeout=5)
         if self.plugin is not None:

@@ -21,7 +21,8 @@ From a pid to a fracgpu container, using only what the container cannot change:
    The link's target names the pod, its namespace and UID and the container; the UID must equal
    the cgroup's, so a pod deleted and created again under the same name is never confused.
 3. kubelet's PodResources ``List`` (the plugin's client): the container's fracgpu device IDs,
-   from which ``prestart.limits_for`` computes its grant exactly as its limits file was written.
+   which name its directory (``allocator.container_dir_name``), whose limits file is its grant:
+   the card the plugin placed it on and its amounts, exactly what the hook enforces.
 
 A process that fails any step (a system process, a container of another device plugin, a pod
 that holds no fracgpu resource) belongs to no fracgpu container: it is counted, never acted on.
@@ -43,20 +44,21 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import pynvml
 
-from core.contract import Limits
+from core.contract import LIMITS_FILE, Limits, LimitsError
 from core.units import MIB
+from deviceplugin.allocator import container_dir_name
 from deviceplugin.config import Config
 from deviceplugin.inventory import Card
 from deviceplugin.metrics import Metrics
 from deviceplugin.podresources import ContainerDevices, PodResourcesError
-from deviceplugin.prestart import PreStartError, limits_for
+from deviceplugin.prestart import PreStartError
 
 log = logging.getLogger(__name__)
 
@@ -141,18 +143,22 @@ ListContainers = Callable[[], list[ContainerDevices]]
 Grant = Callable[[ContainerDevices], Limits]
 
 
-def grant_of(config: Config, cards: Mapping[int, Card]) -> Grant:
-    """A container's grant from its device IDs, as PreStartContainer wrote its limits file."""
+def grant_of(config: Config) -> Grant:
+    """A container's grant: the limits file PreStartContainer wrote in its directory.
+
+    Its device IDs name no card (the plugin places containers from its own ledger), so the
+    file, written before the container ran, is where its card and amounts are recorded.
+    """
 
     def grant(container: ContainerDevices) -> Limits:
-        return limits_for(
-            container.name,
-            container.ids(config.core_resource),
-            container.ids(config.memory_resource),
-            cards,
-            core_resource=config.core_resource,
-            memory_resource=config.memory_resource,
-        )
+        core = container.ids(config.core_resource)
+        if not core:
+            raise PreStartError(f"container {container.name} holds no {config.core_resource}")
+        path = config.containers_dir / container_dir_name(core) / "limits" / LIMITS_FILE
+        try:
+            return Limits.parse(path.read_text(encoding="ascii"))
+        except (OSError, UnicodeDecodeError, LimitsError) as exc:
+            raise PreStartError(f"container {container.name} has no limits file: {exc}") from None
 
     return grant
 

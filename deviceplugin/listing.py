@@ -1,10 +1,16 @@
-"""The ListAndWatch lists, kept per resource and card.
+"""The ListAndWatch lists, kept per resource and per group of IDs.
 
-A card's list is a function of its health and, when its free IDs are hidden by the placement
-rules, of which of its IDs are allocated (those stay Healthy). That pair is the card's *state*;
-a list is rebuilt only when its card's state changes, so one change to a node with thousands of
-IDs rebuilds one card's list. A card's tuple stays the same object while its state holds, and
-callers may cache what they derive from it (an encoding) by identity.
+IDs are counts (see ``placement``): what kubelet must see is every allocated ID, Healthy while
+its container's card works, and as many free IDs Healthy as the node offers. Which free IDs
+those are does not matter; the lowest-numbered free IDs of the lowest groups are shown, so a
+change in what is offered moves the boundary in one or two groups only.
+
+IDs are grouped by the ``g<index>`` part of their name, one group per card of the node (the
+same names as before IDs became counts, so kubelet's records of running pods stay valid across
+an upgrade). A group's list is a function of its *state* (the allocated numbers, those of them
+on a failed card, and how many free IDs it shows); a list is rebuilt only when its group's
+state changes, and a group's tuple stays the same object while its state holds, so callers may
+cache what they derive from it (an encoding) by identity.
 
 Not thread-safe: the allocator builds lists under its lock, from one snapshot.
 """
@@ -25,38 +31,38 @@ class ListedDevice:
 
 
 @dataclass(frozen=True, slots=True)
-class CardListState:
-    healthy: bool
-    # the allocated numbers when the card's free IDs are hidden; None when they are listed
-    shown_only: frozenset[int] | None
+class GroupState:
+    owned: frozenset[int]  # allocated numbers: listed, Healthy unless in ``sick``
+    sick: frozenset[int]  # allocated numbers whose container's card failed
+    shown_free: int  # how many of the free numbers (lowest first) are listed Healthy
 
 
 class ListingCache:
-    def __init__(self, totals: Mapping[Kind, Mapping[int, int]], numa: Mapping[int, int | None]):
+    def __init__(self, totals: Mapping[Kind, Mapping[int, int]]):
         self._totals = totals
-        self._numa = numa
-        self._lists: dict[tuple[Kind, int], tuple[CardListState, tuple[ListedDevice, ...]]] = {}
+        self._lists: dict[tuple[Kind, int], tuple[GroupState, tuple[ListedDevice, ...]]] = {}
 
     def lists(
-        self, kind: Kind, states: Sequence[tuple[int, CardListState]]
+        self, kind: Kind, states: Sequence[tuple[int, GroupState]]
     ) -> list[tuple[ListedDevice, ...]]:
-        """Each card's devices for these (card, state) pairs, in the order given."""
+        """Each group's devices for these (group, state) pairs, in the order given."""
         lists = []
-        for card, state in states:
-            cached = self._lists.get((kind, card))
+        for group, state in states:
+            cached = self._lists.get((kind, group))
             if cached is None or cached[0] != state:
-                cached = self._lists[(kind, card)] = (state, self._build(kind, card, state))
+                cached = self._lists[(kind, group)] = (state, self._build(kind, group, state))
             lists.append(cached[1])
         return lists
 
-    def _build(self, kind: Kind, card: int, state: CardListState) -> tuple[ListedDevice, ...]:
-        shown = state.shown_only
-        numa = self._numa.get(card)
-        return tuple(
-            ListedDevice(
-                str(DeviceId(card, kind, n)),
-                state.healthy and (shown is None or n in shown),
-                numa,
-            )
-            for n in range(self._totals[kind][card])
-        )
+    def _build(self, kind: Kind, group: int, state: GroupState) -> tuple[ListedDevice, ...]:
+        devices = []
+        shown = state.shown_free
+        for n in range(self._totals[kind][group]):
+            if n in state.owned:
+                healthy = n not in state.sick
+            else:
+                healthy = shown > 0
+                shown -= healthy
+            # No topology: an ID names no card, so it has no NUMA node either.
+            devices.append(ListedDevice(str(DeviceId(group, kind, n)), healthy, None))
+        return tuple(devices)

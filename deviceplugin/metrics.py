@@ -51,6 +51,12 @@ class Metrics:
             ["resource"],
             registry=self.registry,
         )
+        self.waits = Counter(
+            f"{PREFIX}_prestart_waits",
+            "PreStartContainer calls answered 'waiting for a card' (admitted on capacity that "
+            "ended pods left spread over cards; kubelet retries)",
+            registry=self.registry,
+        )
         self.failures = Counter(
             f"{PREFIX}_failures",
             "RPCs that returned an error to kubelet",

@@ -9,8 +9,13 @@ differ), ``fracgpu.io/gpu.memory-mib`` (memory of the smallest card, the most a 
 count on), ``fracgpu.io/gpu.count``. Annotation ``fracgpu.io/gpu.inventory``: versioned JSON with
 every card (index, uuid, product, memoryMiB, minor, numaNode, healthy).
 
-Written with one JSON merge patch (labels and the annotation together), again whenever a card's
-health changes, and retried with backoff while the API server is unreachable.
+Annotation ``fracgpu.io/gpu.free``: versioned JSON with what each card has free
+(``{"version":1,"cards":[{"index","cores","memoryMiB"}]}``; a failed card has nothing free), from
+the plugin's ledger, for the webhook to tell a pod that waits Pending why, in its units.
+
+Written with one JSON merge patch (labels and the annotations together), again whenever a card's
+health changes or, at most once a second, what the cards have free, and retried with backoff
+while the API server is unreachable.
 
 The plugin is threaded (gRPC's server runs handlers on threads), and a publish is rare (start,
 health changes), so the publisher is a plain thread that runs each PATCH to completion in its own
@@ -34,12 +39,15 @@ from typing import Any
 from core.kube import NODES, call_json, kube_client
 from core.labels import (
     COUNT_LABEL,
+    FREE_ANNOTATION,
+    FREE_VERSION,
     INVENTORY_ANNOTATION,
     INVENTORY_VERSION,
     MEMORY_LABEL,
     PRODUCT_LABEL,
 )
-from deviceplugin.allocator import Allocator
+from core.units import BLOCK_MIB, CORE_PER_CARD
+from deviceplugin.allocator import Allocator, CardUsage
 from deviceplugin.config import Config
 from deviceplugin.ids import Kind
 from deviceplugin.inventory import Card
@@ -56,7 +64,27 @@ def label_safe(text: str) -> str:
     return value or "unknown"
 
 
-def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any]:
+def free_annotation(usage: Iterable[CardUsage]) -> str:
+    """What each card has free, as the ``fracgpu.io/gpu.free`` annotation says it."""
+    cards = [
+        {
+            "index": u.card.index,
+            "cores": CORE_PER_CARD - u.core_used if u.healthy else 0,
+            "memoryMiB": (u.blocks - u.memory_used) * BLOCK_MIB if u.healthy else 0,
+        }
+        for u in sorted(usage, key=lambda u: u.card.index)
+    ]
+    return json.dumps({"version": FREE_VERSION, "cards": cards}, separators=(",", ":"))
+
+
+FREE_INTERVAL_S = 1.0
+"""At most one write of what the cards have free per this long: a busy node changes it at every
+allocation, and the reader (an explanation for a waiting pod) needs no more."""
+
+
+def node_patch(
+    cards: Iterable[Card], healthy: dict[int, bool], free: str | None = None
+) -> dict[str, Any]:
     cards = sorted(cards, key=lambda c: c.index)
     products = {c.product for c in cards}
     labels = {
@@ -80,6 +108,8 @@ def node_patch(cards: Iterable[Card], healthy: dict[int, bool]) -> dict[str, Any
         ],
     }
     annotations = {INVENTORY_ANNOTATION: json.dumps(inventory, separators=(",", ":"))}
+    if free is not None:
+        annotations[FREE_ANNOTATION] = free
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 
@@ -118,14 +148,19 @@ class NodePublisher:
         node = self.config.node_name
         assert node is not None
         backoff = 1.0
+        published_free: str | None = None
         while True:
-            self._wake.wait()
+            woken = self._wake.wait(FREE_INTERVAL_S)
             if self._stop.is_set():
                 return
             self._wake.clear()
-            healthy = {u.card.index: u.healthy for u in self.allocator.usage()}
+            usage = self.allocator.usage()
+            free = free_annotation(usage)
+            if not woken and free == published_free:
+                continue
+            healthy = {u.card.index: u.healthy for u in usage}
             try:
-                asyncio.run(self._publish(node, node_patch(self.cards, healthy)))
+                asyncio.run(self._publish(node, node_patch(self.cards, healthy, free)))
             except Exception as exc:  # configuration, network, 5xx, RBAC: log and retry
                 log.warning(
                     "publishing the node inventory failed; retrying",
@@ -136,6 +171,7 @@ class NodePublisher:
                 self._wake.set()
                 continue
             self.published += 1
+            published_free = free
             backoff = 1.0
 
     async def _publish(self, node: str, patch: dict[str, Any]) -> None:
@@ -201,6 +237,41 @@ class AllocatableMirror:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def withdraw(self, timeout_s: float = 2.0) -> bool:
+        """Write an allocatable of 0 for both resources (the plugin is stopping); whether it
+        was written.
+
+        While no plugin serves them, kubelet refuses every pod that asks for them ("no healthy
+        devices present"), but it lowers the Node's allocatable only at its next node-status
+        update: a pod the scheduler places meanwhile fails on the node. Withdrawn first, the
+        node draws no pod until the plugin is back and writes its lists' counts again.
+        """
+        node = self.config.node_name
+        assert node is not None
+        zero = {name: 0 for name in self.resources.values()}
+
+        async def write() -> None:
+            async with kube_client(self.config.kubeconfig) as api:
+                await call_json(
+                    api,
+                    "PATCH",
+                    NODES.path(name=node) + "/status",
+                    body=allocatable_patch(zero),
+                    content_type=MERGE_PATCH,
+                )
+
+        try:
+            asyncio.run(asyncio.wait_for(write(), timeout_s))
+        except Exception as exc:  # stopping anyway: kubelet's update follows within its period
+            log.warning(
+                "withdrawing the node's allocatable GPU resources failed",
+                extra={"node": node, "error": str(exc)},
+            )
+            return False
+        self.published = zero
+        log.info("node's allocatable GPU resources withdrawn while the plugin stops")
+        return True
 
     def _run(self) -> None:
         node = self.config.node_name

@@ -2,27 +2,20 @@
 
 kubelet allocates a container's resources one after the other, in map order (either resource
 first), and never interleaves another container's calls between them. Between the two calls the
-first is a *pending half*: the counterpart resource on its card(s) stays advertised, the second
-resource's preference follows its card(s), and the second Allocate is checked against it. A half
-that sees no partner within the window stands alone (a container with one resource, such as
-whole cards admitted without memory).
-
-Each completed pair also teaches the size the other resource had for a first resource of a given
-size. Pods of one workload share their requests, so the next container whose first resource has
-that size is placed where the second one fits too (the first call cannot otherwise know it).
+first is a *pending half*: the plugin knows one of the container's two amounts, so it cannot
+place the container yet. The second call completes the pair, and the container is placed with
+both amounts known. A half that sees no partner within the window stands alone (a container
+with one resource, such as whole cards, which come without memory).
 
 Not thread-safe: the allocator's lock guards it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
 from deviceplugin.ids import Kind
-
-LEARNT_SHAPES = 256  # distinct request shapes remembered (least recently used go first)
 
 
 class Clock(Protocol):
@@ -36,10 +29,12 @@ class Half:
     """The first of a container's two Allocate calls, waiting for its partner."""
 
     kind: Kind
-    cards: frozenset[int]
     key: str  # the allocation it belongs to
     size: int
     deadline: float  # monotonic
+    # how many IDs of the other resource were listed Healthy when the first call came: kubelet
+    # checks the second call against its count of them, so the list must not shrink below it
+    hold: int = 0
 
 
 class Pairing:
@@ -47,7 +42,6 @@ class Pairing:
         self.window_s = window_s
         self._clock = clock
         self._half: Half | None = None
-        self._learnt: OrderedDict[tuple[Kind, int], int] = OrderedDict()
 
     @property
     def pending(self) -> Half | None:
@@ -64,32 +58,17 @@ class Pairing:
         return None if self._half is None else self._half.deadline - self._clock()
 
     def begin(
-        self,
-        kind: Kind,
-        cards: frozenset[int],
-        key: str,
-        size: int,
-        *,
-        window_s: float | None = None,
+        self, kind: Kind, key: str, size: int, *, hold: int = 0, window_s: float | None = None
     ) -> None:
         window = self.window_s if window_s is None else min(window_s, self.window_s)
-        self._half = Half(kind, cards, key, size, self._clock() + window)
+        self._half = Half(kind, key, size, self._clock() + window, hold)
 
     def partner_of(self, kind: Kind) -> Half | None:
         """The pending half this call of ``kind`` would complete (one of the other resource)."""
         half = self._half
         return half if half is not None and half.kind is not kind else None
 
-    def end(self, second_size: int | None = None) -> Half | None:
-        """Close the pending half (paired, failed or abandoned); learn the pair's shape."""
+    def end(self) -> Half | None:
+        """Close the pending half (paired or abandoned)."""
         half, self._half = self._half, None
-        if half is not None and second_size is not None:
-            self._learnt[(half.kind, half.size)] = second_size
-            self._learnt.move_to_end((half.kind, half.size))
-            while len(self._learnt) > LEARNT_SHAPES:
-                self._learnt.popitem(last=False)
         return half
-
-    def expected_other(self, kind: Kind, size: int) -> int | None:
-        """The size the other resource had the last time a first ``kind`` call had ``size``."""
-        return self._learnt.get((kind, size))

@@ -1,28 +1,28 @@
-"""Placement policy: which free IDs a node advertises, and which card a container should get.
+"""Placement policy: which card a container gets, and how much free capacity a node offers.
 
 Pure functions over a snapshot of the cards (``CardState``): no lock, no clock, no kubelet. The
 allocator takes one snapshot under its lock and asks these functions; the tests call them with
 hand-written tables.
 
-**What a node advertises.** kubelet and kube-scheduler count ``fracgpu.io/core`` and
-``fracgpu.io/memory`` separately and as sums over the node's cards, while a share of a card must
-lie on one card. A node therefore reports as Healthy only free IDs that one card can host
-together (:func:`advertised`):
+**Device IDs are counts.** kubelet picks a container's IDs itself, per resource, from what it
+believes free, and may pick any of them; so an ID names no card. The plugin places each
+container from its own per-card ledger once it knows both of the container's amounts
+(:func:`place`), and kubelet's choice of IDs never matters.
 
-- the free IDs of every *entirely free* card (whole-card pods need k of them);
-- the free IDs of **one** partly used card, the *open* card (:func:`open_partial_card`);
-- on each of those cards, free memory only while the card has free core and free core only
-  while it has free memory (a card without one of the two can host no new container);
-- while a container's first Allocate is pending, the other resource on its card(s), so that the
-  second Allocate finds it (after whole cards' core, which may come without memory, only for a
-  moment: see ``pairing``).
+**What a node offers.** kubelet and kube-scheduler count ``fracgpu.io/core`` and
+``fracgpu.io/memory`` separately and as sums, while a share must lie on one card. A node
+therefore offers (lists as Healthy, beside every allocated ID) only as many free IDs as the cards
+of :func:`advertised` have free:
 
-IDs kubelet has allocated stay Healthy (their pods keep running), so allocatable minus what the
-scheduler counts as requested is exactly the advertised free capacity. A fraction that fits that
-sum fits one card: either a whole free card (which hosts any share) or, with no whole free card,
-the one partly used card, which alone carries every advertised free ID. k whole cards fit only
-when k cards are entirely free, because the partly used card always lacks some core or memory.
-kubelet picks only among Healthy IDs, so it cannot spread a share over cards either.
+- every *entirely free* card (whole-card pods need k of them);
+- **one** partly used card, the *open* card (:func:`open_partial_card`);
+- of those cards, free memory only while the card has free core and free core only while it has
+  free memory (a card without one of the two can host no new container).
+
+A share that fits both offered sums fits one card: an entirely free card hosts any share, and
+with none, everything offered lies on the open card. k whole cards fit the sums only when k
+cards are entirely free, because the open card always lacks some core or memory. See
+``docs/device-plugin.md`` for why no choice of IDs by kubelet can then fail a pod.
 """
 
 from __future__ import annotations
@@ -97,29 +97,16 @@ def open_partial_card(
     return best.index
 
 
-@dataclass(frozen=True, slots=True)
-class Pending:
-    """A container's first Allocate, waiting for its second: its resource and card(s)."""
-
-    kind: Kind
-    cards: frozenset[int]
-
-
 def advertised(
     cards: Collection[CardState],
     kind: Kind,
     *,
     open_card: int | None,
-    pending: Pending | None = None,
 ) -> frozenset[int]:
-    """The cards whose free ``kind`` IDs are listed Healthy (see the module docstring)."""
+    """The cards whose free ``kind`` capacity is offered (see the module docstring)."""
     listed = set()
     for card in cards:
         if not card.healthy:
-            continue
-        partner = pending is not None and pending.kind is not kind and card.index in pending.cards
-        if partner:
-            listed.add(card.index)  # the container's second Allocate comes next
             continue
         if card.free(other(kind)) == 0:
             continue  # stranded: no container can pair these with the other resource
@@ -145,95 +132,47 @@ def numa_pick(whole: Collection[int], need: int, numa: Mapping[int, int | None])
     return picked
 
 
-def whole_cards_needed(kind: Kind, size: int, whole: Collection[CardState]) -> int:
-    """How many entirely free cards ``size`` IDs of ``kind`` stand for; 0 for a share of one.
+def offered(cards: Collection[CardState], kind: Kind, *, open_card: int | None) -> int:
+    """How many free ``kind`` IDs the node lists as Healthy: the free capacity of the cards
+    :func:`advertised` names."""
+    shown = advertised(cards, kind, open_card=open_card)
+    return sum(card.free(kind) for card in cards if card.index in shown)
 
-    Core in hundreds is whole cards. Memory is whole cards when it is a multiple of the free
-    cards' (equal) size: all of one card's memory is then taken as that card, not as a share of
-    a bigger one.
+
+def place(cards: Mapping[int, CardState], core: int, memory: int) -> list[int]:
+    """The card(s) for a container of ``core`` hundredths and ``memory`` blocks; [] if none.
+
+    ``core`` in hundreds is that many whole cards: entirely free, on as few NUMA nodes as
+    possible (their memory is all theirs, whatever ``memory`` says). A share (1-99) goes to the
+    card with the **best fit** among the healthy cards where both amounts fit: the one left
+    with the least free core, then memory, after it. Shares therefore pack onto cards already
+    in use and whole cards stay whole; any fitting card is safe, advertised or not, because the
+    ledger, not the IDs, says what each card holds.
     """
-    if kind is Kind.CORE:
-        return size // CORE_PER_CARD if size % CORE_PER_CARD == 0 else 0
-    sizes = {card.blocks for card in whole}
-    if len(sizes) != 1:
-        return 0
-    per = sizes.pop()
-    return size // per if per and size % per == 0 else 0
-
-
-def choose_cards(
-    kind: Kind,
-    size: int,
-    free: Mapping[int, int],
-    cards: Mapping[int, CardState],
-    *,
-    must: Collection[int] = (),
-    allowed: Collection[int] | None = None,
-    pending: Pending | None = None,
-    other_size: int | None = None,
-) -> list[int]:
-    """The card(s) a container's ``size`` IDs of ``kind`` should come from, or [] for none.
-
-    ``free`` counts the IDs kubelet offers per card (its available, Healthy, unallocated IDs).
-    ``pending`` is the container's first half when this is its second resource: the same card(s)
-    if they fit. ``other_size`` is the size the container's other resource is expected to have
-    (learnt from earlier containers of the same shape), when known. ``allowed`` are the cards
-    the plugin advertises for both resources now: kubelet's ``free`` may still hold IDs of a
-    card hidden since its last message, and a first resource placed there would find its second
-    hidden. IDs kubelet must include (an init container's, which the app container reuses) pin
-    the card(s) whatever is advertised.
-    """
-    if pending is not None and pending.kind is not kind:
-        hinted = sorted(pending.cards)
-        if len(hinted) == 1 and free.get(hinted[0], 0) >= size:
-            return hinted
-        all_free = all(free.get(c, 0) == cards[c].total(kind) for c in hinted)
-        if len(hinted) > 1 and all_free and size == sum(cards[c].total(kind) for c in hinted):
-            return hinted
-    candidates = [
-        c for c in free if c in cards and (c in must if must else allowed is None or c in allowed)
-    ]
-    whole = [c for c in candidates if cards[c].entirely_free and free[c] == cards[c].total(kind)]
-    need = whole_cards_needed(kind, size, [cards[c] for c in whole])
-    if need:
+    if core <= 0:
+        return []
+    if core % CORE_PER_CARD == 0:
+        need = core // CORE_PER_CARD
+        whole = [c.index for c in cards.values() if c.healthy and c.entirely_free]
         if len(whole) < need:
             return []
-        return numa_pick(whole, need, {c: cards[c].numa_node for c in whole})
-    fitting = [c for c in candidates if free[c] >= size]
-    if other_size is not None:
-        # a shape learnt from another workload may fit nowhere: then it says nothing
-        fitting = [c for c in fitting if cards[c].free(other(kind)) >= other_size] or fitting
+        return numa_pick(whole, need, {i: c.numa_node for i, c in cards.items()})
+    if core > CORE_PER_CARD:
+        return []
+    fitting = [
+        c
+        for c in cards.values()
+        if c.healthy and c.free(Kind.CORE) >= core and c.free(Kind.MEMORY) >= memory
+    ]
     if not fitting:
         return []
-    # The other resource comes next and must fit on the same card, but its size may be unknown.
-    # The webhook's defaults make requests close to proportional, so cards whose other resource
-    # has at least the same share free come first.
-    largest = max(cards[c].total(kind) for c in fitting)
-    share = size / largest if largest else 1.0
-    balanced = [
-        c for c in fitting if cards[c].free(other(kind)) >= share * cards[c].total(other(kind))
-    ]
-    # Best fit: the card left with the least free after this container, so fractions pack onto
-    # partly used cards and whole cards stay whole.
-    return [min(balanced or fitting, key=lambda c: (free[c] - size, c))]
-
-
-def pick_ids(
-    kind: Kind,
-    size: int,
-    chosen: list[int],
-    *,
-    free: Mapping[int, Collection[int]],
-    must: Mapping[int, Collection[int]],
-    cards: Mapping[int, CardState],
-) -> list[tuple[int, int]]:
-    """(card, number) pairs for ``size`` IDs on the ``chosen`` cards, must-include first; [] if
-    they do not add up."""
-    picked: list[tuple[int, int]] = []
-    for card in chosen:
-        take = size if len(chosen) == 1 else cards[card].total(kind)
-        numbers = sorted(set(must.get(card, ())))
-        rest = sorted(set(free.get(card, ())) - set(numbers))
-        numbers += rest[: max(take - len(numbers), 0)]
-        picked += [(card, n) for n in numbers]
-    return picked if len(picked) == size else []
+    best = min(
+        fitting,
+        key=lambda c: (
+            c.entirely_free,
+            c.free(Kind.CORE) - core,
+            c.free(Kind.MEMORY) - memory,
+            c.index,
+        ),
+    )
+    return [best.index]

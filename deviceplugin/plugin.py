@@ -1,8 +1,9 @@
 """The device plugin's decisions: Allocate, PreStartContainer, recovery and reconciliation.
 
-Nothing here guesses which pod a call is for. Allocate reads the card and the amounts from the
-device IDs kubelet chose; PreStartContainer finds the one container that holds exactly those IDs in
-kubelet's PodResources listing and takes the rest of its devices from there.
+Nothing here guesses which pod a call is for. Allocate records the IDs kubelet chose (counts: they
+name no card) and the allocator places the container from its own ledger; PreStartContainer finds
+the one container that holds exactly those IDs in kubelet's PodResources listing and writes what
+its card is: the limits file and, through CDI, the card's device node.
 
 Host layout under ``host_root`` (default ``/var/lib/fracgpu``)::
 
@@ -11,6 +12,8 @@ Host layout under ``host_root`` (default ``/var/lib/fracgpu``)::
     containers/<dir>/limits/       the container's limits file; mounted read-only
     containers/<dir>/shared/       the hook's accounting region; mounted read-write
     checkpoint.json                this plugin's allocations
+
+and ``<cdi_root>/fracgpu.io-container_<dir>.json``, the container's CDI spec (its card).
 
 ``<dir>`` is ``container_dir_name(core IDs)`` (see allocator.py).
 """
@@ -30,7 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
-from core.units import ENV_MEMORY_MIB
+from core.units import BLOCK_MIB, CORE_PER_CARD, ENV_MEMORY_MIB, cards_phrase
 from deviceplugin import checkpoint
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.allocator import (
@@ -40,6 +43,8 @@ from deviceplugin.allocator import (
     Reconciled,
     container_dir_name,
 )
+from deviceplugin.cdispec import CDI_VERSION, CONTROL_DEVICES
+from deviceplugin.cdispec import write as write_cdi
 from deviceplugin.config import Config
 from deviceplugin.ids import Kind
 from deviceplugin.inventory import Card
@@ -49,7 +54,9 @@ from deviceplugin.prestart import PreStartError, limits_for
 
 log = logging.getLogger(__name__)
 
-NVIDIA_CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
+CDI_KIND = "fracgpu.io/container"
+"""The CDI kind of device-plugin containers' specs: one device per container, named after its
+directory."""
 
 
 def install_preload(preload: Path) -> None:
@@ -78,6 +85,15 @@ class NotListedError(RuntimeError):
     """PodResources does not (yet) list a container with these IDs: transient, kubelet retries."""
 
 
+class WaitingError(RuntimeError):
+    """No card can host the container yet: it waits (kubelet retries), it does not fail."""
+
+
+def cdi_spec_path(cdi_root: Path, dir_name: str) -> Path:
+    vendor, cls = CDI_KIND.split("/")
+    return cdi_root / f"{vendor}-{cls}_{dir_name}.json"
+
+
 class DevicePlugin:
     def __init__(
         self,
@@ -89,7 +105,9 @@ class DevicePlugin:
     ) -> None:
         self.config = config
         self.cards = {c.index: c for c in cards}
-        self.allocator = Allocator(self.cards.values(), pair_window_s=config.pair_window_s)
+        self.allocator = Allocator(
+            self.cards.values(), pair_window_s=config.pair_window_s, settle_s=config.settle_s
+        )
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.metrics.watch_cards(self.allocator.usage)
         self.podresources = podresources or PodResourcesClient(
@@ -114,6 +132,8 @@ class DevicePlugin:
     def install_host_files(self) -> None:
         """Write the ld.so.preload file that Allocate mounts, and the containers directory."""
         self.config.containers_dir.mkdir(parents=True, exist_ok=True)
+        if self.config.cdi_root is not None:
+            self.config.cdi_root.mkdir(parents=True, exist_ok=True)
         install_preload(self.config.ld_so_preload)
 
     def _container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
@@ -130,26 +150,37 @@ class DevicePlugin:
     # ---- Allocate ----------------------------------------------------------------------
 
     def allocate(self, kind: Kind, ids: list[str]) -> pb.ContainerAllocateResponse:
-        """Serve one container of an Allocate call. AllocationError means: never retry."""
+        """Serve one container of an Allocate call. AllocationError means: never retry.
+
+        With CDI (the default) the answer never depends on the card: the core resource's answer
+        carries the hook's mounts, the container's directories and a CDI device named after
+        them, whose spec PreStartContainer writes once the card is known. The memory answer is
+        empty (two answers mounting one container path would conflict). Without CDI the card
+        must be in the answer, so the call that completes the container carries everything,
+        and a container no card can host now is refused.
+        """
         allocation = self.allocator.allocate(kind, ids, self.resource(kind))
         self.metrics.allocations.labels(self.resource(kind)).inc()
         response = pb.ContainerAllocateResponse()
-        if kind is Kind.CORE:
-            self._core_response(allocation, ids, response)
-        complete = (allocation.core and allocation.memory) or allocation.whole_cards_only
-        if complete and self._verifier is not None:
+        complete = allocation.placeable and (allocation.whole_cards_only or allocation.memory)
+        if self.config.cdi_root is not None:
+            if kind is Kind.CORE:
+                self._static_response(allocation.core, response)
+                response.cdi_devices.add(name=f"{CDI_KIND}={container_dir_name(allocation.core)}")
+        elif complete and (kind is Kind.CORE or allocation.core):
+            if not allocation.cards:
+                self.allocator.forget(allocation, why="no card can host it and CDI is off")
+                raise AllocationError(f"{self.resource(kind)}: {self._no_card(allocation)}")
+            self._static_response(allocation.core, response)
+            self._card_response(allocation, response)
+        if complete and allocation.cards and self._verifier is not None:
             # both halves are in (or whole cards, which need no memory): prepare PreStart
             self._verify.put((allocation, time.monotonic() + self.config.verify_delay_s))
-        # The memory resource's response is empty on purpose: the core resource's response
-        # already carries every mount, and two resources mounting the same container path
-        # would conflict.
         self.save()
         return response
 
-    def _core_response(
-        self, allocation: Allocation, core: list[str], response: pb.ContainerAllocateResponse
-    ) -> None:
-        cards = [self.cards[i] for i in allocation.cards]
+    def _static_response(self, core: Iterable[str], response: pb.ContainerAllocateResponse) -> None:
+        """What every fracgpu container gets, whichever card it lands on."""
         # Only named here: they are made with the limits file, by the early verification or by
         # PreStartContainer, which kubelet completes before it creates the container. Allocate
         # stays in memory, off the disk, while kubelet admits the pod.
@@ -158,41 +189,96 @@ class DevicePlugin:
         # the node agent can make; the variable names their directory and selects nothing by
         # itself, so one a user sets (envFrom) hands out no card (install guide).
         response.envs[VISIBLE_DEVICES_ENV] = contract.DEVICE_LIST_MOUNT_ROOT
+        dev = self.config.dev_root
+        for name in CONTROL_DEVICES:
+            response.devices.add(
+                container_path=f"/dev/{name}", host_path=str(dev / name), permissions="rw"
+            )
+        for host, path, read_only in (
+            (self.config.hook_library, contract.CONTAINER_HOOK_LIBRARY, True),
+            (self.config.ld_so_preload, contract.LD_SO_PRELOAD, True),
+            (limits_dir, contract.CONTAINER_LIMITS_DIR, True),
+            (shared_dir, contract.CONTAINER_SHARED_DIR, False),
+        ):
+            response.mounts.add(container_path=path, host_path=str(host), read_only=read_only)
+
+    def _card_response(
+        self, allocation: Allocation, response: pb.ContainerAllocateResponse
+    ) -> None:
+        """The card-specific part, in the Allocate answer (without CDI)."""
+        cards = [self.cards[i] for i in allocation.cards]
         for card in cards:
             response.mounts.add(
                 container_path=f"{contract.DEVICE_LIST_MOUNT_ROOT}/{card.uuid}",
                 host_path=contract.DEVICE_LIST_HOST_PATH,
                 read_only=True,
             )
+            response.devices.add(
+                container_path=f"/dev/nvidia{card.minor}",
+                host_path=str(self.config.dev_root / f"nvidia{card.minor}"),
+                permissions="rw",
+            )
         if allocation.whole_cards_only:
             # Whole cards carry no memory resource: all of each card is theirs, and only the
             # node knows how much that is.
             response.envs[ENV_MEMORY_MIB] = str(min(c.memory_mib for c in cards))
-        dev = self.config.dev_root
-        for card in cards:
-            path = f"/dev/nvidia{card.minor}"
-            response.devices.add(
-                container_path=path, host_path=str(dev / f"nvidia{card.minor}"), permissions="rw"
+
+    def _cdi_spec(self, allocation: Allocation) -> dict[str, object]:
+        """The card-specific part as a CDI spec: the card's device node and device-list mount."""
+        cards = [self.cards[i] for i in allocation.cards]
+        edits: dict[str, object] = {
+            "deviceNodes": [
+                {
+                    "path": f"/dev/nvidia{card.minor}",
+                    "hostPath": str(self.config.dev_root / f"nvidia{card.minor}"),
+                }
+                for card in cards
+            ],
+            "mounts": [
+                {
+                    "hostPath": contract.DEVICE_LIST_HOST_PATH,
+                    "containerPath": f"{contract.DEVICE_LIST_MOUNT_ROOT}/{card.uuid}",
+                    "type": "bind",
+                    "options": ["ro", "nosuid", "nodev", "bind"],
+                }
+                for card in cards
+            ],
+        }
+        if allocation.whole_cards_only:
+            edits["env"] = [f"{ENV_MEMORY_MIB}={min(c.memory_mib for c in cards)}"]
+        return {
+            "cdiVersion": CDI_VERSION,
+            "kind": CDI_KIND,
+            "devices": [{"name": container_dir_name(allocation.core), "containerEdits": edits}],
+        }
+
+    def _no_card(self, allocation: Allocation) -> str:
+        """Why a container waits, in the user's units, with the closest card."""
+        if allocation.whole_cards:
+            n = allocation.whole_cards
+            ask = f"{n} entirely free {'card' if n == 1 else 'cards'}"
+        else:
+            ask = (
+                f"{cards_phrase(len(allocation.core))} and "
+                f"{len(allocation.memory) * BLOCK_MIB} MiB of one card"
             )
-        for name in NVIDIA_CONTROL_DEVICES:
-            response.devices.add(
-                container_path=f"/dev/{name}", host_path=str(dev / name), permissions="rw"
-            )
-        response.mounts.add(
-            container_path=contract.CONTAINER_HOOK_LIBRARY,
-            host_path=str(self.config.hook_library),
-            read_only=True,
+        usage = self.allocator.usage()
+        best = max(
+            (u for u in usage if u.healthy),
+            key=lambda u: (CORE_PER_CARD - u.core_used, u.blocks - u.memory_used),
+            default=None,
         )
-        response.mounts.add(
-            container_path=contract.LD_SO_PRELOAD,
-            host_path=str(self.config.ld_so_preload),
-            read_only=True,
+        closest = (
+            "no card of this node is healthy"
+            if best is None
+            else f"the most free is {cards_phrase(CORE_PER_CARD - best.core_used)} and "
+            f"{(best.blocks - best.memory_used) * BLOCK_MIB} MiB on card {best.card.index}"
         )
-        response.mounts.add(
-            container_path=contract.CONTAINER_LIMITS_DIR, host_path=str(limits_dir), read_only=True
-        )
-        response.mounts.add(
-            container_path=contract.CONTAINER_SHARED_DIR, host_path=str(shared_dir), read_only=False
+        return (
+            f"no card of this node can host {ask} yet ({closest}): kubelet admitted the pod in "
+            f"the moment after the node's capacity changed (pods ending or starting), when what "
+            f"it counted free lay on several cards. It starts as soon as a share on this node "
+            f"ends (kubelet retries every 10-15 s); delete the pod to have it scheduled elsewhere"
         )
 
     # ---- PreStartContainer -------------------------------------------------------------
@@ -201,9 +287,10 @@ class DevicePlugin:
         return self.podresources.list(set(self.resources.values()))
 
     def prestart(self, kind: Kind, ids: list[str]) -> Path:
-        """Write the limits of the container holding ``ids``; return the limits file.
+        """Write the limits (and CDI spec) of the container holding ``ids``; return the limits
+        file.
 
-        Raises PodResourcesError or NotListedError (transient) and PreStartError.
+        Raises PodResourcesError, NotListedError and WaitingError (transient) and PreStartError.
         """
         if not ids:
             raise PreStartError(f"{self.resource(kind)}: PreStartContainer named no device IDs")
@@ -211,12 +298,13 @@ class DevicePlugin:
         resource = self.resource(kind)
         known = self.allocator.find(kind, ids)
         held = None if known is None else (known.core if kind is Kind.CORE else known.memory)
-        if known is not None and known.verified and frozenset(held or ()) == wanted:
+        if known is not None and known.verified and known.cards and frozenset(held or ()) == wanted:
             # The second resource's call, or a container restart: PodResources already told
             # us which container holds exactly these IDs, and IDs are exclusive until kubelet
             # reassigns them (in an Allocate, which replaces this record).
-            return self._write_limits(None, known.core, known.memory)
-        container = self.podresources.find(resource, wanted, set(self.resources.values()))
+            return self._write_files(None, known)
+        containers = self._list()
+        container = next((c for c in containers if c.ids(resource) == wanted), None)
         if container is None:
             raise NotListedError(
                 f"{resource}: kubelet PodResources lists no container holding exactly "
@@ -224,17 +312,26 @@ class DevicePlugin:
             )
         core = container.ids(self.config.core_resource)
         memory = container.ids(self.config.memory_resource)
-        path = self._write_limits(container, core, memory)
-        before = len(self.allocator.allocations())
-        self.allocator.verify(core, memory)
-        if len(self.allocator.allocations()) != before or known is None:
+        allocation = self.allocator.verify(core, memory)
+        if not allocation.cards and allocation.placeable:
+            # Admitted on capacity the ledger still gives to containers that may have ended:
+            # believe this listing for them at once (kubelet is up: it is starting a container).
+            self._reconcile(containers, time.time(), confirm_s=0.0)
+        if not allocation.cards:
             self.save()
+            if not allocation.placeable:
+                self._write_files(container, allocation)  # raises the PreStartError
+            self.metrics.waits.inc()
+            raise WaitingError(
+                f"{resource}: {container.namespace}/{container.pod} container "
+                f"{container.container}: {self._no_card(allocation)}"
+            )
+        path = self._write_files(container, allocation)
+        self.save()
         return path
 
-    def _write_limits(
-        self, listed: ContainerDevices | None, core: Iterable[str], memory: Iterable[str]
-    ) -> Path:
-        """Write the limits of the container holding these IDs (``listed``: as PodResources
+    def _write_files(self, listed: ContainerDevices | None, allocation: Allocation) -> Path:
+        """Write the limits file and CDI spec of a placed container (``listed``: as PodResources
         lists it, when it was just looked up).
 
         The log names the pod and the container PodResources lists with the IDs, not the
@@ -242,16 +339,19 @@ class DevicePlugin:
         container's IDs are listed under the app container that reuses them (PodResources
         lists no plain init container).
         """
-        dir_name = container_dir_name(core)
+        dir_name = container_dir_name(allocation.core) if allocation.core else "(no core)"
         limits = limits_for(
             dir_name if listed is None else listed.name,
-            frozenset(core),
-            frozenset(memory),
+            len(allocation.core),
+            len(allocation.memory),
+            allocation.cards,
             self.cards,
             core_resource=self.config.core_resource,
             memory_resource=self.config.memory_resource,
         )
-        limits_dir, _ = self._make_container_dirs(core)
+        limits_dir, _ = self._make_container_dirs(allocation.core)
+        if self.config.cdi_root is not None:
+            write_cdi(cdi_spec_path(self.config.cdi_root, dir_name), self._cdi_spec(allocation))
         path = limits_dir / contract.LIMITS_FILE
         try:
             current = path.read_text(encoding="ascii")
@@ -278,6 +378,23 @@ class DevicePlugin:
                 },
             )
         return path
+
+    def cards_of(self, core: Iterable[str]) -> tuple[int, ...] | None:
+        """The cards a running container's limits file names (None: no readable file).
+
+        After a restart without a checkpoint, this is where the container's card is recorded:
+        its IDs name none.
+        """
+        limits_dir, _ = self._container_dirs(core)
+        try:
+            limits = contract.Limits.parse(
+                (limits_dir / contract.LIMITS_FILE).read_text(encoding="ascii")
+            )
+        except (OSError, UnicodeDecodeError, contract.LimitsError):
+            return None
+        by_uuid = {card.uuid: card.index for card in self.cards.values()}
+        found = tuple(by_uuid[u] for u in limits.devices if u in by_uuid)
+        return found or None
 
     # ---- ahead of PreStartContainer -----------------------------------------------------
 
@@ -328,8 +445,9 @@ class DevicePlugin:
         )
         if container is None or container.ids(self.config.memory_resource) != memory:
             return False
-        self._write_limits(container, core, memory)
-        self.allocator.verify(core, memory)
+        verified = self.allocator.verify(core, memory)
+        if verified.cards:
+            self._write_files(container, verified)
         return True
 
     # ---- state -------------------------------------------------------------------------
@@ -358,7 +476,11 @@ class DevicePlugin:
         runs beside Allocate and PreStartContainer, under the same interpreter lock.
         """
         started = time.time()
-        containers = self._list()
+        return self._reconcile(self._list(), started, confirm_s=self.config.reconcile_confirm_s)
+
+    def _reconcile(
+        self, containers: list[ContainerDevices], started: float, *, confirm_s: float
+    ) -> Reconciled:
         core, memory = self.config.core_resource, self.config.memory_resource
         listed = [(c.ids(core), c.ids(memory)) for c in containers]
         version = self.allocator.version
@@ -367,8 +489,9 @@ class DevicePlugin:
             listed,
             started,
             grace_s=self.config.reconcile_grace_s,
-            confirm_s=self.config.reconcile_confirm_s,
+            confirm_s=confirm_s,
             may_free=settled,
+            cards_of=self.cards_of,
         )
         first = not self.reconciled
         self.reconciled = True
@@ -378,7 +501,7 @@ class DevicePlugin:
         # after a start, so does every container the checkpoint restored.
         for allocation in self.allocator.allocations() if first else result.adopted:
             holder = by_ids.get((frozenset(allocation.core), frozenset(allocation.memory)))
-            if holder is not None:
+            if holder is not None and allocation.cards:
                 self._restore_limits(holder, allocation)
         # Directories go stale only when an allocation goes (freed here, or replaced since the
         # last pass), and young ones are left for a later pass.
@@ -403,7 +526,7 @@ class DevicePlugin:
 
     def _restore_limits(self, holder: ContainerDevices, allocation: Allocation) -> None:
         try:
-            self._write_limits(holder, allocation.core, allocation.memory)
+            self._write_files(holder, allocation)
         except (PreStartError, OSError) as exc:
             log.warning(
                 "limits of a listed container not restored",
@@ -436,6 +559,8 @@ class DevicePlugin:
                 self._young_dirs = True  # look again at the next pass
                 continue
             shutil.rmtree(entry, ignore_errors=True)
+            if self.config.cdi_root is not None:
+                cdi_spec_path(self.config.cdi_root, entry.name).unlink(missing_ok=True)
             del orphans[entry.name]
             removed.append(entry.name)
         self._orphans = orphans
@@ -449,6 +574,7 @@ __all__ = [
     "DevicePlugin",
     "NotListedError",
     "PreStartError",
+    "WaitingError",
     "install_preload",
     "make_grant_dirs",
 ]

@@ -25,7 +25,7 @@ from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.allocator import AllocationError
 from deviceplugin.ids import Kind
 from deviceplugin.listing import ListedDevice
-from deviceplugin.plugin import DevicePlugin, NotListedError
+from deviceplugin.plugin import DevicePlugin, NotListedError, WaitingError
 from deviceplugin.podresources import PodResourcesError
 from deviceplugin.prestart import PreStartError
 
@@ -74,7 +74,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> pb.DevicePluginOptions:
         return pb.DevicePluginOptions(
-            pre_start_required=True, get_preferred_allocation_available=True
+            pre_start_required=True, get_preferred_allocation_available=False
         )
 
     def ListAndWatch(
@@ -170,7 +170,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         with self.plugin.metrics.rpc_seconds.labels("PreStartContainer").time():
             try:
                 self.plugin.prestart(self.kind, list(request.devices_ids))
-            except (PodResourcesError, NotListedError) as exc:
+            except (PodResourcesError, NotListedError, WaitingError) as exc:
                 self._fail(context, "PreStartContainer", grpc.StatusCode.UNAVAILABLE, str(exc))
             except PreStartError as exc:
                 self._fail(
@@ -299,7 +299,7 @@ class Supervisor:
                     endpoint=endpoint.socket.name,
                     resource_name=resource,
                     options=pb.DevicePluginOptions(
-                        pre_start_required=True, get_preferred_allocation_available=True
+                        pre_start_required=True, get_preferred_allocation_available=False
                     ),
                 ),
                 timeout=self.plugin.config.register_timeout_s,

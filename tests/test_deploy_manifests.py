@@ -172,6 +172,7 @@ def test_only_the_device_plugin_runs_as_root_mounts_host_paths_and_shares_host_p
                 "/var/lib/kubelet/device-plugins",
                 "/var/lib/kubelet/pod-resources",
                 contract.HOST_ROOT,
+                "/var/run/cdi",
                 "/var/log/containers",
                 "/etc/nvidia-container-runtime",  # read by check-nvidia-toolkit
                 contract.DEVICE_LIST_HOST_PATH,  # the plugin's own device list: all cards

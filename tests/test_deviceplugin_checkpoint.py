@@ -82,3 +82,27 @@ def test_a_bad_record_is_dropped_and_the_rest_restored(
     restored = checkpoint.read(path, CARDS)
     assert [a.key for a in restored] == ["k2"]
     assert [r.getMessage() for r in caplog.records] == ["checkpoint record dropped"]
+
+
+# A version 1 checkpoint exactly as the plugin wrote it while IDs named cards (two shares, one
+# whole card without memory): its cards are where those containers run.
+VERSION_1 = (
+    '{"version":1,"cards":{"0":"GPU-a","1":"GPU-b"},"allocations":['
+    '{"key":"5f0c","core":["g0-c0","g0-c1"],"memory":["g0-m0"],"cards":[0],"created":1764000000.5,'
+    '"verified":true},'
+    '{"key":"9a1e","core":["g1-c0","g1-c1","g1-c2"],"memory":["g1-m3","g1-m4"],"cards":[1],'
+    '"created":1764000001.0,"verified":false}]}'
+)
+
+
+def test_a_version_1_checkpoint_is_read_with_its_cards(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.json"
+    path.write_text(VERSION_1)
+    restored = checkpoint.read(path, CARDS)
+    assert [(a.key, a.cards, len(a.core), len(a.memory)) for a in restored] == [
+        ("5f0c", (0,), 2, 1),
+        ("9a1e", (1,), 3, 2),
+    ]
+    checkpoint.write(path, CARDS.values(), restored)
+    assert json.loads(path.read_text())["version"] == checkpoint.VERSION == 2
+    assert checkpoint.read(path, CARDS) == restored

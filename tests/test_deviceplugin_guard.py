@@ -19,10 +19,13 @@ import pynvml
 import pytest
 from prometheus_client import CollectorRegistry
 
+from core.contract import Limits
 from deviceplugin import inventory
+from deviceplugin.allocator import container_dir_name
 from deviceplugin.config import Config
 from deviceplugin.guard import (
     ContainerRef,
+    Grant,
     Guard,
     Owners,
     ProcReader,
@@ -34,6 +37,7 @@ from deviceplugin.guard import (
 from deviceplugin.inventory import Card
 from deviceplugin.metrics import Metrics
 from deviceplugin.podresources import ContainerDevices, PodResourcesError
+from deviceplugin.prestart import PreStartError, limits_for
 from tests.fakes.gpunode import cards as fake_cards
 from tests.fakes.gpunode import gpu_node
 from tests.fakes.kubelet import Container, Pod
@@ -153,6 +157,40 @@ def holding(target: FakeContainer, card: int, blocks: int, core: int = 50) -> Co
     )
 
 
+def by_ids(cards: list[Card]) -> Grant:
+    """The grant of a container whose IDs ``holding`` named after its card (in the plugin the
+    card comes from its limits file: ``test_the_grant_is_the_containers_limits_file``)."""
+    by_index = {c.index: c for c in cards}
+
+    def grant(container: ContainerDevices) -> Limits:
+        core, memory = container.ids(CORE), container.ids(MEMORY)
+        card = int(next(iter(core or memory))[1 : next(iter(core or memory)).index("-")])
+        return limits_for(
+            container.name,
+            len(core),
+            len(memory),
+            [card],
+            by_index,
+            core_resource=CORE,
+            memory_resource=MEMORY,
+        )
+
+    return grant
+
+
+def test_the_grant_is_the_containers_limits_file(tmp_path: Path) -> None:
+    config = Config(host_root=tmp_path)
+    target = ContainerDevices("ns", "pod", "c", {CORE: frozenset({"g3-c1", "g0-c7"})})
+    limits = Limits(("GPU-2",), 8 * 2**30, 30)
+    grant = grant_of(config)
+    with pytest.raises(PreStartError, match="no limits file"):
+        grant(target)
+    limits.write_atomic(config.containers_dir / container_dir_name(["g0-c7", "g3-c1"]) / "limits")
+    assert grant(target) == limits
+    with pytest.raises(PreStartError, match="holds no"):
+        grant(ContainerDevices("ns", "pod", "c", {MEMORY: frozenset({"g0-m1"})}))
+
+
 @dataclass
 class Setup:
     guard: Guard
@@ -178,9 +216,7 @@ def make_guard(
         calls.append(1)
         return listed
 
-    owners = Owners(
-        node.logs, list_containers, grant_of(CONFIG, {c.index: c for c in cards}), clock=clock
-    )
+    owners = Owners(node.logs, list_containers, by_ids(cards), clock=clock)
     guard = Guard(
         cards,
         owners,
@@ -521,7 +557,7 @@ def test_podresources_failure_is_no_action(
     def failing() -> list[ContainerDevices]:
         raise PodResourcesError("kubelet PodResources List on /x failed: UNAVAILABLE: down")
 
-    owners = Owners(node.logs, failing, grant_of(CONFIG, {c.index: c for c in cards}), clock=clock)
+    owners = Owners(node.logs, failing, by_ids(cards), clock=clock)
     guard = Guard(
         cards, owners, ProcReader(node.proc), Metrics(CollectorRegistry()), grace_s=0.0, clock=clock
     )

@@ -7,7 +7,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-from core.labels import COUNT_LABEL, INVENTORY_ANNOTATION, MEMORY_LABEL, PRODUCT_LABEL
+from core.labels import (
+    COUNT_LABEL,
+    FREE_ANNOTATION,
+    INVENTORY_ANNOTATION,
+    MEMORY_LABEL,
+    PRODUCT_LABEL,
+)
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
 from deviceplugin.inventory import Card
@@ -83,6 +89,38 @@ def _healthy_flags(fake: FakeApiServer) -> list[bool]:
     return [c["healthy"] for c in json.loads(text)["cards"]] if text else []
 
 
+def _free(fake: FakeApiServer) -> list[tuple[int, int, int]]:
+    stored = fake.get("nodes", "gpu-1") or {}
+    text = stored.get("metadata", {}).get("annotations", {}).get(FREE_ANNOTATION)
+    if not text:
+        return []
+    document = json.loads(text)
+    assert document["version"] == 1
+    return [(c["index"], c["cores"], c["memoryMiB"]) for c in document["cards"]]
+
+
+async def test_publisher_writes_what_each_card_has_free_as_it_changes(tmp_path: Path) -> None:
+    """For the webhook's explanation of a pod that waits Pending (device-plugin mode): what each
+    card has free, from the ledger, within a second of a change; a failed card has nothing."""
+    from tests.test_deviceplugin_allocator import take
+
+    async with FakeApiServer() as fake:
+        fake.put(node())
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        allocator = Allocator(CARDS)  # two 80 GiB cards
+        publisher = NodePublisher(config, CARDS, allocator)
+        publisher.start()
+        try:
+            assert await _until(lambda: _free(fake) == [(0, 100, 81920), (1, 100, 81920)])
+            take(allocator, 30, 8)  # best fit among free cards: the lower index
+            assert await _until(lambda: _free(fake) == [(0, 70, 79872), (1, 100, 81920)], 3.0)
+            allocator.set_health(1, False, "XID 79")
+            publisher.poke()
+            assert await _until(lambda: _free(fake) == [(0, 70, 79872), (1, 0, 0)], 3.0)
+        finally:
+            await asyncio.to_thread(publisher.stop)
+
+
 async def test_publisher_republishes_on_health_change_and_survives_outages(tmp_path: Path) -> None:
     async with FakeApiServer() as fake:
         fake.put(node())
@@ -105,7 +143,8 @@ async def test_publisher_republishes_on_health_change_and_survives_outages(tmp_p
 
 def _small_cards() -> Allocator:
     """Two 4 GiB cards (16 blocks each), on the real clock: the mirror waits on it."""
-    return Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)])
+    cards = [Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)]
+    return Allocator(cards, settle_s=0.0)  # what is offered, at once
 
 
 def _allocatable(fake: FakeApiServer) -> dict[str, str]:
@@ -203,3 +242,23 @@ async def test_nothing_is_written_before_kubelet_has_registered_the_resources(
             assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=2.0)
         finally:
             await asyncio.to_thread(mirror.stop)
+
+
+async def test_a_stopping_plugin_withdraws_the_nodes_allocatable(tmp_path: Path) -> None:
+    """While no plugin serves the resources kubelet refuses every pod asking for them; the
+    stopping plugin sets them to 0 first, so the scheduler places none there meanwhile."""
+    from deviceplugin.node import AllocatableMirror
+
+    async with FakeApiServer() as fake:
+        fake.put({**node(), "status": {"allocatable": {"cpu": "8"}}})
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        mirror = AllocatableMirror(config, _small_cards())
+        mirror.start()
+        try:
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "200")
+        finally:
+            await asyncio.to_thread(mirror.stop)
+        assert await asyncio.to_thread(mirror.withdraw)
+        assert _allocatable(fake) == {"cpu": "8", CORE: "0", "fracgpu.io/memory": "0"}
+        fake.down("503", seconds=5.0)
+        assert not await asyncio.to_thread(mirror.withdraw, 0.5)  # logged, never raised

@@ -10,13 +10,11 @@ import pytest
 from deviceplugin.ids import Kind
 from deviceplugin.placement import (
     CardState,
-    Pending,
     advertised,
-    choose_cards,
     numa_pick,
+    offered,
     open_partial_card,
-    pick_ids,
-    whole_cards_needed,
+    place,
 )
 
 B = 96  # memory blocks of a 24 GiB card
@@ -57,40 +55,28 @@ def test_a_pending_half_keeps_the_open_card() -> None:
     assert open_partial_card(cards, 1, keep=True) == 1
 
 
-# (cards, kind, open card, pending half, cards whose free IDs of that kind are listed)
+# (cards, kind, open card, cards whose free capacity of that kind is offered)
 ADVERTISED = [
-    pytest.param([card(0), card(1)], Kind.CORE, None, None, {0, 1}, id="free cards"),
+    pytest.param([card(0), card(1)], Kind.CORE, None, {0, 1}, id="free cards"),
+    pytest.param([card(i, 60, 40) for i in range(4)], Kind.CORE, 0, {0}, id="one partly used card"),
     pytest.param(
-        [card(i, 60, 40) for i in range(4)], Kind.CORE, 0, None, {0}, id="one partly used card"
-    ),
-    pytest.param(
-        [card(0, 60, 40), card(1, 60, 40), card(2)], Kind.MEMORY, 0, None, {0, 2},
+        [card(0, 60, 40), card(1, 60, 40), card(2)], Kind.MEMORY, 0, {0, 2},
         id="the open card and the free ones",
     ),
-    pytest.param([card(0, 100, 10)], Kind.MEMORY, None, None, set(), id="no core: memory hidden"),
-    pytest.param([card(0, 10, B)], Kind.CORE, None, None, set(), id="no memory: core hidden"),
-    pytest.param(
-        [card(0, 100, 0), card(1, 60, 40)], Kind.MEMORY, 1, Pending(Kind.CORE, frozenset({0})),
-        {0, 1}, id="a pending core half keeps its card's memory listed",
-    ),
-    pytest.param(
-        [card(0, 30, 10), card(1, 60, 40)], Kind.CORE, 0, Pending(Kind.CORE, frozenset({1})),
-        {0}, id="a pending half lists only the other resource",
-    ),
-
-    pytest.param([card(0, healthy=False), card(1)], Kind.CORE, None, None, {1}, id="unhealthy"),
+    pytest.param([card(0, 100, 10)], Kind.MEMORY, None, set(), id="no core: memory hidden"),
+    pytest.param([card(0, 10, B)], Kind.CORE, None, set(), id="no memory: core hidden"),
+    pytest.param([card(0, healthy=False), card(1)], Kind.CORE, None, {1}, id="unhealthy"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("cards", "kind", "open_card", "pending", "expected"), ADVERTISED)
+@pytest.mark.parametrize(("cards", "kind", "open_card", "expected"), ADVERTISED)
 def test_advertised(
-    cards: list[CardState],
-    kind: Kind,
-    open_card: int | None,
-    pending: Pending | None,
-    expected: set[int],
+    cards: list[CardState], kind: Kind, open_card: int | None, expected: set[int]
 ) -> None:
-    assert advertised(cards, kind, open_card=open_card, pending=pending) == expected
+    assert advertised(cards, kind, open_card=open_card) == expected
+    assert offered(cards, kind, open_card=open_card) == sum(
+        c.free(kind) for c in cards if c.index in expected
+    )
 
 
 # (running cards, request core, request memory): the sums the scheduler sees fit exactly when
@@ -125,63 +111,30 @@ def test_what_the_scheduler_sums_fits_one_card(
     assert fits_sums == fits_cards
 
 
-# (case, kind, size, free per card, cards, keywords, expected cards)
-CHOICES = [
-    pytest.param(Kind.CORE, 40, {0: 40, 1: 100}, [card(0, 60, 40), card(1)], {}, [0],
-                 id="best fit packs onto the partly used card"),
-    pytest.param(Kind.CORE, 50, {0: 40, 1: 100}, [card(0, 60, 40), card(1)], {}, [1],
-                 id="a share that does not fit goes to a free card"),
-    pytest.param(Kind.MEMORY, 10, {0: 56, 1: 96}, [card(0, 60, 40), card(1)],
-                 {"other_size": 50}, [1], id="the learnt other size must fit too"),
-    pytest.param(Kind.MEMORY, 10, {0: 56, 1: 96}, [card(0, 60, 40), card(1)], {}, [0],
-                 id="without it, the best fit"),
-    pytest.param(Kind.MEMORY, 10, {0: 56, 1: 96}, [card(0, 60, 40), card(1)],
-                 {"other_size": 101}, [0], id="a learnt size that fits nowhere says nothing"),
-    pytest.param(Kind.CORE, 30, {0: 70, 1: 100}, [card(0, 30, 10), card(1)],
-                 {"allowed": {1}}, [1], id="only cards advertised now"),
-    pytest.param(Kind.CORE, 30, {0: 70, 1: 100}, [card(0, 30, 10), card(1)],
-                 {"allowed": {1}, "must": {0}}, [0], id="must-include IDs pin their card"),
-    pytest.param(Kind.MEMORY, 20, {0: 56, 1: 96}, [card(0, 60, 40), card(1)],
-                 {"pending": Pending(Kind.CORE, frozenset({1}))}, [1],
-                 id="the second resource follows the first"),
-    pytest.param(Kind.CORE, 200, {0: 70, 1: 100, 2: 100, 3: 100},
-                 [card(0, 30, 10), card(1, numa_node=0), card(2, numa_node=1),
-                  card(3, numa_node=1)], {}, [2, 3], id="whole cards on one NUMA node"),
-    pytest.param(Kind.CORE, 100, {0: 100, 1: 100}, [card(0, 0, 10), card(1)], {}, [1],
-                 id="a whole card is an entirely free card"),
-    pytest.param(Kind.CORE, 200, {0: 70, 1: 100}, [card(0, 30, 10), card(1)], {}, [],
-                 id="not enough whole cards: no preference"),
-    pytest.param(Kind.MEMORY, 2 * B, {1: B, 2: B}, [card(0, 30, 10), card(1), card(2)], {},
-                 [1, 2], id="memory of whole cards"),
+# (cards, core, memory, the card(s) the container gets)
+PLACES = [
+    pytest.param([card(0, 60, 40), card(1)], 40, 20, [0], id="best fit: the partly used card"),
+    pytest.param([card(0, 60, 40), card(1)], 50, 20, [1], id="does not fit there: a free card"),
+    pytest.param([card(0, 60, 90), card(1)], 10, 10, [1], id="its memory does not fit there"),
+    pytest.param(
+        [card(0, 50, 40), card(1, 80, 40), card(2)], 20, 20, [1], id="the least left after it"
+    ),
+    pytest.param(
+        [card(0, 60, 40), card(1, 90, 10), card(2, 95, 5)], 10, 10, [1],
+        id="any card that fits, offered or hidden",
+    ),
+    pytest.param([card(0, 60, 40), card(1, 70, 40)], 50, 20, [], id="fits no card: none"),
+    pytest.param([card(0, 10, 1), card(1), card(2)], 200, 0, [1, 2], id="whole: entirely free"),
+    pytest.param([card(0, 10, 1), card(1), card(2, 1, 0)], 200, 0, [], id="whole: one free"),
+    pytest.param([card(0, healthy=False), card(1)], 100, 0, [1], id="whole: healthy only"),
+    pytest.param([card(0, healthy=False)], 10, 10, [], id="share: healthy only"),
+    pytest.param([card(0)], 150, 10, [], id="neither a share nor whole cards"),
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("kind", "size", "free", "cards", "keywords", "expected"), CHOICES)
-def test_choose_cards(
-    *,
-    kind: Kind,
-    size: int,
-    free: dict[int, int],
-    cards: list[CardState],
-    keywords: dict[str, object],
-    expected: list[int],
-) -> None:
-    by_index = {c.index: c for c in cards}
-    assert choose_cards(kind, size, free, by_index, **keywords) == expected  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("kind", "size", "whole", "expected"),
-    [
-        pytest.param(Kind.CORE, 300, [card(0)], 3, id="core in hundreds"),
-        pytest.param(Kind.CORE, 30, [card(0)], 0, id="a share"),
-        pytest.param(Kind.MEMORY, B, [card(0)], 1, id="all of one card's memory"),
-        pytest.param(Kind.MEMORY, B, [], 0, id="no free card: a share of a bigger one"),
-        pytest.param(Kind.MEMORY, 10, [card(0)], 0, id="memory share"),
-    ],
-)
-def test_whole_cards_needed(kind: Kind, size: int, whole: list[CardState], expected: int) -> None:
-    assert whole_cards_needed(kind, size, whole) == expected
+@pytest.mark.parametrize(("cards", "core", "memory", "expected"), PLACES)
+def test_place(cards: list[CardState], core: int, memory: int, expected: list[int]) -> None:
+    assert place({c.index: c for c in cards}, core, memory) == expected
 
 
 @pytest.mark.parametrize(
@@ -197,17 +150,3 @@ def test_numa_pick(
     whole: list[int], need: int, numa: dict[int, int | None], expected: list[int]
 ) -> None:
     assert numa_pick(whole, need, numa) == expected
-
-
-def test_pick_ids_takes_must_include_first_and_all_of_whole_cards() -> None:
-    cards = {0: card(0), 1: card(1)}
-    picked = pick_ids(Kind.CORE, 3, [0], free={0: [5, 1, 2, 9]}, must={0: [9]}, cards=cards)
-    assert picked == [(0, 9), (0, 1), (0, 2)]
-    whole = pick_ids(
-        Kind.CORE, 200, [0, 1], free={0: range(100), 1: range(100)}, must={}, cards=cards
-    )
-    assert len(whole) == 200
-
-
-def test_pick_ids_that_do_not_add_up_are_no_preference() -> None:
-    assert pick_ids(Kind.CORE, 5, [0], free={0: [1, 2]}, must={}, cards={0: card(0)}) == []

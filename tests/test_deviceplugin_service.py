@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 import shutil
@@ -10,6 +11,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import grpc
 import pytest
@@ -37,8 +39,23 @@ def pod(name: str, *containers: tuple[int, int]) -> Pod:
     )
 
 
-def card_of(ids: list[str]) -> set[int]:
-    return {int(i[1 : i.index("-")]) for i in ids}
+def card_of(node: GpuNode, ids: list[str]) -> set[int]:
+    """The cards the plugin placed the container holding ``ids`` on (IDs name no card)."""
+    kind = Kind.CORE if "-c" in ids[0] else Kind.MEMORY
+    allocation = node.plugin.allocator.find(kind, ids)
+    assert allocation is not None, ids[:3]
+    return set(allocation.cards)
+
+
+def cdi_edits(node: GpuNode, core: list[str]) -> dict[str, Any]:
+    """The container edits of the CDI device PreStartContainer wrote for a container."""
+    name = container_dir_name(core)
+    spec = json.loads((node.config.cdi_root / f"fracgpu.io-container_{name}.json").read_text())
+    assert spec["kind"] == "fracgpu.io/container"
+    (device,) = spec["devices"]
+    assert device["name"] == name
+    edits: dict[str, Any] = device["containerEdits"]
+    return edits
 
 
 def limits_of(node: GpuNode, core: list[str]) -> contract.Limits:
@@ -70,25 +87,32 @@ def test_allocate_answers_with_card_devices_and_mounts_and_prestart_writes_limit
     with gpu_node(cards(2, 24 * GIB)) as node:
         p = pod("one", (30, 20))
         held = run(node, p)["c0"]
-        assert len(card_of(held[CORE] + held[MEMORY])) == 1
-        (card,) = card_of(held[CORE])
+        (card,) = card_of(node, held[CORE])
+        assert card_of(node, held[MEMORY]) == {card}
         answer = node.kubelet.responses[p.key]["c0"][CORE]
         uuid = f"GPU-{card:08x}-fake-4000-8000-{card:012x}"
         # The card is named by a device-list mount, not by the variable (which a user could set).
         assert answer.envs["NVIDIA_VISIBLE_DEVICES"] == contract.DEVICE_LIST_MOUNT_ROOT
-        device_list = {m.container_path: m for m in answer.mounts}[
-            f"{contract.DEVICE_LIST_MOUNT_ROOT}/{uuid}"
-        ]
-        assert device_list.host_path == contract.DEVICE_LIST_HOST_PATH
-        assert device_list.read_only
         assert "FRACGPU_MEMORY_MIB" not in answer.envs  # a share: admission set it
         assert [d.container_path for d in answer.devices] == [
-            f"/dev/nvidia{card}",
             "/dev/nvidiactl",
             "/dev/nvidia-uvm",
             "/dev/nvidia-uvm-tools",
         ]
+        # The card itself comes through the CDI device, whose spec PreStartContainer wrote.
+        name = container_dir_name(held[CORE])
+        assert [d.name for d in answer.cdi_devices] == [f"fracgpu.io/container={name}"]
+        edits = cdi_edits(node, held[CORE])
+        assert edits["deviceNodes"] == [
+            {"path": f"/dev/nvidia{card}", "hostPath": f"/dev/nvidia{card}"}
+        ]
+        (device_list,) = edits["mounts"]
+        assert device_list["containerPath"] == f"{contract.DEVICE_LIST_MOUNT_ROOT}/{uuid}"
+        assert device_list["hostPath"] == contract.DEVICE_LIST_HOST_PATH
+        assert "ro" in device_list["options"]
+        assert "env" not in edits
         mounts = {m.container_path: m for m in answer.mounts}
+        assert not any(m.startswith(contract.DEVICE_LIST_MOUNT_ROOT) for m in mounts)
         assert mounts[contract.CONTAINER_HOOK_LIBRARY].read_only
         assert mounts[contract.LD_SO_PRELOAD].read_only
         assert mounts[contract.CONTAINER_LIMITS_DIR].read_only
@@ -101,6 +125,25 @@ def test_allocate_answers_with_card_devices_and_mounts_and_prestart_writes_limit
         host_limits = Path(mounts[contract.CONTAINER_LIMITS_DIR].host_path) / "limits"
         assert host_limits.read_text() == limits.render()
         assert node.kubelet.responses[p.key]["c0"][MEMORY] == pb.ContainerAllocateResponse()
+
+
+def test_without_cdi_the_answer_that_completes_a_container_names_its_card() -> None:
+    with gpu_node(cards(2, 24 * GIB), cdi_root=None) as node:
+        p = pod("one", (30, 20))
+        held = run(node, p)["c0"]
+        (card,) = card_of(node, held[CORE])
+        answers = node.kubelet.responses[p.key]["c0"]
+        full = [a for a in answers.values() if a != pb.ContainerAllocateResponse()]
+        assert len(full) == 1  # the second call's answer, whichever resource came second
+        (answer,) = full
+        assert not answer.cdi_devices
+        assert f"/dev/nvidia{card}" in [d.container_path for d in answer.devices]
+        uuid = f"GPU-{card:08x}-fake-4000-8000-{card:012x}"
+        assert f"{contract.DEVICE_LIST_MOUNT_ROOT}/{uuid}" in [
+            m.container_path for m in answer.mounts
+        ]
+        assert limits_of(node, held[CORE]).devices == (uuid,)
+        assert not list(node.root.joinpath("cdi").glob("*"))
 
 
 def test_prestart_is_idempotent_on_container_restart() -> None:
@@ -139,18 +182,16 @@ def test_multi_container_pod_each_container_on_one_card() -> None:
         p = pod("multi", (60, 50), (60, 50), (20, 10))
         held = run(node, p)
         for name in ("c0", "c1", "c2"):
-            ids = held[name][CORE] + held[name][MEMORY]
-            assert len(card_of(ids)) == 1, name
+            assert len(card_of(node, held[name][CORE])) == 1, name
             assert limits_of(node, held[name][CORE]).compute_percent == len(held[name][CORE])
-        assert card_of(held["c0"][CORE]) != card_of(held["c1"][CORE])
+        assert card_of(node, held["c0"][CORE]) != card_of(node, held["c1"][CORE])
 
 
 def test_whole_cards_use_one_numa_node_and_get_all_memory() -> None:
     with gpu_node(cards(8, 80 * GIB, numa_nodes=2)) as node:
         run(node, pod("small", (30, 30)))  # lands on card 0, NUMA node 0
         held = run(node, pod("big", (400, 4 * 320)))["c0"]
-        assert card_of(held[CORE]) == {4, 5, 6, 7}
-        assert card_of(held[MEMORY]) == {4, 5, 6, 7}
+        assert card_of(node, held[CORE]) == {4, 5, 6, 7}
         limits = limits_of(node, held[CORE])
         assert len(limits.devices) == 4
         assert limits.memory_bytes == 80 * GIB * 2**20
@@ -162,11 +203,11 @@ def test_eight_card_node_packs_fractions_and_keeps_whole_cards_whole() -> None:
         used: set[int] = set()
         for i in range(10):
             held = run(node, pod(f"frac{i}", (25, 80)))["c0"]
-            used |= card_of(held[CORE])
+            used |= card_of(node, held[CORE])
         assert len(used) == 3  # 10 quarter cards fill 2.5 cards, not 8
         held = run(node, pod("whole", (500, 5 * 320)))["c0"]
-        assert len(card_of(held[CORE])) == 5
-        assert not card_of(held[CORE]) & used
+        assert len(card_of(node, held[CORE])) == 5
+        assert not card_of(node, held[CORE]) & used
         assert not node.kubelet.violations
 
 
@@ -204,12 +245,12 @@ def test_a_multi_card_node_advertises_only_what_one_card_can_host(
         for i, share in enumerate(running):
             # one card each: the scheduler's arithmetic alone could put two on one card
             held = run(node, pod(f"r{i}", share))["c0"]
-            assert len(card_of(held[CORE])) == 1
+            assert len(card_of(node, held[CORE])) == 1
         nxt = pod("next", incoming)
         assert kubelet.wait_for(lambda: kubelet.schedulable(nxt) is fits)
         if fits:
             held = run(node, nxt)["c0"]
-            assert len(card_of(held[CORE] + held[MEMORY])) == len(card_of(held[CORE]))
+            assert card_of(node, held[CORE])
         else:
             with pytest.raises(AdmissionError, match="available"):
                 kubelet.admit(nxt)
@@ -229,7 +270,8 @@ def test_a_pod_placed_on_capacity_an_ended_pod_freed_is_allocated_before_reconci
         nxt = pod("next", (50, 20))
         assert kubelet.schedulable(nxt)
         got = run(node, nxt)["c0"]
-        assert card_of(got[CORE]) == card_of(got[MEMORY]) == card_of(held[1][CORE])
+        assert card_of(node, got[CORE]) == {1}  # where the ended pod was
+        assert held[1][CORE]
         assert not kubelet.violations
 
 
@@ -525,28 +567,33 @@ def _listed_in_full(allocator: Allocator, kind: Kind) -> pb.ListAndWatchResponse
     return response
 
 
-# each step changes the allocator; the names say which cards' pieces must be encoded again
-LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int]]] = [
-    ("card 1 fails", lambda a: a.set_health(1, False, "XID 79"), {1}),
-    ("card 1 recovers", lambda a: a.set_health(1, True), {1}),
+# each step changes the allocator; the sets say which ID groups' pieces (core, memory) must be
+# encoded again. IDs are counts: the offered free IDs fill the groups from the lowest, so what
+# changes the offer moves the boundary in the last groups only.
+LISTING_STEPS: list[tuple[str, Callable[[Allocator], object], set[int], set[int]]] = [
+    ("card 1 fails: one card fewer offered", lambda a: a.set_health(1, False, "XID 79"), {3}, {3}),
+    ("card 1 recovers", lambda a: a.set_health(1, True), {3}, {3}),
     (
-        "card 2's core fills up (its free memory strands)",
+        "a share holds IDs of groups 0 and 2 (placed on card 0)",
         lambda a: (
-            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60)], CORE),
+            a.allocate(Kind.CORE, [core_id(0, n) for n in range(10)], CORE),
             a.allocate(Kind.MEMORY, [memory_id(2, 0)], MEMORY),
-            a.allocate(Kind.CORE, [core_id(2, n) for n in range(60, 100)], CORE),
-            a.allocate(Kind.MEMORY, [memory_id(2, 1)], MEMORY),
         ),
+        {0},
         {2},
     ),
-    ("a change no card shows", lambda a: a.allocate(Kind.CORE, [core_id(0, 0)], CORE), set()),
+    (
+        "another container's first call: its IDs, the offer unchanged",
+        lambda a: a.allocate(Kind.CORE, [core_id(1, 0)], CORE),
+        {1},
+        set(),
+    ),
 ]
 
 
 @pytest.mark.parametrize("kind", [Kind.CORE, Kind.MEMORY], ids=["core", "memory"])
 def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
-    numa = [0, 1, None, 0]  # node 0 is falsy: it must still be listed
-    allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, numa[i]) for i in range(4)])
+    allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(4)])
     plugin = SimpleNamespace(allocator=allocator, resource=lambda k: f"fracgpu.io/{k.name}")
     servicer = DevicePluginServicer(plugin, kind, threading.Event())  # type: ignore[arg-type]
 
@@ -555,15 +602,14 @@ def test_listandwatch_reencodes_only_the_cards_that_changed(kind: Kind) -> None:
         assert sent == _listed_in_full(allocator, kind).SerializeToString()
         return bytes(sent)
 
-    assert b"\x1a\x02\x0a\x00" in listed()  # NUMA node 0: topology { nodes { } }, ID 0 implicit
-    for name, step, changed in LISTING_STEPS:
+    listed()
+    for name, step, changed_core, changed_memory in LISTING_STEPS:
         before = [piece for _, piece in servicer._pieces]
         step(allocator)
         listed()
         after = [piece for _, piece in servicer._pieces]
         reused = {i for i, (old, new) in enumerate(zip(before, after, strict=True)) if old is new}
-        # a full core strands memory, not core: the core list shows no change
-        expected = changed if kind is Kind.MEMORY or "strands" not in name else set()
+        expected = changed_core if kind is Kind.CORE else changed_memory
         assert reused == set(range(4)) - expected, name
 
 
@@ -575,25 +621,18 @@ def test_whole_cards_without_memory_take_entirely_free_cards_and_all_their_memor
         calls = len(kubelet.calls)
         held = run(node, whole)["c0"]
         assert set(held) == {CORE}
-        assert card_of(held[CORE]) == {1, 2}
+        assert card_of(node, held[CORE]) == {1, 2}
         # one resource, one Allocate: no wait for a memory call that never comes
         assert [rpc for _, rpc in kubelet.calls[calls:]].count("Allocate") == 1
         limits = limits_of(node, held[CORE])
         assert limits.memory_bytes == 24 * GIB * 2**20
         assert limits.compute_percent == 100
         assert len(limits.devices) == 2
-        answer = kubelet.responses[whole.key]["c0"][CORE]
-        assert answer.envs["FRACGPU_MEMORY_MIB"] == str(24 * GIB)
-        device_lists = [
-            m.container_path
-            for m in answer.mounts
-            if m.container_path.startswith(contract.DEVICE_LIST_MOUNT_ROOT)
-        ]
-        assert len(device_lists) == 2
-        # the cards' memory is no one else's: hidden while their core is taken
-        assert kubelet.wait_for(
-            lambda: not {card_of([i]).pop() for i in kubelet.free(MEMORY)} & {1, 2}
-        )
+        edits = cdi_edits(node, held[CORE])
+        assert edits["env"] == [f"FRACGPU_MEMORY_MIB={24 * GIB}"]
+        assert len(edits["mounts"]) == len(edits["deviceNodes"]) == 2
+        # the cards' memory is no one else's: offered is card 0's rest and card 3
+        assert kubelet.wait_for(lambda: len(kubelet.free(MEMORY)) == (96 - 10) + 96)
 
 
 def test_an_init_containers_limits_log_names_the_pod_not_the_app_container(

@@ -35,6 +35,7 @@ import aiohttp
 
 from core import contract
 from core.kube import KubeError, KubeNotFound
+from deviceplugin import cdispec
 from deviceplugin.checkpoint import CheckpointError, write_document
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, ClaimRef, Result, limits, results
@@ -145,7 +146,7 @@ class DraDriver:
             dev_root=self.config.dev_root,
         )
         path = cdi.spec_path(self.config.cdi_root, self.config.driver_name, ref.uid)
-        cdi.write(path, document, fresh=fresh)
+        cdispec.write(path, document, fresh=fresh)
         return tuple(cdi.qualified(self.config.driver_name, ref.uid, r) for r in granted)
 
     def _remove_files(self, uid: str) -> None:

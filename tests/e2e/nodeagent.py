@@ -99,6 +99,7 @@ class NodeAgent:
         self.root = settings.node_dir / f"run-{run_id}"
         self.host_root = self.root / "host"
         self.dev_root = self.root / "dev"
+        self.cdi_root = settings.cdi_dir  # each container's card reaches it through a spec here
         self.cards = cards
         # Beside the run's other logs, so it outlives the node files removed at the end.
         self.log_path = log_dir / f"{self.name}.log"
@@ -153,6 +154,7 @@ class NodeAgent:
             "--pod-resources-socket", str(self.podresources),
             "--host-root", str(self.host_root),
             "--dev-root", str(self.dev_root),
+            "--cdi-root", str(self.cdi_root),
             "--nvml-library", str(build_cached()),
             "--metrics-address", "127.0.0.1",
             "--metrics-port", str(self.health_port),
@@ -304,7 +306,13 @@ def wait_for(check: Callable[[], bool], within_s: float, explain: Callable[[], s
     return time.monotonic() - start
 
 
-def node_pod(name: str, node: str, limits: Obj) -> Obj:
+def node_pod(name: str, node: str, limits: Obj, *, grace_s: int = 0) -> Obj:
+    """A pod pinned to ``node``. ``grace_s`` > 0 makes deleting it graceful, as users and
+    controllers delete: the API server keeps the pod until kubelet has stopped it, so the
+    scheduler sees its capacity free only once kubelet does. With 0 a delete removes the pod at
+    once, and the scheduler may place a pod on capacity that kubelet, still stopping the old
+    one, counts as held: kubelet refuses it (UnexpectedAdmissionError, for any extended
+    resource, with any device plugin)."""
     affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
         "nodeSelectorTerms": [{"matchFields": [
             {"key": "metadata.name", "operator": "In", "values": [node]}]}]}}}  # fmt: skip
@@ -316,7 +324,7 @@ def node_pod(name: str, node: str, limits: Obj) -> Obj:
             "containers": [container("main", limits)],
             "affinity": affinity,
             "tolerations": [{"operator": "Exists"}],  # a one-node cluster's control plane
-            "terminationGracePeriodSeconds": 0,
+            "terminationGracePeriodSeconds": grace_s,
         },
     }
 

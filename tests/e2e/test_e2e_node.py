@@ -9,13 +9,16 @@ the node, and stops the plugin and removes what it published at the end.
 from __future__ import annotations
 
 import json
+import random
 import secrets
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from core.units import BLOCK_MIB, CORE, MEMORY
+from deviceplugin.allocator import SETTLE_S
 from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
 from tests.e2e.nodeagent import (
     NodeAgent,
@@ -38,6 +41,10 @@ FULL = {CORE: str(100 * len(CARDS)), MEMORY: str(len(CARDS) * CARDS[0].memory_mi
 # publishes a Node's allocatable with its status, every 10 s by default; then the scheduler
 # retries the waiting pod on that Node update (its backoff is still short): 2 + 10 + 5 s.
 FREED_WITHIN_S = 17.0
+# Pods the freeing scenarios delete are deleted gracefully (see node_pod); pause stops at once.
+GRACE_S = 2
+# How long the churn scenario runs (at least six waves).
+CHURN_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -121,32 +128,23 @@ def test_pod_runs_with_the_limits_it_was_granted(
     assert written.memory_bytes == mib_per_card * MIB
 
 
-OPEN_DEVICE_PLUGIN_ISSUE = (
-    "Device-plugin mode: no pod ever fails on the node, on nodes with any number of cards"
-)
-
-
 def run_half_cards(agent: NodeAgent, kubectl: Kubectl, namespace: str) -> None:
     """Two 0.5-card pods per card with 1 GiB each, created at once, until all run."""
     names = [f"small-{i}" for i in range(2 * len(CARDS))]
     for name in names:
         limits = {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}
-        create(kubectl, namespace, node_pod(name, agent.node, limits))
+        create(kubectl, namespace, node_pod(name, agent.node, limits, grace_s=GRACE_S))
     for name in names:
         wait_running(kubectl, namespace, name, agent)
 
 
-# Not strict: the eight 0.5 pods created at once hit the open issue's race now and then (one in
-# about seven runs here: "kubelet assigned this container's memory on card 2 but its core on
-# card 0"); the freeing this test is about has not failed.
-@pytest.mark.xfail(reason=OPEN_DEVICE_PLUGIN_ISSUE, strict=False)
 def test_capacity_of_deleted_pods_is_usable_again(
     agent: NodeAgent, kubectl: Kubectl, node_namespace: str
 ) -> None:
     # Two 0.5-card pods with little memory per card: every card's compute is used up while
     # most of its memory is free, the case where a plugin must not keep advertising less.
     run_half_cards(agent, kubectl, node_namespace)
-    kubectl.ok("delete", "pods", "--all", "-n", node_namespace, "--grace-period=0", "--force")
+    kubectl.ok("delete", "pods", "--all", "-n", node_namespace)
     wait_for(lambda: not pods(kubectl, node_namespace), 60, lambda: "the pods were not deleted")
     create(kubectl, node_namespace, node_pod("after", agent.node, {"fracgpu.io/gpu": "0.5"}))
     elapsed = wait_for(
@@ -176,17 +174,145 @@ def test_plugin_restart_keeps_running_pods_and_allocates_again(
     assert 50 in [written.compute_percent for written in agent.limits(before)]
 
 
-@pytest.mark.xfail(reason=OPEN_DEVICE_PLUGIN_ISSUE, strict=False)
 def test_no_share_fails_right_after_a_multi_card_pod_is_freed(
     agent: NodeAgent, kubectl: Kubectl, node_namespace: str
 ) -> None:
     """kubelet picks each resource's device IDs from what it believes free and takes the
     plugin's preference as a hint only; a moment after a pod ends, its view and the plugin's
     lists differ, and a real 1.36 kubelet then gave one container core IDs of one card and
-    memory IDs of another (the fake kubelet always took the preference). Racy: it fails some
-    runs, not all, until the plugin no longer treats an ID's card as binding."""
-    create(kubectl, node_namespace, node_pod("wide", agent.node, {"fracgpu.io/gpu": "2"}))
+    memory IDs of another (the fake kubelet always took the preference). IDs are counts now:
+    the plugin places each container from its own ledger, whatever IDs kubelet picks."""
+    wide = node_pod("wide", agent.node, {"fracgpu.io/gpu": "2"}, grace_s=GRACE_S)
+    create(kubectl, node_namespace, wide)
     wait_running(kubectl, node_namespace, "wide", agent)
-    kubectl.ok("delete", "pod", "wide", "-n", node_namespace, "--grace-period=0", "--force")
+    kubectl.ok("delete", "pod", "wide", "-n", node_namespace)
     wait_for(lambda: not pods(kubectl, node_namespace), 60, lambda: "the pod was not deleted")
     run_half_cards(agent, kubectl, node_namespace)
+
+
+# (name, limits): the churn's mix, drawn at random; memory-heavy shares and whole cards beside
+# proportional shares, so that the two resources run out on different cards
+CHURN_SHAPES = [
+    ("small", {"fracgpu.io/gpu": "0.1"}),
+    ("third", {"fracgpu.io/gpu": "0.3"}),
+    ("half-little-memory", {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}),
+    ("memory-heavy", {"fracgpu.io/gpu": "0.1", "fracgpu.io/gpumem": "16Gi"}),
+    ("most", {"fracgpu.io/gpu": "0.7"}),
+    ("whole", {"fracgpu.io/gpu": "1"}),
+    ("two-whole", {"fracgpu.io/gpu": "2"}),
+]
+
+
+def _waits_for_a_card(pod: Obj) -> bool:
+    """Scheduled and admitted on capacity that ended pods left spread over cards: the plugin
+    holds its start until a card can host it (the reason is in the container's state)."""
+    for status in (pod.get("status") or {}).get("containerStatuses") or []:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if "no card of this node can host" in str(waiting.get("message") or ""):
+            return True
+    return False
+
+
+def _failed(items: list[Obj]) -> list[str]:
+    """Pods that ended Failed, or whose container the node refused (kubelet's admission)."""
+    bad = []
+    for pod in items:
+        status = pod.get("status") or {}
+        if status.get("phase") == "Failed" or status.get("reason") == "UnexpectedAdmissionError":
+            bad.append(
+                f"{pod['metadata']['name']}: {status.get('reason')}: {status.get('message')}"
+            )
+    return bad
+
+
+def test_churn_of_shares_and_whole_cards_fails_no_pod(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    """Waves of shares and whole cards created in bursts, half of them deleted at random the
+    moment the wave settles (so the next wave lands while kubelet has freed capacity the plugin
+    has not yet reconciled), the plugin restarted every fourth wave, for CHURN_S: not one pod
+    fails on the node. Pods that fit no card wait Pending, and any pod that was scheduled runs
+    or waits for a card with its reason."""
+    rng = random.Random(int(agent.health_port))
+    live: list[str] = []
+    serial = 0
+    failed: list[str] = []
+    waiters: set[str] = set()
+    started = time.monotonic()
+    wave = 0
+    while wave < 6 or time.monotonic() - started < CHURN_S:
+        if wave % 4 == 3:
+            agent.stop()
+            agent.start()
+            wait_for(agent.registered, 60, agent.log)
+        for _ in range(8):
+            shape, limits = rng.choice(CHURN_SHAPES)
+            name = f"w{wave}-{shape}-{serial}"
+            serial += 1
+            create(kubectl, node_namespace, node_pod(name, agent.node, limits, grace_s=GRACE_S))
+            live.append(name)
+
+        def settled() -> bool:
+            items = pods(kubectl, node_namespace)
+            failed.extend(f for f in _failed(items) if f not in failed)
+            waiters.update(p["metadata"]["name"] for p in items if _waits_for_a_card(p))
+            return all(
+                (p.get("status") or {}).get("phase") == "Running"
+                or not _condition(p, "PodScheduled")
+                or _waits_for_a_card(p)
+                for p in items
+                if not (p["metadata"].get("deletionTimestamp"))
+            )
+
+        wait_for(settled, 90, lambda: describe(kubectl, node_namespace, agent))
+        assert not failed, "\n".join(failed) + "\n" + describe(kubectl, node_namespace, agent)
+        rng.shuffle(live)
+        doomed, live = live[: len(live) // 2], live[len(live) // 2 :]
+        if doomed:
+            kubectl.ok("delete", "pod", *doomed, "-n", node_namespace, "--wait=false")
+        wave += 1
+    items = pods(kubectl, node_namespace)
+    assert not _failed(items), describe(kubectl, node_namespace, agent)
+    running = sum(1 for p in items if (p.get("status") or {}).get("phase") == "Running")
+    took, waited = time.monotonic() - started, len(waiters)
+    summary = (
+        f"churn: {serial} pods in {wave} waves over {took:.0f}s, {running} running at the end, "
+        f"{waited} waited for a card, 0 failed"
+    )
+    print(summary)
+    agent.log_path.with_name("churn-summary.txt").write_text(summary + "\n")
+    assert running > 0
+    assert agent.exited() is None, agent.log()
+
+
+def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    """0.6 of every card in use: a 0.5 pod fits the node's sums no more (the honesty rule) and
+    waits Pending, never Failed; the webhook tells it why in cards and MiB, from what each
+    card has free (the plugin's Node annotation)."""
+    for i in range(len(CARDS)):
+        limits = {"fracgpu.io/gpu": "0.6", "fracgpu.io/gpumem": "2Gi"}
+        create(kubectl, node_namespace, node_pod(f"big-{i}", agent.node, limits))
+    for i in range(len(CARDS)):
+        wait_running(kubectl, node_namespace, f"big-{i}", agent)
+    # past the moment after each placement in which the lists still offer what they hid
+    time.sleep(2 * SETTLE_S)
+    create(kubectl, node_namespace, node_pod("late", agent.node, {"fracgpu.io/gpu": "0.5"}))
+
+    def told() -> str | None:
+        events = kubectl.ok(
+            "get", "events", "-n", node_namespace, "--field-selector",
+            "involvedObject.name=late,reason=GPUShareDoesNotFit", "-o", "json",
+        )  # fmt: skip
+        items = json.loads(events)["items"]
+        return str(items[-1]["message"]) if items else None
+
+    wait_for(lambda: told() is not None, 45, lambda: describe(kubectl, node_namespace, agent))
+    message = told()
+    assert message is not None
+    assert message.startswith("largest free share on any node: 0.40 card and "), message
+    assert f"of {agent.node}; this pod asks 0.50 card and " in message, message
+    status = kubectl.get("pod", "late", node_namespace)["status"]
+    assert status["phase"] == "Pending"
+    assert not _condition(kubectl.get("pod", "late", node_namespace), "PodScheduled")

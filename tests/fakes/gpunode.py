@@ -45,6 +45,7 @@ class GpuNode:
             "podresources_socket": root / "pr" / "kubelet.sock",
             "host_root": root / "host",
             "dev_root": Path("/dev"),
+            "cdi_root": root / "cdi",
             "nvml_library": build_cached(),
             "metrics_port": 0,
             "watch_interval_s": 0.05,
