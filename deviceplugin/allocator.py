@@ -138,21 +138,33 @@ that still carry memory."""
 ADOPTED = 0.0
 """``Allocation.created`` of a container learnt from PodResources: old enough to be freed."""
 
-SETTLE_S = 0.5
-"""How long the number of Healthy IDs of a resource is kept from falling after a change that
-is not kubelet's own allocation nor a card failing.
+SETTLE_S = 2.0
+"""How long the number of Healthy IDs of a resource is kept from falling after a change that is
+neither kubelet's own allocation nor a card failing: in the Node's allocatable for this long,
+in kubelet's lists for twice as long.
 
 kube-scheduler decides by the Node's allocatable, which follows the lists a moment later (the
-plugin writes it within milliseconds, kubelet at its status period), and kubelet admits the pods
-it bound by its own count of the lists. A change can hide capacity kubelet and the scheduler
-counted free: an ended container's IDs released onto a card that is not offered, a share
-placed on an entirely free card that hides the open card's rest. If the lists shrank at once,
-kubelet would refuse (``UnexpectedAdmissionError``) a pod the scheduler placed by the older
-figure. Kept for a moment instead, such a pod is admitted, and if no card can host it, it
-waits for one (``docs/device-plugin.md``); after the moment the lists say what is offered. The
-moment is short: a pod bound by the over-offer waits on this node instead of Pending, where
-another node might take it. The plugin writes the Node's allocatable within milliseconds, and
-kubelet admits a bound pod within tens of milliseconds."""
+plugin writes it within milliseconds, kubelet at its status period), and kubelet admits each
+pod the scheduler bound twice over: by its own count of the lists (device manager) and by the
+Node's allocatable against the requests of the pods it runs, including ones it is still
+stopping (its predicate check). A change can hide capacity both counted free: an ended
+container's IDs released onto a card that is not offered, a share placed on an entirely free
+card that hides the open card's rest. Had the lists or the Node's figure shrunk at once,
+kubelet refused pods the scheduler had bound by the older figure (on the real cluster:
+"requested 200, available 170"; "OutOffracgpu.io/memory ... used: 201, capacity: 178"). Kept,
+such pods are admitted, placed, or wait for a card if none can host them
+(``docs/device-plugin.md``). The lists keep the count longer than the Node, so that a pod the
+scheduler bound at the end of the Node's moment still finds it in kubelet's count."""
+
+
+@dataclass(slots=True)
+class _Floor:
+    """Healthy IDs of a resource kept listed at least, for a moment (``SETTLE_S``)."""
+
+    count: int
+    node_until: float  # in the Node's allocatable until then (monotonic)
+    lists_until: float  # in kubelet's lists until then
+    node_ended: bool = False  # the Node's moment has been noted (the writer woken)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,10 +204,19 @@ class Allocator:
         self._health: dict[int, tuple[bool, str]] = {i: (True, "") for i in self.cards}
         self._allocations: dict[str, Allocation] = {}
         self._owner: dict[str, str] = {}  # device ID -> allocation key
+        self._unplaced: set[str] = set()  # keys of allocations on no card yet
         # (kind, ID group) -> allocated numbers, kept in step with _owner (read on every list)
         self._owned: dict[tuple[Kind, int], set[int]] = {
             (kind, i): set() for kind in Kind for i in self.cards
         }
+        # kind -> the free IDs listed Healthy, as (group, number): kept stable (``listing``)
+        self._shown: dict[tuple[Kind, int], set[int]] = {
+            (kind, i): set() for kind in Kind for i in self.cards
+        }
+        self._shown_count: dict[Kind, int] = dict.fromkeys(Kind, 0)
+        # (kind, group) -> its last state, and the groups whose IDs changed since (listing)
+        self._states: dict[tuple[Kind, int], GroupState] = {}
+        self._dirty: set[tuple[Kind, int]] = {(kind, i) for kind in Kind for i in self.cards}
         # card -> [core, memory] the placed allocations hold there (the ledger)
         self._used: dict[int, list[int]] = {i: [0, 0] for i in self.cards}
         # allocation key -> when a listing first missed it (wall clock of that listing)
@@ -204,8 +225,7 @@ class Allocator:
         self._lists = ListingCache(totals)
         self._open: int | None = None  # the one partly used card offered (placement)
         self._settle_s = settle_s
-        # kind -> (Healthy IDs listed at least, until when): see SETTLE_S
-        self._floor: dict[Kind, tuple[int, float]] = {}
+        self._floor: dict[Kind, _Floor] = {}  # see SETTLE_S
         self._listed: dict[Kind, int] = dict.fromkeys(Kind, 0)  # Healthy at the last change
         self._cond = threading.Condition()
         self.version = 0
@@ -231,42 +251,61 @@ class Allocator:
                 left = self.pairing.seconds_left()
                 if left is not None:
                     remaining = min(remaining, max(left, 0.001))
-                for _, until in self._floor.values():
+                for floor in self._floor.values():
+                    until = floor.lists_until if floor.node_ended else floor.node_until
                     remaining = min(remaining, max(until - self._clock(), 0.001))
                 self._cond.wait(remaining)
 
-    def _changed(self, *, settle: bool = True) -> None:
+    def _changed(self, *, settle: bool = True, drop_floors: bool = False) -> None:
         """Place what waits if it now fits, choose the open card, keep the lists from shrinking
-        for a moment (``SETTLE_S``; not after a card's health changed: ``settle`` false), wake
-        the streams. Lock held."""
+        for a moment (``SETTLE_S``; ``settle`` false: a moment ended, ``drop_floors``: a card
+        failed, withdrawn at once), wake the streams. Lock held."""
         self._place_waiting()
+        cards = list(self._snapshot().values())
         self._open = placement.open_partial_card(
-            self._snapshot().values(), self._open, keep=self.pairing.pending is not None
+            cards, self._open, keep=self.pairing.pending is not None
         )
         now = self._clock()
+        waiting = bool(self._waiting())
         for kind in Kind:
             owned = self._owned_count(kind)
-            listed = owned + self._offered_now(kind)
-            if not settle:
+            offered_now = self._offered_now(kind, cards=cards, waiting=waiting)
+            listed = owned + offered_now
+            if drop_floors:
                 self._floor.pop(kind, None)
-            elif listed < self._listed[kind] and self._settle_s > 0:
-                floor = self._floor.get(kind)
-                keep = max(self._listed[kind], floor[0] if floor else 0)
-                self._floor[kind] = (keep, now + self._settle_s)
-            self._listed[kind] = owned + self._offered(kind)
+            elif settle and listed < self._listed[kind] and self._settle_s > 0:
+                before = self._floor.get(kind)
+                keep = max(self._listed[kind], before.count if before else 0)
+                self._floor[kind] = _Floor(keep, now + self._settle_s, now + 2 * self._settle_s)
+            self._listed[kind] = owned + self._offered(kind, now_offered=offered_now)
         self.version += 1
         self._cond.notify_all()
 
     def _expire_floors(self) -> None:
+        """Wake the streams and the Node's writer when a floor's moment ends, on the Node or
+        in the lists. Lock held."""
         now = self._clock()
-        if any(until <= now for _, until in self._floor.values()):
-            self._floor = {k: f for k, f in self._floor.items() if f[1] > now}
+        ended = False
+        for kind, floor in list(self._floor.items()):
+            if floor.lists_until <= now:
+                del self._floor[kind]
+                ended = True
+            elif not floor.node_ended and floor.node_until <= now:
+                floor.node_ended = True
+                ended = True
+        if ended:
             self._changed(settle=False)
 
     def settling(self, kind: Kind) -> bool:
         """Whether more IDs of ``kind`` are listed than offered, for a moment (``SETTLE_S``)."""
         with self._cond:
             return self._offered(kind) > self._offered_now(kind)
+
+    def over_offered(self, kind: Kind) -> int:
+        """How many more free IDs of ``kind`` kubelet's lists show than the Node's allocatable
+        should: after the Node's moment of a floor, until the lists' moment ends."""
+        with self._cond:
+            return self._offered(kind) - self._offered(kind, node=True)
 
     def _expire_half(self) -> None:
         if self.pairing.expire():
@@ -283,14 +322,14 @@ class Allocator:
 
     def _waiting(self) -> list[Allocation]:
         pending = self.pairing.pending
-        return sorted(
-            (
-                a
-                for a in self._allocations.values()
-                if not a.cards and a.placeable and (pending is None or pending.key != a.key)
-            ),
-            key=lambda a: a.created,
-        )
+        found = [
+            a
+            for key in self._unplaced
+            if (pending is None or pending.key != key)
+            for a in (self._allocations[key],)
+            if a.placeable
+        ]
+        return sorted(found, key=lambda a: a.created) if len(found) > 1 else found
 
     def usage(self) -> list[CardUsage]:
         with self._cond:
@@ -339,6 +378,7 @@ class Allocator:
         if not chosen:
             return False
         allocation.cards = tuple(sorted(chosen))
+        self._unplaced.discard(allocation.key)
         self._charge(allocation, 1)
         return True
 
@@ -353,17 +393,25 @@ class Allocator:
     def _own(self, device: str, key: str) -> None:
         if device not in self._owner:
             parsed = DeviceId.parse(device)
-            owned = self._owned.get((parsed.kind, parsed.card))
+            group = (parsed.kind, parsed.card)
+            owned = self._owned.get(group)
             if owned is not None:
                 owned.add(parsed.number)
+                shown = self._shown[group]
+                if parsed.number in shown:  # a shown free ID taken: Healthy either way
+                    shown.discard(parsed.number)
+                    self._shown_count[parsed.kind] -= 1
+                self._dirty.add(group)
         self._owner[device] = key
 
     def _disown(self, device: str) -> None:
         if self._owner.pop(device, None) is not None:
             parsed = DeviceId.parse(device)
-            owned = self._owned.get((parsed.kind, parsed.card))
+            group = (parsed.kind, parsed.card)
+            owned = self._owned.get(group)
             if owned is not None:
                 owned.discard(parsed.number)
+                self._dirty.add(group)
 
     def devices(self, kind: Kind) -> list[ListedDevice]:
         """The complete ListAndWatch list for one resource."""
@@ -374,13 +422,22 @@ class Allocator:
         with self._cond:
             return self._offered(kind)
 
-    def _offered_now(self, kind: Kind) -> int:
-        """What the ledger offers now, before the settling floor."""
-        if self._waiting():
+    def _offered_now(
+        self,
+        kind: Kind,
+        *,
+        cards: list[placement.CardState] | None = None,
+        waiting: bool | None = None,
+    ) -> int:
+        """What the ledger offers now, before the settling floor (``cards``, ``waiting``: from
+        the caller's snapshot, when it has one)."""
+        if self._waiting() if waiting is None else waiting:
             # Admitted containers wait for a card: what frees up is theirs first, and nothing
             # new is invited to this node until they are placed.
             return 0
-        offered = placement.offered(self._snapshot().values(), kind, open_card=self._open)
+        if cards is None:
+            cards = list(self._snapshot().values())
+        offered = placement.offered(cards, kind, open_card=self._open)
         half = self.pairing.pending
         partner = None if half is None else self._allocations.get(half.key)
         if half is not None and half.kind is kind and partner is not None and not partner.cards:
@@ -394,12 +451,13 @@ class Allocator:
             offered = max(offered, half.hold - self._owned_count(kind))
         return offered
 
-    def _offered(self, kind: Kind) -> int:
-        """What the lists offer: the ledger's offer, or more while a floor holds."""
-        offered = self._offered_now(kind)
+    def _offered(self, kind: Kind, *, node: bool = False, now_offered: int | None = None) -> int:
+        """What the lists (``node``: the Node's allocatable) offer: the ledger's offer
+        (``now_offered`` when the caller has it), or more while a floor holds."""
+        offered = self._offered_now(kind) if now_offered is None else now_offered
         floor = self._floor.get(kind)
-        if floor is not None and floor[1] > self._clock():
-            offered = max(offered, floor[0] - self._owned_count(kind))
+        if floor is not None and (floor.node_until if node else floor.lists_until) > self._clock():
+            offered = max(offered, floor.count - self._owned_count(kind))
         return offered
 
     def _owned_count(self, kind: Kind) -> int:
@@ -409,33 +467,76 @@ class Allocator:
         """A signature of the device list and the list itself per ID group, from one snapshot.
 
         Equal signatures mean equal lists (ListAndWatch skips identical resends). A group's
-        tuple is the same object for as long as that group's state holds (see ``listing``).
+        tuple is the same object for as long as that group's Healthy IDs hold (see ``listing``).
+
+        Which free IDs are shown Healthy is kept from one listing to the next as far as the
+        offer allows (``_shown``): kubelet allocates only Healthy IDs, so an allocation that
+        takes what was offered turns shown free IDs into allocated ones, both Healthy, and the
+        list does not change at all. Only a change of the offer adds the lowest free IDs or
+        drops the highest shown ones.
         """
         with self._cond:
             self._expire_half()
-            left = self._offered(kind)
+            target = self._offered(kind)
+            if self._shown_count[kind] > target:
+                self._show_fewer(kind, self._shown_count[kind] - target)
+            elif self._shown_count[kind] < target:
+                self._show_more(kind, target - self._shown_count[kind])
             sick_cards = {i for i, (ok, _) in self._health.items() if not ok}
-            sick_keys = {
-                a.key for a in self._allocations.values() if sick_cards.intersection(a.cards)
-            }
+            sick_keys = (
+                {a.key for a in self._allocations.values() if sick_cards.intersection(a.cards)}
+                if sick_cards
+                else set()
+            )
             states = []
             for group in sorted(self.cards):
-                owned = self._owned[(kind, group)]
-                total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[group]
-                shown = min(left, total - len(owned))
-                left -= shown
-                sick = (
-                    frozenset(
-                        n
-                        for n in owned
-                        if self._owner.get(str(DeviceId(group, kind, n))) in sick_keys
-                    )
-                    if sick_keys
-                    else frozenset()
-                )
-                states.append((group, GroupState(frozenset(owned), sick, shown)))
+                where = (kind, group)
+                state = self._states.get(where)
+                if state is None or where in self._dirty or sick_keys:
+                    owned = self._owned[where]
+                    if sick_keys:
+                        owned = {
+                            n
+                            for n in owned
+                            if self._owner.get(str(DeviceId(group, kind, n))) not in sick_keys
+                        }
+                    state = GroupState(frozenset(owned | self._shown[where]))
+                    if state != self._states.get(where):
+                        self._states[where] = state
+                    else:
+                        state = self._states[where]
+                    self._dirty.discard(where)
+                states.append((group, state))
             signature = tuple(states)
             return signature, self._lists.lists(kind, states)
+
+    def _show_fewer(self, kind: Kind, count: int) -> None:
+        """Stop showing ``count`` free IDs of ``kind``, the highest first. Lock held."""
+        for group in sorted(self.cards, reverse=True):
+            shown = self._shown[(kind, group)]
+            while shown and count:
+                shown.discard(max(shown))
+                count -= 1
+                self._shown_count[kind] -= 1
+                self._dirty.add((kind, group))
+            if not count:
+                return
+
+    def _show_more(self, kind: Kind, count: int) -> None:
+        """Show ``count`` more free IDs of ``kind``, the lowest first. Lock held."""
+        for group in sorted(self.cards):
+            owned, shown = self._owned[(kind, group)], self._shown[(kind, group)]
+            total = CORE_PER_CARD if kind is Kind.CORE else self.blocks[group]
+            if len(owned) + len(shown) >= total:
+                continue
+            for number in range(total):
+                if count == 0:
+                    return
+                if number not in owned and number not in shown:
+                    shown.add(number)
+                    count -= 1
+                    self._shown_count[kind] += 1
+                    self._dirty.add((kind, group))
 
     # ---- health ------------------------------------------------------------------------
 
@@ -449,7 +550,7 @@ class Allocator:
                 "card health changed",
                 extra={"card": card, "healthy": healthy, "reason": reason},
             )
-            self._changed(settle=healthy)
+            self._changed(drop_floors=not healthy)
             return True
 
     def is_healthy(self, card: int) -> bool:
@@ -593,6 +694,8 @@ class Allocator:
 
     def _add(self, allocation: Allocation) -> None:
         self._allocations[allocation.key] = allocation
+        if not allocation.cards:
+            self._unplaced.add(allocation.key)
         for device in allocation.ids():
             self._own(device, allocation.key)
         self._charge(allocation, 1)
@@ -600,6 +703,7 @@ class Allocator:
     def _drop(self, key: str, *, why: str) -> None:
         allocation = self._allocations.pop(key, None)
         self._missing.pop(key, None)
+        self._unplaced.discard(key)
         if allocation is None:
             return
         self._charge(allocation, -1)

@@ -60,7 +60,7 @@ class Config:
     podresources_timeout_s: float = 5.0
     register_timeout_s: float = 10.0
     pair_window_s: float = 5.0
-    settle_s: float = 0.5  # lists kept from shrinking after a change that hides capacity
+    settle_s: float = 2.0  # kubelet's lists kept from shrinking after a change hiding capacity
     # kubelet records a container's devices once its second Allocate has *answered*, so a List
     # at once mostly shows half of them: the early verifier's first look waits verify_delay_s,
     # then retries verify_retries times, verify_spacing_s apart, doubled after each miss

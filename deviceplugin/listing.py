@@ -2,15 +2,15 @@
 
 IDs are counts (see ``placement``): what kubelet must see is every allocated ID, Healthy while
 its container's card works, and as many free IDs Healthy as the node offers. Which free IDs
-those are does not matter; the lowest-numbered free IDs of the lowest groups are shown, so a
-change in what is offered moves the boundary in one or two groups only.
+those are does not matter; the allocator keeps the same ones from one list to the next where
+it can, so that most allocations (which take IDs that were shown) change no list at all.
 
 IDs are grouped by the ``g<index>`` part of their name, one group per card of the node (the
 same names as before IDs became counts, so kubelet's records of running pods stay valid across
-an upgrade). A group's list is a function of its *state* (the allocated numbers, those of them
-on a failed card, and how many free IDs it shows); a list is rebuilt only when its group's
-state changes, and a group's tuple stays the same object while its state holds, so callers may
-cache what they derive from it (an encoding) by identity.
+an upgrade). A group's list is a function of its *state* (which of its numbers are Healthy);
+a list is rebuilt only when its group's state changes, and a group's tuple stays the same
+object while its state holds, so callers may cache what they derive from it (an encoding) by
+identity.
 
 Not thread-safe: the allocator builds lists under its lock, from one snapshot.
 """
@@ -32,9 +32,7 @@ class ListedDevice:
 
 @dataclass(frozen=True, slots=True)
 class GroupState:
-    owned: frozenset[int]  # allocated numbers: listed, Healthy unless in ``sick``
-    sick: frozenset[int]  # allocated numbers whose container's card failed
-    shown_free: int  # how many of the free numbers (lowest first) are listed Healthy
+    healthy: frozenset[int]  # the numbers listed Healthy: allocated (card working) or shown free
 
 
 class ListingCache:
@@ -55,14 +53,8 @@ class ListingCache:
         return lists
 
     def _build(self, kind: Kind, group: int, state: GroupState) -> tuple[ListedDevice, ...]:
-        devices = []
-        shown = state.shown_free
-        for n in range(self._totals[kind][group]):
-            if n in state.owned:
-                healthy = n not in state.sick
-            else:
-                healthy = shown > 0
-                shown -= healthy
-            # No topology: an ID names no card, so it has no NUMA node either.
-            devices.append(ListedDevice(str(DeviceId(group, kind, n)), healthy, None))
-        return tuple(devices)
+        # No topology: an ID names no card, so it has no NUMA node either.
+        return tuple(
+            ListedDevice(str(DeviceId(group, kind, n)), n in state.healthy, None)
+            for n in range(self._totals[kind][group])
+        )

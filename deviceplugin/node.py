@@ -196,7 +196,9 @@ class AllocatableMirror:
     kubelet will write is known here (the number of Healthy IDs of each resource), so the plugin
     writes it itself, to the status subresource, as soon as it changes; kubelet's next update
     writes the same number. Each change is written again a second later, in case kubelet's
-    update raced it with the lists it had before.
+    update raced it with the lists it had before. After a change that hid capacity, the value
+    written here keeps it for ``allocator.SETTLE_S`` and kubelet's lists for twice as long
+    (``over_offered``): kubelet still admits what the scheduler bound by the older figure.
 
     Nothing is written while ``registered()`` is false: before kubelet has registered the
     resources, a Node offering them would draw pods that kubelet cannot admit yet.
@@ -223,9 +225,11 @@ class AllocatableMirror:
         self.writes = 0
 
     def counts(self) -> dict[str, int]:
-        """Healthy IDs per resource: what kubelet reports as allocatable."""
+        """Healthy IDs per resource, less what kubelet's lists keep longer than the Node after a
+        change that hid capacity (``allocator.SETTLE_S``)."""
         return {
             name: sum(1 for device in self.allocator.devices(kind) if device.healthy)
+            - self.allocator.over_offered(kind)
             for kind, name in self.resources.items()
         }
 

@@ -405,9 +405,10 @@ def test_a_missing_container_is_freed_once_a_second_listing_confirms(
 
 
 def test_a_change_that_hides_capacity_keeps_the_lists_for_a_moment() -> None:
-    """A 0.5 share that must take the free card hides the open card's 0.4: the lists keep
-    what kubelet and the scheduler counted for SETTLE_S (a pod placed by the older figure is
-    admitted, and waits for a card if none fits), then offer what the ledger offers."""
+    """A 0.5 share that must take the free card hides the open card's 0.4: the Node's
+    allocatable keeps what was counted for SETTLE_S, kubelet's lists for twice as long (a pod
+    the scheduler bound by the older figure is admitted, and waits for a card if none fits),
+    then both offer what the ledger offers."""
     clock = Clock()
     cards = [Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)]
     alloc = Allocator(cards, clock=clock, wall=clock)
@@ -416,10 +417,17 @@ def test_a_change_that_hides_capacity_keeps_the_lists_for_a_moment() -> None:
     take(alloc, 50, 4)  # only card 1 fits it; card 1 (0.5 left) is the open card now
     assert len(healthy(alloc, Kind.CORE)) == 200  # 110 allocated, 90 free still listed
     assert alloc.settling(Kind.CORE)
+    assert alloc.over_offered(Kind.CORE) == 0  # the Node keeps it too, for now
+    version = alloc.version
+    clock.now += SETTLE_S
+    assert alloc.wait_for_change(version, 0) != version  # the Node's writer wakes
+    assert len(healthy(alloc, Kind.CORE)) == 200
+    assert alloc.over_offered(Kind.CORE) == 40  # the Node's allocatable leaves it out now
     version = alloc.version
     clock.now += SETTLE_S
     assert alloc.wait_for_change(version, 0) != version  # the streams wake to resend
     assert len(healthy(alloc, Kind.CORE)) == 110 + 50  # card 0's rest is hidden now
     assert not alloc.settling(Kind.CORE)
+    assert alloc.over_offered(Kind.CORE) == 0
     alloc.set_health(1, False, "XID 79")
     assert len(free(alloc, Kind.CORE)) == 40  # a failing card is withdrawn at once

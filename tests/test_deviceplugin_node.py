@@ -16,6 +16,7 @@ from core.labels import (
 )
 from deviceplugin.allocator import Allocator
 from deviceplugin.config import Config
+from deviceplugin.ids import Kind
 from deviceplugin.inventory import Card
 from deviceplugin.node import NodePublisher, label_safe, node_patch, publish
 from tests.fakes.apiserver import FakeApiServer
@@ -262,3 +263,29 @@ async def test_a_stopping_plugin_withdraws_the_nodes_allocatable(tmp_path: Path)
         assert _allocatable(fake) == {"cpu": "8", CORE: "0", "fracgpu.io/memory": "0"}
         fake.down("503", seconds=5.0)
         assert not await asyncio.to_thread(mirror.withdraw, 0.5)  # logged, never raised
+
+
+async def test_the_nodes_allocatable_keeps_hidden_capacity_shorter_than_kubelets_lists(
+    tmp_path: Path,
+) -> None:
+    """A 0.5 share that must take the free card hides the open card's 0.4: the Node's
+    allocatable keeps it for SETTLE_S, kubelet's lists for twice as long, so a pod the
+    scheduler bound at the end of the Node's moment is still in kubelet's count."""
+    from deviceplugin.node import AllocatableMirror
+    from tests.test_deviceplugin_allocator import healthy, take
+
+    async with FakeApiServer() as fake:
+        fake.put(node())
+        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
+        cards = [Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)]
+        allocator = Allocator(cards, settle_s=1.0)
+        mirror = AllocatableMirror(config, allocator)
+        mirror.start()
+        try:
+            take(allocator, 60, 8)
+            take(allocator, 50, 4)
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=0.5)
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "160", seconds=3.0)
+            assert len(healthy(allocator, Kind.CORE)) == 200  # the lists keep it longer
+        finally:
+            await asyncio.to_thread(mirror.stop)

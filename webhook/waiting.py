@@ -169,13 +169,18 @@ def _whole_per_node(free: list[FreeCard]) -> dict[str, int]:
 
 def waits_for_gpu(pod: Mapping[str, Any]) -> bool:
     """A pod the scheduler left Pending because no card could take one of its claims."""
+    return _unschedulable_saying(pod, NO_FIT_MESSAGE)
+
+
+def _unschedulable_saying(pod: Mapping[str, Any], words: str) -> bool:
+    """A Pending pod whose PodScheduled condition is False with ``words`` in its message."""
     status = pod.get("status") or {}
     if status.get("phase") not in (None, "Pending"):
         return False
     return any(
         condition.get("type") == "PodScheduled"
         and condition.get("status") == "False"
-        and NO_FIT_MESSAGE in str(condition.get("message") or "")
+        and words in str(condition.get("message") or "")
         for condition in status.get("conditions") or []
     )
 
@@ -229,12 +234,4 @@ def asks_of_pod(pod: Mapping[str, Any]) -> list[Ask]:
 def waits_for_share(pod: Mapping[str, Any]) -> bool:
     """A device-plugin pod the scheduler left Pending because no node's free fracgpu capacity
     (what one card can host, by the device plugin's honesty rule) covers it."""
-    status = pod.get("status") or {}
-    if status.get("phase") not in (None, "Pending"):
-        return False
-    return any(
-        condition.get("type") == "PodScheduled"
-        and condition.get("status") == "False"
-        and INSUFFICIENT in str(condition.get("message") or "")
-        for condition in status.get("conditions") or []
-    )
+    return _unschedulable_saying(pod, INSUFFICIENT)

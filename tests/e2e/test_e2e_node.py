@@ -296,8 +296,9 @@ def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
         create(kubectl, node_namespace, node_pod(f"big-{i}", agent.node, limits))
     for i in range(len(CARDS)):
         wait_running(kubectl, node_namespace, f"big-{i}", agent)
-    # past the moment after each placement in which the lists still offer what they hid
-    time.sleep(2 * SETTLE_S)
+    # Each placement hid the previous open card's rest, which the Node's allocatable keeps for
+    # SETTLE_S (a pod bound meanwhile is admitted, and waits for a card): past that moment.
+    time.sleep(SETTLE_S + 1)
     create(kubectl, node_namespace, node_pod("late", agent.node, {"fracgpu.io/gpu": "0.5"}))
 
     def told() -> str | None:
