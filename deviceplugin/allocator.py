@@ -296,6 +296,11 @@ class Allocator:
         if ended:
             self._changed(settle=False)
 
+    def keeping(self) -> bool:
+        """Whether the lists keep capacity a change hid, for either resource (``SETTLE_S``)."""
+        with self._cond:
+            return bool(self._floor)
+
     def settling(self, kind: Kind) -> bool:
         """Whether more IDs of ``kind`` are listed than offered, for a moment (``SETTLE_S``)."""
         with self._cond:

@@ -198,7 +198,9 @@ class AllocatableMirror:
     writes the same number. Each change is written again a second later, in case kubelet's
     update raced it with the lists it had before. After a change that hid capacity, the value
     written here keeps it for ``allocator.SETTLE_S`` and kubelet's lists for twice as long
-    (``over_offered``): kubelet still admits what the scheduler bound by the older figure.
+    (``over_offered``): kubelet still admits what the scheduler bound by the older figure. While
+    the lists keep more than the Node shows, kubelet's own status update would write their
+    higher count, so the value is written again every second until they agree.
 
     Nothing is written while ``registered()`` is false: before kubelet has registered the
     resources, a Node offering them would draw pods that kubelet cannot admit yet.
@@ -300,6 +302,11 @@ class AllocatableMirror:
                     continue  # nothing changed: no need to count the lists again
                 counts = self.counts()
                 if counts == self.published and not due:
+                    if confirm_at is None and self.allocator.keeping():
+                        # kubelet writes its lists' count at its status period, and while the
+                        # lists keep what a change hid, that count is higher: written again
+                        # each second until the lists say what is offered.
+                        confirm_at = time.monotonic() + self.confirm_after_s
                     continue
                 try:
                     if api is None:
@@ -331,7 +338,7 @@ class AllocatableMirror:
                     log.info("writing the node's allocatable GPU resources works again")
                 failing = False
                 self.writes += 1
-                changed = counts != self.published
+                changed = counts != self.published or self.allocator.keeping()
                 self.published = counts
                 confirm_at = time.monotonic() + self.confirm_after_s if changed else None
         finally:

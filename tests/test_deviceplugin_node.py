@@ -287,5 +287,9 @@ async def test_the_nodes_allocatable_keeps_hidden_capacity_shorter_than_kubelets
             assert await _until(lambda: _allocatable(fake).get(CORE) == "200", seconds=0.5)
             assert await _until(lambda: _allocatable(fake).get(CORE) == "160", seconds=3.0)
             assert len(healthy(allocator, Kind.CORE)) == 200  # the lists keep it longer
+            stale = fake.get("nodes", "gpu-1") or {}
+            stale["status"]["allocatable"][CORE] = "200"  # kubelet writes its lists' count
+            fake.put(stale)
+            assert await _until(lambda: _allocatable(fake).get(CORE) == "160", seconds=1.5)
         finally:
             await asyncio.to_thread(mirror.stop)

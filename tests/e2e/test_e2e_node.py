@@ -297,8 +297,14 @@ def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
     for i in range(len(CARDS)):
         wait_running(kubectl, node_namespace, f"big-{i}", agent)
     # Each placement hid the previous open card's rest, which the Node's allocatable keeps for
-    # SETTLE_S (a pod bound meanwhile is admitted, and waits for a card): past that moment.
-    time.sleep(SETTLE_S + 1)
+    # SETTLE_S and kubelet's lists for twice as long (a pod bound meanwhile is admitted, and
+    # waits for a card): past that moment, when the Node offers 0.4 beside what is allocated.
+    time.sleep(2 * SETTLE_S)
+    wait_for(
+        lambda: allocatable(kubectl, agent.node).get(CORE) == str(60 * len(CARDS) + 40),
+        15,
+        lambda: f"allocatable {allocatable(kubectl, agent.node)}\n{agent.log()}",
+    )
     create(kubectl, node_namespace, node_pod("late", agent.node, {"fracgpu.io/gpu": "0.5"}))
 
     def told() -> str | None:
