@@ -26,8 +26,7 @@ from deviceplugin.ids import DeviceId, Kind
 @dataclass(frozen=True, slots=True)
 class ListedDevice:
     id: str
-    healthy: bool
-    numa_node: int | None
+    healthy: bool  # no topology: an ID names no card, so it has no NUMA node either
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,8 +52,7 @@ class ListingCache:
         return lists
 
     def _build(self, kind: Kind, group: int, state: GroupState) -> tuple[ListedDevice, ...]:
-        # No topology: an ID names no card, so it has no NUMA node either.
         return tuple(
-            ListedDevice(str(DeviceId(group, kind, n)), n in state.healthy, None)
+            ListedDevice(str(DeviceId(group, kind, n)), n in state.healthy)
             for n in range(self._totals[kind][group])
         )

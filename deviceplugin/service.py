@@ -46,9 +46,7 @@ def _encode(devices: tuple[ListedDevice, ...]) -> bytes:
     """One card's devices as a serialised ListAndWatchResponse."""
     message = pb.ListAndWatchResponse()
     for device in devices:
-        entry = message.devices.add(ID=device.id, health=HEALTH[device.healthy])
-        if device.numa_node is not None:
-            entry.topology.nodes.add(ID=device.numa_node)
+        message.devices.add(ID=device.id, health=HEALTH[device.healthy])
     encoded: bytes = message.SerializeToString()
     return encoded
 

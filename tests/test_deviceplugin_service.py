@@ -559,11 +559,7 @@ def _listed_in_full(allocator: Allocator, kind: Kind) -> pb.ListAndWatchResponse
     """The device list encoded entry by entry, as the plugin did before it kept pieces."""
     response = pb.ListAndWatchResponse()
     for device in allocator.devices(kind):
-        entry = response.devices.add(
-            ID=device.id, health="Healthy" if device.healthy else "Unhealthy"
-        )
-        if device.numa_node is not None:
-            entry.topology.nodes.add(ID=device.numa_node)
+        response.devices.add(ID=device.id, health="Healthy" if device.healthy else "Unhealthy")
     return response
 
 
