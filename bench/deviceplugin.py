@@ -62,8 +62,8 @@ import grpc
 from bench._config import agent_process, from_json
 from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.config import Config
-from deviceplugin.daemon import Daemon
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.daemon import Daemon
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import Container, Pod
 
@@ -408,9 +408,10 @@ def node_allocatable_lag(changes: int) -> tuple[list[float], list[float]]:
 
     from bench._api import ApiThread
     from core.kube import NODES, call_json, kube_client
-    from deviceplugin.allocator import Allocator
-    from deviceplugin.inventory import Card
-    from deviceplugin.node import MERGE_PATCH, AllocatableMirror, allocatable_patch
+    from deviceplugin.classic.allocator import Allocator
+    from deviceplugin.classic.node import MERGE_PATCH, AllocatableMirror, allocatable_patch
+    from deviceplugin.shared.apiloop import ApiLoop
+    from deviceplugin.shared.inventory import Card
 
     api = ApiThread()
     fake = api.fake
@@ -424,7 +425,9 @@ def node_allocatable_lag(changes: int) -> tuple[list[float], list[float]]:
         return value
 
     allocator = Allocator([Card(i, f"GPU-{i}", "Fake", 80 * GIB, i, None) for i in range(8)])
-    mirror = AllocatableMirror(Config(node_name="gpu-1", kubeconfig=kubeconfig), allocator)
+    loop = ApiLoop(kubeconfig)
+    loop.start()
+    mirror = AllocatableMirror(Config(node_name="gpu-1", kubeconfig=kubeconfig), allocator, loop)
     mirror.start()
     lags, direct = [], []
     try:
@@ -448,6 +451,7 @@ def node_allocatable_lag(changes: int) -> tuple[list[float], list[float]]:
         api.run(patch_directly())
     finally:
         mirror.stop()
+        loop.stop()
         api.close()
     return lags, direct
 

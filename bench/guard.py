@@ -34,9 +34,9 @@ from tempfile import TemporaryDirectory
 from prometheus_client import CollectorRegistry
 
 from bench.deviceplugin import percentile
-from deviceplugin import guard as nodeguard
-from deviceplugin.config import Config
-from deviceplugin.metrics import Metrics
+from deviceplugin.classic.config import Config
+from deviceplugin.shared import guard as nodeguard
+from deviceplugin.shared.flags import GuardSettings
 from tests.fakes.gpunode import GpuNode, cards, gpu_node
 from tests.fakes.kubelet import Container, Pod
 from tests.fakes.nodeproc import NodeProc, container
@@ -126,13 +126,13 @@ def scan_cost(node: GpuNode, procs: NodeProc, processes: int, scans: int) -> lis
     owners = nodeguard.Owners(
         procs.logs,
         lambda: node.plugin.podresources.list({CONFIG.core_resource, CONFIG.memory_resource}),
-        nodeguard.grant_of(node.config),
+        nodeguard.grant_from(node.plugin.grant_dir),
     )
     guard = nodeguard.Guard(
         node.plugin.cards.values(),
         owners,
         nodeguard.ProcReader(procs.proc),
-        Metrics(CollectorRegistry()),
+        nodeguard.GuardMetrics(CollectorRegistry(), "fracgpu_device_plugin"),
     )
     if len(guard.scan_once().usage[0].processes) != processes:
         raise RuntimeError("the scan did not map every process to the container")
@@ -181,7 +181,8 @@ def _run(args: argparse.Namespace) -> int:
         procs = NodeProc(Path(tmp))
         try:
             with gpu_node(
-                cards(2, 8192), guard_proc_root=procs.proc, guard_container_logs=procs.logs
+                cards(2, 8192),
+                guard=GuardSettings(proc_root=procs.proc, container_logs=procs.logs),
             ) as node:
                 setup(node, procs)
                 assert node.daemon is not None and node.daemon.guard is not None

@@ -1,7 +1,7 @@
 """The Node labels through which the node agent tells the cluster what cards a node has.
 
-The device plugin *writes* them (``deviceplugin/node.py``); admission and quota *read* them to
-size requests and to count a pod against a GPU model. This module is their one definition.
+The device plugin *writes* them (``deviceplugin/classic/node.py``); admission and quota *read*
+them to size requests and to count a pod against a GPU model. This module is their one definition.
 
 ``fracgpu.io/gpu.product``     the card's product name, label-safe (``mixed`` when cards differ)
 ``fracgpu.io/gpu.memory-mib``  memory of the node's smallest card: the most a container can count on

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from certs.cli import add_parser as add_certs_parser
 from core import log
 from core.flags import add_kube_flags, add_log_flags
-from deviceplugin.cli import add_parser as add_deviceplugin_parser
+from deviceplugin.classic.cli import add_parser as add_deviceplugin_parser
 from deviceplugin.dra.cli import add_parser as add_dra_parser
 from fracgpu.review import (
     ManifestError,

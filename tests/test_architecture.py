@@ -150,3 +150,30 @@ def test_building_the_command_line_imports_no_heavy_dependency() -> None:
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     assert loaded == []
+
+
+@pytest.mark.parametrize(
+    ("agent", "sibling"),
+    [
+        pytest.param("deviceplugin.dra.daemon", "deviceplugin.classic", id="dra-loads-no-classic"),
+        pytest.param("deviceplugin.classic.daemon", "deviceplugin.dra", id="classic-loads-no-dra"),
+    ],
+)
+def test_an_agent_loads_nothing_of_its_sibling(agent: str, sibling: str) -> None:
+    """The import contract forbids the imports; this checks what a running agent pulls in,
+    the other agent's wire definitions included (the v1beta1 device-plugin protos for DRA)."""
+    foreign = {
+        "deviceplugin.classic": (
+            "deviceplugin.classic",
+            "deviceplugin._proto.deviceplugin_v1beta1",
+        ),
+        "deviceplugin.dra": ("deviceplugin.dra", "deviceplugin._proto.dra_v1"),
+    }[sibling]
+    probe = (
+        f"import sys, {agent}; "
+        f"print(' '.join(sorted(m for m in sys.modules if m.startswith({foreign!r}))))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert loaded == []

@@ -127,6 +127,9 @@ def test_host_paths_are_exactly_those() -> None:
         "/var/lib/kubelet/plugins",
         "/var/run/cdi",
         contract.HOST_ROOT,
+        # the node guard's: which claims a container uses, and which container an ID is
+        "/var/lib/kubelet/pod-resources",
+        "/var/log/containers",
     }
 
 
@@ -151,9 +154,12 @@ def test_the_pod_is_hardened_and_bounded() -> None:
             sc = container["securityContext"]
             assert sc["allowPrivilegeEscalation"] is False, container["name"]
             assert sc["readOnlyRootFilesystem"] is True, container["name"]
-            assert sc["capabilities"] == {"drop": ["ALL"]}, container["name"]
+            # KILL for the node guard only, in the plugin's container
+            added = ["KILL"] if container["name"] == "dra-plugin" else []
+            assert sc["capabilities"] == {"drop": ["ALL"], **({"add": added} if added else {})}
             assert sc.get("privileged", False) is False, container["name"]
             assert "memory" in container["resources"]["limits"], container["name"]
+        assert spec["hostPID"] is True  # the guard reads and kills processes by node pid
 
 
 def test_rbac_is_the_least_the_plugin_needs() -> None:
@@ -172,6 +178,7 @@ def test_rbac_is_the_least_the_plugin_needs() -> None:
         ("resource.k8s.io", "resourceclaims/status"): ["patch"],
         ("resource.k8s.io", "resourceclaims/driver"): ["associated-node:patch"],
         ("", "nodes"): ["get"],
+        ("", "events"): ["create"],  # the node guard's findings, on the pod
     }
     (driver_rule,) = [r for r in role["rules"] if r["resources"] == ["resourceclaims/driver"]]
     assert driver_rule["resourceNames"] == [dra.DRIVER]

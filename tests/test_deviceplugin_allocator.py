@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.allocator import (
+from deviceplugin.classic.allocator import (
     SETTLE_S,
     WHOLE_CORE_PAIR_S,
     Allocation,
@@ -12,8 +12,8 @@ from deviceplugin.allocator import (
     Allocator,
     container_dir_name,
 )
-from deviceplugin.ids import Kind, core_id, memory_id
-from deviceplugin.inventory import Card
+from deviceplugin.classic.ids import Kind, core_id, memory_id
+from deviceplugin.shared.inventory import Card
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"

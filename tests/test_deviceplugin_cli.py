@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.cli import add_parser, config_from
+from deviceplugin.classic.cli import add_parser, config_from
+from deviceplugin.shared.flags import GuardSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -42,31 +43,34 @@ def test_options(tmp_path: Path) -> None:
 
 def test_guard_defaults() -> None:
     config = config_from(parse())
-    assert (config.guard_interval_s, config.guard_grace_s) == (0.5, 1.0)
-    assert config.guard_kill is True
-    assert config.guard_process_overhead_mib == 640
-    assert config.guard_proc_root == Path("/proc")
-    assert config.guard_container_logs == Path("/var/log/containers")
+    assert config.guard == GuardSettings(
+        interval_s=0.5,
+        grace_s=1.0,
+        kill=True,
+        process_overhead_mib=640,
+        proc_root=Path("/proc"),
+        container_logs=Path("/var/log/containers"),
+    )
 
 
 @pytest.mark.parametrize(
     ("argv", "field", "value"),
     [
-        pytest.param(("--guard-interval", "0"), "guard_interval_s", 0.0, id="off"),
-        pytest.param(("--guard-interval", "0.25"), "guard_interval_s", 0.25, id="interval"),
-        pytest.param(("--guard-grace", "5"), "guard_grace_s", 5.0, id="grace"),
-        pytest.param(("--no-guard-kill",), "guard_kill", False, id="report-only"),
+        pytest.param(("--guard-interval", "0"), "interval_s", 0.0, id="off"),
+        pytest.param(("--guard-interval", "0.25"), "interval_s", 0.25, id="interval"),
+        pytest.param(("--guard-grace", "5"), "grace_s", 5.0, id="grace"),
+        pytest.param(("--no-guard-kill",), "kill", False, id="report-only"),
         pytest.param(
-            ("--guard-process-overhead-mib", "0"), "guard_process_overhead_mib", 0, id="overhead"
+            ("--guard-process-overhead-mib", "0"), "process_overhead_mib", 0, id="overhead"
         ),
-        pytest.param(("--guard-proc-root", "/host/proc"), "guard_proc_root", Path("/host/proc"),
+        pytest.param(("--guard-proc-root", "/host/proc"), "proc_root", Path("/host/proc"),
                      id="proc-root"),
-        pytest.param(("--guard-container-logs", "/l"), "guard_container_logs", Path("/l"),
+        pytest.param(("--guard-container-logs", "/l"), "container_logs", Path("/l"),
                      id="logs"),
     ],
 )  # fmt: skip
 def test_guard_options(argv: tuple[str, ...], field: str, value: object) -> None:
-    assert getattr(config_from(parse(*argv)), field) == value
+    assert getattr(config_from(parse(*argv)).guard, field) == value
 
 
 @pytest.mark.parametrize(

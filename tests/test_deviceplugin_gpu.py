@@ -13,11 +13,11 @@ from collections.abc import Iterator
 import pynvml
 import pytest
 
-from deviceplugin import inventory
-from deviceplugin.config import DEFAULT_IGNORED_XIDS, Config
-from deviceplugin.guard import card_processes
-from deviceplugin.health import HealthMonitor
-from deviceplugin.inventory import Card
+from deviceplugin.classic.config import DEFAULT_IGNORED_XIDS, Config
+from deviceplugin.shared import inventory
+from deviceplugin.shared.guard import card_processes
+from deviceplugin.shared.health import HealthMonitor
+from deviceplugin.shared.inventory import Card
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +102,7 @@ def test_guard_reads_a_cuda_process_and_its_context_fits_the_allowance(
         context_mib = (used >> 20) - 256
         print({"pid": child.pid, "used_mib": used >> 20, "context_mib": context_mib})
         assert used >= 256 << 20
-        allowance = Config().guard_process_overhead_mib
+        allowance = Config().guard.process_overhead_mib
         assert context_mib <= allowance, (
             f"a bare CUDA context takes {context_mib} MiB here, more than the guard's default "
             f"allowance of {allowance} MiB (--guard-process-overhead-mib): raise the default"

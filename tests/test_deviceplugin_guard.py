@@ -20,24 +20,27 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.contract import Limits
-from deviceplugin import inventory
-from deviceplugin.allocator import container_dir_name
-from deviceplugin.config import Config
-from deviceplugin.guard import (
+from deviceplugin.classic.allocator import container_dir_name
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.plugin import DevicePlugin
+from deviceplugin.classic.prestart import limits_for
+from deviceplugin.shared import inventory
+from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.guard import (
     ContainerRef,
     Grant,
+    GrantError,
     Guard,
+    GuardMetrics,
     Owners,
     ProcReader,
     card_processes,
-    grant_of,
+    grant_from,
     kill_verified,
     parse_cgroup,
 )
-from deviceplugin.inventory import Card
-from deviceplugin.metrics import Metrics
-from deviceplugin.podresources import ContainerDevices, PodResourcesError
-from deviceplugin.prestart import PreStartError, limits_for
+from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
 from tests.fakes.gpunode import cards as fake_cards
 from tests.fakes.gpunode import gpu_node
 from tests.fakes.kubelet import Container, Pod
@@ -49,6 +52,7 @@ CORE, MEMORY = CONFIG.core_resource, CONFIG.memory_resource
 UID = "6f1c2a8e-1b2c-4d5e-8f90-0123456789ab"
 CID = "0f" * 32
 GRACE_S = 1.0
+PREFIX = "fracgpu_device_plugin"
 
 # ---- from a cgroup file to a container ---------------------------------------------------
 
@@ -162,10 +166,10 @@ def by_ids(cards: list[Card]) -> Grant:
     card comes from its limits file: ``test_the_grant_is_the_containers_limits_file``)."""
     by_index = {c.index: c for c in cards}
 
-    def grant(container: ContainerDevices) -> Limits:
+    def grant(container: ContainerDevices) -> tuple[str, Limits]:
         core, memory = container.ids(CORE), container.ids(MEMORY)
         card = int(next(iter(core or memory))[1 : next(iter(core or memory)).index("-")])
-        return limits_for(
+        return container.name, limits_for(
             container.name,
             len(core),
             len(memory),
@@ -180,21 +184,25 @@ def by_ids(cards: list[Card]) -> Grant:
 
 def test_the_grant_is_the_containers_limits_file(tmp_path: Path) -> None:
     config = Config(host_root=tmp_path)
+    plugin = DevicePlugin(
+        config, [Card(i, f"GPU-{i}", "NVIDIA L4", 23034, i, None) for i in range(4)]
+    )
     target = ContainerDevices("ns", "pod", "c", {CORE: frozenset({"g3-c1", "g0-c7"})})
     limits = Limits(("GPU-2",), 8 * 2**30, 30)
-    grant = grant_of(config)
-    with pytest.raises(PreStartError, match="no limits file"):
+    grant = grant_from(plugin.grant_dir)
+    with pytest.raises(GrantError, match="no limits file"):
         grant(target)
-    limits.write_atomic(config.containers_dir / container_dir_name(["g0-c7", "g3-c1"]) / "limits")
-    assert grant(target) == limits
-    with pytest.raises(PreStartError, match="holds no"):
+    directory = config.containers_dir / container_dir_name(["g0-c7", "g3-c1"]) / "limits"
+    limits.write_atomic(directory)
+    assert grant(target) == (str(directory), limits)
+    with pytest.raises(GrantError, match="holds no"):
         grant(ContainerDevices("ns", "pod", "c", {MEMORY: frozenset({"g0-m1"})}))
 
 
 @dataclass
 class Setup:
     guard: Guard
-    metrics: Metrics
+    metrics: GuardMetrics
     clock: Clock
     listed: list[ContainerDevices]
     calls: list[int] = field(default_factory=list)
@@ -209,7 +217,7 @@ def make_guard(
     overhead_mib: int = 0,
 ) -> Setup:
     clock = Clock()
-    metrics = Metrics(CollectorRegistry())
+    metrics = GuardMetrics(CollectorRegistry(), PREFIX)
     calls: list[int] = []
 
     def list_containers() -> list[ContainerDevices]:
@@ -230,8 +238,8 @@ def make_guard(
     return Setup(guard, metrics, clock, listed, calls)
 
 
-def sample(metrics: Metrics, name: str, **labels: str) -> float:
-    value = metrics.registry.get_sample_value(f"fracgpu_device_plugin_{name}", labels)
+def sample(metrics: GuardMetrics, name: str, **labels: str) -> float:
+    value = metrics.registry.get_sample_value(f"{PREFIX}_{name}", labels)
     return 0.0 if value is None else value
 
 
@@ -369,7 +377,7 @@ def test_excess_is_reported_before_any_kill(
     child = node.spawn()
     node.enter(child.pid, ALICE)
     fake.process(0, child.pid, 2048)
-    with caplog.at_level(logging.WARNING, logger="deviceplugin.guard"):
+    with caplog.at_level(logging.WARNING, logger="deviceplugin.shared.guard"):
         setup.guard.scan_once()
     reports = [r for r in caplog.records if r.getMessage().startswith("container holds more")]
     assert [getattr(r, "container", None) for r in reports] == ["team-a/train-0/main"]
@@ -467,7 +475,7 @@ NOBODY = 65534
 KILL_AS_NOBODY = """
 import os, sys
 from pathlib import Path
-from deviceplugin.guard import ContainerRef, ProcReader, kill_verified
+from deviceplugin.shared.guard import ContainerRef, ProcReader, kill_verified
 os.setgid({uid})
 os.setuid({uid})  # from root to another user: no capability left, CAP_KILL included
 print(kill_verified(ProcReader(Path(sys.argv[1])), {pid}, {start}, ContainerRef(*sys.argv[2:])))
@@ -559,7 +567,12 @@ def test_podresources_failure_is_no_action(
 
     owners = Owners(node.logs, failing, by_ids(cards), clock=clock)
     guard = Guard(
-        cards, owners, ProcReader(node.proc), Metrics(CollectorRegistry()), grace_s=0.0, clock=clock
+        cards,
+        owners,
+        ProcReader(node.proc),
+        GuardMetrics(CollectorRegistry(), PREFIX),
+        grace_s=0.0,
+        clock=clock,
     )
     child = node.spawn()
     node.enter(child.pid, ALICE)
@@ -580,7 +593,7 @@ def test_nvml_error_is_no_action_and_logged_once(
     node.enter(child.pid, ALICE)
     fake.process(0, child.pid, 4096)
     fake.fail_processes(100)
-    with caplog.at_level(logging.WARNING, logger="deviceplugin.guard"):
+    with caplog.at_level(logging.WARNING, logger="deviceplugin.shared.guard"):
         for _ in range(3):
             setup.guard.scan_once()
             setup.clock.now += GRACE_S
@@ -676,11 +689,13 @@ def test_daemon_guard_kills_over_grant_container(tmp_path: Path) -> None:
     try:
         with gpu_node(
             fake_cards(1, 8192),
-            guard_interval_s=0.05,
-            guard_grace_s=0.1,
-            guard_process_overhead_mib=0,
-            guard_proc_root=procs.proc,
-            guard_container_logs=procs.logs,
+            guard=GuardSettings(
+                interval_s=0.05,
+                grace_s=0.1,
+                process_overhead_mib=0,
+                proc_root=procs.proc,
+                container_logs=procs.logs,
+            ),
         ) as gpu:
             pod = Pod("team-a", "train-0", [Container("main", {CORE: 50, MEMORY: 4})])
             gpu.kubelet.admit(pod)

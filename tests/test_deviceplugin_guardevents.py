@@ -11,10 +11,12 @@ from typing import Any
 import pytest
 
 from core.contract import Limits
-from deviceplugin.config import Config
-from deviceplugin.guard import Owner
-from deviceplugin.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
-from deviceplugin.inventory import Card
+from deviceplugin.classic.config import Config
+from deviceplugin.shared.apiloop import ApiLoop, spawner_on
+from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.guard import Owner
+from deviceplugin.shared.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
+from deviceplugin.shared.inventory import Card
 from tests.fakes.apiserver import FakeApiServer
 from tests.fakes.gpunode import cards, gpu_node
 from tests.fakes.kubelet import Container, Pod
@@ -41,22 +43,31 @@ async def _until(predicate: Any, seconds: float = 5.0) -> bool:
     return bool(predicate())
 
 
+@pytest.mark.parametrize("spawner", ["api-loop-thread", "agent-loop"])
 @pytest.mark.parametrize(
-    ("kill", "action", "reason", "says"),
+    "case",
     [
-        pytest.param(True, "excess", REASON_EXCESS, "killed in 1 s", id="excess-then-kill"),
-        pytest.param(False, "excess", REASON_EXCESS, "reports only", id="excess-report-only"),
-        pytest.param(True, "killed", REASON_KILLED, "killed process 4242", id="killed"),
+        pytest.param((True, "excess", REASON_EXCESS, "killed in 1 s"), id="excess-then-kill"),
+        pytest.param((False, "excess", REASON_EXCESS, "reports only"), id="excess-report-only"),
+        pytest.param((True, "killed", REASON_KILLED, "killed process 4242"), id="killed"),
     ],
 )
 async def test_event_on_the_pod(
-    kill: bool, action: str, reason: str, says: str, tmp_path: Path
+    case: tuple[bool, str, str, str], spawner: str, tmp_path: Path
 ) -> None:
-    async with FakeApiServer() as fake:
+    """Either agent's way to the API server: the classic agent's own loop thread, or the loop
+    the DRA agent already runs (the guard calls from its thread in both)."""
+    kill, action, reason, says = case
+    async with FakeApiServer() as fake, fake.api_client() as api:
         fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
-        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
-        reporter = EventReporter(config, kill=kill)
-        reporter.start()
+        loop = ApiLoop(fake.kubeconfig(tmp_path / "kubeconfig"))
+        if spawner == "api-loop-thread":
+            loop.start()
+            reporter = EventReporter("gpu-1", loop.spawn, kill=kill)
+        else:
+            reporter = EventReporter(
+                "gpu-1", spawner_on(asyncio.get_running_loop(), api), kill=kill
+            )
         try:
             if action == "excess":
                 reporter.excess(OWNER, CARD, 3 * 2**30, 2**30 + 2**29, 1.0)
@@ -64,7 +75,7 @@ async def test_event_on_the_pod(
                 reporter.killed(OWNER, CARD, 4242, 3 * 2**30, 2**30 + 2**29)
             assert await _until(lambda: reporter.posted == 1)
         finally:
-            await asyncio.to_thread(reporter.stop)
+            await asyncio.to_thread(loop.stop)
         (event,) = fake.objects("events", "team-a")
         assert event["reason"] == reason
         assert event["type"] == "Warning"
@@ -85,10 +96,10 @@ async def test_event_on_the_pod(
 async def test_api_server_refusal_is_logged_not_raised(tmp_path: Path) -> None:
     async with FakeApiServer() as fake:
         fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
-        config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
-        reporter = EventReporter(config, kill=True)
+        loop = ApiLoop(fake.kubeconfig(tmp_path / "kubeconfig"))
+        reporter = EventReporter("gpu-1", loop.spawn, kill=True)
         fake.down("503", seconds=1.0)
-        reporter.start()
+        loop.start()
         try:
             reporter.excess(OWNER, CARD, 3 * 2**30, 2**30, 1.0)
             await asyncio.sleep(0.3)
@@ -96,8 +107,9 @@ async def test_api_server_refusal_is_logged_not_raised(tmp_path: Path) -> None:
             await asyncio.sleep(1.0)
             reporter.killed(OWNER, CARD, 2, 3 * 2**30, 2**30)
             assert await _until(lambda: reporter.posted == 1)
+            assert reporter.failed == 2
         finally:
-            await asyncio.to_thread(reporter.stop)
+            await asyncio.to_thread(loop.stop)
         assert [e["message"].split(",")[0] for e in fake.objects("events", "team-a")] == [
             "killed process 2 of container main"
         ]
@@ -118,11 +130,13 @@ async def test_daemon_posts_the_guards_events(tmp_path: Path) -> None:
                     cards(1, 8192),
                     node_name="gpu-1",
                     kubeconfig=kubeconfig,
-                    guard_interval_s=0.05,
-                    guard_grace_s=0.1,
-                    guard_process_overhead_mib=0,
-                    guard_proc_root=procs.proc,
-                    guard_container_logs=procs.logs,
+                    guard=GuardSettings(
+                        interval_s=0.05,
+                        grace_s=0.1,
+                        process_overhead_mib=0,
+                        proc_root=procs.proc,
+                        container_logs=procs.logs,
+                    ),
                 ) as gpu:
                     pod = Pod("team-a", "train-0", [Container("main", {CORE: 50, MEMORY: 4})])
                     gpu.kubelet.admit(pod)

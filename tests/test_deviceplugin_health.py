@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin import inventory
-from deviceplugin.config import DEFAULT_IGNORED_XIDS
-from deviceplugin.health import EVENT_DBE, EVENT_XID, HealthMonitor
-from deviceplugin.inventory import Card
+from deviceplugin.classic.config import DEFAULT_IGNORED_XIDS
+from deviceplugin.shared import inventory
+from deviceplugin.shared.health import EVENT_DBE, EVENT_XID, HealthMonitor
+from deviceplugin.shared.inventory import Card
 from tests.fakes.gpunode import cards as fake_cards
 from tests.fakes.nvml import FakeNvml, build_cached
 

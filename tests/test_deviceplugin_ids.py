@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from deviceplugin.ids import MAX_ID_LENGTH, DeviceId, DeviceIdError, Kind
+from deviceplugin.classic.ids import MAX_ID_LENGTH, DeviceId, DeviceIdError, Kind
 
 
 @given(st.integers(0, 9999), st.sampled_from(list(Kind)), st.integers(0, 9_999_999))

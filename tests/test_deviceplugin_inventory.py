@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin import inventory
+from deviceplugin.shared import inventory
 from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
 
 

@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from core.units import CORE_PER_CARD
-from deviceplugin import placement
-from deviceplugin.allocator import SETTLE_S, Allocation, AllocationError, Allocator
-from deviceplugin.ids import Kind
-from deviceplugin.inventory import Card
+from deviceplugin.classic import placement
+from deviceplugin.classic.allocator import SETTLE_S, Allocation, AllocationError, Allocator
+from deviceplugin.classic.ids import Kind
+from deviceplugin.shared.inventory import Card
 
 CORE, MEMORY = "fracgpu.io/core", "fracgpu.io/memory"
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from core.labels import (
     COUNT_LABEL,
@@ -14,11 +17,12 @@ from core.labels import (
     MEMORY_LABEL,
     PRODUCT_LABEL,
 )
-from deviceplugin.allocator import Allocator
-from deviceplugin.config import Config
-from deviceplugin.ids import Kind
-from deviceplugin.inventory import Card
-from deviceplugin.node import NodePublisher, label_safe, node_patch, publish
+from deviceplugin.classic.allocator import Allocator
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.node import NodePublisher, label_safe, node_patch, publish
+from deviceplugin.shared.apiloop import ApiLoop
+from deviceplugin.shared.inventory import Card
 from tests.fakes.apiserver import FakeApiServer
 
 CORE = "fracgpu.io/core"
@@ -30,6 +34,24 @@ CARDS = [
 
 def node(name: str = "gpu-1") -> dict[str, Any]:
     return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {"a": "b"}}}
+
+
+_LOOPS: list[ApiLoop] = []
+
+
+def api_loop(config: Config) -> ApiLoop:
+    """The agent's API thread, as the daemon makes it; stopped after the test."""
+    loop = ApiLoop(config.kubeconfig)
+    loop.start()
+    _LOOPS.append(loop)
+    return loop
+
+
+@pytest.fixture(autouse=True)
+def _stop_loops() -> Iterator[None]:
+    yield
+    while _LOOPS:
+        _LOOPS.pop().stop()
 
 
 def test_label_safe_product_names() -> None:
@@ -109,7 +131,7 @@ async def test_publisher_writes_what_each_card_has_free_as_it_changes(tmp_path: 
         fake.put(node())
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         allocator = Allocator(CARDS)  # two 80 GiB cards
-        publisher = NodePublisher(config, CARDS, allocator)
+        publisher = NodePublisher(config, CARDS, allocator, api_loop(config))
         publisher.start()
         try:
             assert await _until(lambda: _free(fake) == [(0, 100, 81920), (1, 100, 81920)])
@@ -127,7 +149,7 @@ async def test_publisher_republishes_on_health_change_and_survives_outages(tmp_p
         fake.put(node())
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         allocator = Allocator(CARDS)
-        publisher = NodePublisher(config, CARDS, allocator)
+        publisher = NodePublisher(config, CARDS, allocator, api_loop(config))
         publisher.start()
         try:
             assert await _until(lambda: _healthy_flags(fake) == [True, True])
@@ -158,14 +180,14 @@ async def test_the_nodes_allocatable_follows_what_the_plugin_advertises(tmp_path
     """What kube-scheduler places pods by, written as soon as the plugin's lists change instead
     of at kubelet's next node-status update (10 s): a second partly used card hides its free
     IDs, an unhealthy card lists none; other resources are left alone."""
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
     from tests.test_deviceplugin_allocator import take
 
     async with FakeApiServer() as fake:
         fake.put({**node(), "status": {"allocatable": {"cpu": "8", "fracgpu.io/core": "0"}}})
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         allocator = _small_cards()  # 2 cards x 16 blocks
-        mirror = AllocatableMirror(config, allocator)
+        mirror = AllocatableMirror(config, allocator, api_loop(config))
         mirror.start()
         try:
             expected = {"cpu": "8", "fracgpu.io/core": "200", "fracgpu.io/memory": "32"}
@@ -187,13 +209,13 @@ async def test_the_nodes_allocatable_follows_what_the_plugin_advertises(tmp_path
 async def test_a_stale_write_by_kubelet_right_after_a_change_is_corrected(tmp_path: Path) -> None:
     """kubelet may write the count it had before it read the plugin's new lists: the mirror
     writes each change again a second later."""
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
 
     async with FakeApiServer() as fake:
         fake.put(node())
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         allocator = _small_cards()
-        mirror = AllocatableMirror(config, allocator, confirm_after_s=0.5)
+        mirror = AllocatableMirror(config, allocator, api_loop(config), confirm_after_s=0.5)
         mirror.start()
         try:
             assert await _until(lambda: _allocatable(fake).get(CORE) == "200")
@@ -208,13 +230,13 @@ async def test_a_stale_write_by_kubelet_right_after_a_change_is_corrected(tmp_pa
 
 
 async def test_the_mirror_survives_an_api_outage(tmp_path: Path) -> None:
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
 
     async with FakeApiServer() as fake:
         fake.put(node())
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         allocator = _small_cards()
-        mirror = AllocatableMirror(config, allocator, retry_s=0.1)
+        mirror = AllocatableMirror(config, allocator, api_loop(config), retry_s=0.1)
         fake.down("503", seconds=0.5)
         mirror.start()
         try:
@@ -228,13 +250,15 @@ async def test_nothing_is_written_before_kubelet_has_registered_the_resources(
 ) -> None:
     """A Node offering fracgpu resources kubelet does not know yet would draw pods that
     kubelet cannot admit: the mirror writes only once the plugin is registered."""
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
 
     async with FakeApiServer() as fake:
         fake.put(node())
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         registered = False
-        mirror = AllocatableMirror(config, _small_cards(), registered=lambda: registered)
+        mirror = AllocatableMirror(
+            config, _small_cards(), api_loop(config), registered=lambda: registered
+        )
         mirror.start()
         try:
             await asyncio.sleep(0.5)
@@ -248,12 +272,12 @@ async def test_nothing_is_written_before_kubelet_has_registered_the_resources(
 async def test_a_stopping_plugin_withdraws_the_nodes_allocatable(tmp_path: Path) -> None:
     """While no plugin serves the resources kubelet refuses every pod asking for them; the
     stopping plugin sets them to 0 first, so the scheduler places none there meanwhile."""
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
 
     async with FakeApiServer() as fake:
         fake.put({**node(), "status": {"allocatable": {"cpu": "8"}}})
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
-        mirror = AllocatableMirror(config, _small_cards())
+        mirror = AllocatableMirror(config, _small_cards(), api_loop(config))
         mirror.start()
         try:
             assert await _until(lambda: _allocatable(fake).get(CORE) == "200")
@@ -271,7 +295,7 @@ async def test_the_nodes_allocatable_keeps_hidden_capacity_shorter_than_kubelets
     """A 0.5 share that must take the free card hides the open card's 0.4: the Node's
     allocatable keeps it for SETTLE_S, kubelet's lists for twice as long, so a pod the
     scheduler bound at the end of the Node's moment is still in kubelet's count."""
-    from deviceplugin.node import AllocatableMirror
+    from deviceplugin.classic.node import AllocatableMirror
     from tests.test_deviceplugin_allocator import healthy, take
 
     async with FakeApiServer() as fake:
@@ -279,7 +303,7 @@ async def test_the_nodes_allocatable_keeps_hidden_capacity_shorter_than_kubelets
         config = Config(node_name="gpu-1", kubeconfig=fake.kubeconfig(tmp_path / "kubeconfig"))
         cards = [Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)]
         allocator = Allocator(cards, settle_s=1.0)
-        mirror = AllocatableMirror(config, allocator)
+        mirror = AllocatableMirror(config, allocator, api_loop(config))
         mirror.start()
         try:
             take(allocator, 60, 8)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.ids import Kind
-from deviceplugin.placement import (
+from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.placement import (
     CardState,
     advertised,
     numa_pick,

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from deviceplugin._proto import podresources_v1_pb2 as pr
-from deviceplugin.podresources import PodResourcesClient, PodResourcesError, find, merge
+from deviceplugin.shared.podresources import PodResourcesClient, PodResourcesError, find, merge
 from tests.fakes.kubelet import FakeKubelet
 
 CORE = "fracgpu.io/core"

@@ -6,9 +6,9 @@ from pathlib import Path
 
 from google.protobuf.descriptor import FieldDescriptor
 
-from deviceplugin import protogen
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import podresources_v1_pb2 as pr
+from deviceplugin.shared import protogen
 
 
 def test_committed_generated_code_is_fresh(tmp_path: Path) -> None:
@@ -18,7 +18,7 @@ def test_committed_generated_code_is_fresh(tmp_path: Path) -> None:
     assert names == committed
     for path in written:
         assert path.read_text() == (protogen.OUTPUT_DIR / path.name).read_text(), (
-            f"{path.name} is stale: run `python -m deviceplugin.protogen`"
+            f"{path.name} is stale: run `python -m deviceplugin.shared.protogen`"
         )
 
 

@@ -19,11 +19,11 @@ import pytest
 from core import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import Allocator, container_dir_name
-from deviceplugin.config import Config
-from deviceplugin.ids import Kind, core_id, memory_id
-from deviceplugin.inventory import Card
-from deviceplugin.service import MAX_STREAMS, DevicePluginServicer
+from deviceplugin.classic.allocator import Allocator, container_dir_name
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.ids import Kind, core_id, memory_id
+from deviceplugin.classic.service import MAX_STREAMS, DevicePluginServicer
+from deviceplugin.shared.inventory import Card
 from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
 from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
 

@@ -8,7 +8,7 @@ import pytest
 
 from core.contract import Limits
 from deviceplugin.dra.claims import ClaimError, ClaimRef, limits, results
-from deviceplugin.inventory import Card
+from deviceplugin.shared.inventory import Card
 
 DRIVER = "gpu.fracgpu.io"
 GIB = 2**30

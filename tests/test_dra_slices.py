@@ -20,7 +20,7 @@ from deviceplugin.dra.slices import (
     memory_capacity,
     same_devices,
 )
-from deviceplugin.inventory import Card, CardDetails
+from deviceplugin.shared.inventory import Card, CardDetails
 from tests.fakes.apiserver import FakeApiServer
 
 DRIVER = "gpu.fracgpu.io"

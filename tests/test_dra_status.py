@@ -13,7 +13,7 @@ import pytest
 from core.kube import RESOURCE_CLAIMS, call_json, kube_client
 from deviceplugin.dra.claims import ClaimRef, Result
 from deviceplugin.dra.status import HEALTHY, READY, ClaimStatusWriter
-from deviceplugin.inventory import Card
+from deviceplugin.shared.inventory import Card
 from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 
 DRIVER = "gpu.fracgpu.io"

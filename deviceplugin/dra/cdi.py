@@ -23,8 +23,8 @@ from typing import Any
 
 from core import contract
 from core.units import ENV_GPU, ENV_MEMORY_MIB, MIB, format_cards
-from deviceplugin.cdispec import CDI_VERSION, CONTROL_DEVICES
 from deviceplugin.dra.claims import Result
+from deviceplugin.shared.cdispec import CDI_VERSION, CONTROL_DEVICES
 
 CLASS = "claim"
 

@@ -16,7 +16,7 @@ from core.contract import Limits, LimitsError
 from core.quantity import QuantityError, parse_quantity
 from core.units import CORE_PER_CARD, MIB
 from deviceplugin.dra.slices import CORES, MEMORY, card_index
-from deviceplugin.inventory import Card
+from deviceplugin.shared.inventory import Card
 
 
 class ClaimError(ValueError):

@@ -19,6 +19,7 @@ from deviceplugin.dra.config import (
     DEFAULT_METRICS_PORT,
     DraConfig,
 )
+from deviceplugin.shared.flags import KUBELET_PODRESOURCES_SOCKET, add_guard_flags, guard_settings
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -68,6 +69,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=DEFAULT_METRICS_PORT,
         help="/metrics and /healthz; 0 disables (default %(default)s)",
     )
+    parser.add_argument(
+        "--pod-resources-socket",
+        type=Path,
+        default=KUBELET_PODRESOURCES_SOCKET,
+        help="kubelet's PodResources API, where the node guard learns which claims each "
+        "container uses (default %(default)s)",
+    )
+    add_guard_flags(parser)
     parser.set_defaults(run=deferred("deviceplugin.dra.cli", "run"))
 
 
@@ -88,6 +97,8 @@ def config_from(args: argparse.Namespace) -> DraConfig:
         nvml_library=args.nvml_library,
         metrics_address=args.metrics_address,
         metrics_port=args.metrics_port,
+        guard=guard_settings(args),
+        podresources_socket=args.pod_resources_socket,
     )
 
 

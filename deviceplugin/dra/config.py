@@ -20,7 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core import contract, dra
-from deviceplugin.config import DEFAULT_IGNORED_XIDS, hook_library, ld_so_preload
+from deviceplugin.shared.flags import (
+    DEFAULT_IGNORED_XIDS,
+    KUBELET_PODRESOURCES_SOCKET,
+    GuardSettings,
+)
+from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
 
 DEFAULT_DRIVER = dra.DRIVER
 DEFAULT_KUBELET_ROOT = Path("/var/lib/kubelet")
@@ -51,6 +56,9 @@ class DraConfig:
     socket_check_s: float = 0.25  # how often the sockets are checked for deletion
     claim_timeout_s: float = 10.0  # one ResourceClaim GET (kubelet waits 45 s per call)
     reconcile_interval_s: float = 60.0  # prepared claims against the API server
+    guard: GuardSettings = field(default_factory=GuardSettings)  # the node guard (shared/guard.py)
+    podresources_socket: Path = KUBELET_PODRESOURCES_SOCKET  # the guard's view of claims
+    podresources_timeout_s: float = 5.0
 
     @property
     def registry_socket(self) -> Path:

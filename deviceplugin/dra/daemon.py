@@ -1,6 +1,11 @@
 """The running DRA plugin: NVML and its health thread, the API client, the ResourceSlice
 publisher, the claim driver, the kubelet sockets, the reconciler and /metrics, on one event loop.
 
+Its concurrency model is that one loop: every API call and every kubelet call is a task on it.
+Only what blocks runs on threads, and hands its results to the loop: NVML's event wait (the
+health monitor), the node guard's scans (NVML, /proc, PodResources) whose Events are posted as
+tasks on the loop, and the HTTP endpoint.
+
 Start order matters: the checkpoint is restored (and CDI specs rewritten) before kubelet can
 call, and the sockets are served last, so a registered plugin is always ready to prepare.
 """
@@ -17,7 +22,6 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from core.kube import RESOURCE_CLAIMS, Api, KubeConfigError, call_json, kube_client
-from deviceplugin import inventory
 from deviceplugin.dra.claims import ClaimRef
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.driver import DraDriver
@@ -25,8 +29,13 @@ from deviceplugin.dra.metrics import DraMetrics
 from deviceplugin.dra.service import CardBoard, PluginServers
 from deviceplugin.dra.slices import CardState, SlicePublisher
 from deviceplugin.dra.status import ClaimStatusWriter
-from deviceplugin.health import HealthMonitor
-from deviceplugin.http import serve
+from deviceplugin.shared import inventory
+from deviceplugin.shared.apiloop import spawner_on
+from deviceplugin.shared.guard import Guard, build_guard
+from deviceplugin.shared.guardevents import EventReporter
+from deviceplugin.shared.health import HealthMonitor
+from deviceplugin.shared.http import serve
+from deviceplugin.shared.podresources import PodResourcesClient
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -43,6 +52,8 @@ class DraDaemon:
         self.servers: PluginServers | None = None
         self.health: HealthMonitor | None = None
         self.http: ThreadingHTTPServer | None = None
+        self.guard: Guard | None = None
+        self.podresources: PodResourcesClient | None = None
         self._stack = AsyncExitStack()
         self._reconciler: asyncio.Task[None] | None = None
         self._status_task: asyncio.Task[None] | None = None
@@ -122,6 +133,22 @@ class DraDaemon:
             ).inc(),
         )
         self.health.start()
+        if config.guard.interval_s > 0:
+            self.podresources = PodResourcesClient(
+                config.podresources_socket, config.podresources_timeout_s
+            )
+            podresources = self.podresources
+            self.guard = build_guard(
+                config.guard,
+                cards=cards,
+                list_containers=lambda: podresources.list(set(), config.driver_name),
+                limits_dir=driver.grant_dir,
+                metrics=self.metrics.guard,
+                reporter=EventReporter(
+                    config.node_name, spawner_on(loop, api), kill=config.guard.kill
+                ),
+            )
+            self.guard.start()
         self.servers = PluginServers(config, self.driver, board, self.metrics)
         await self.servers.start()
         self._reconciler = asyncio.create_task(self._reconcile(), name="dra-reconcile")
@@ -148,6 +175,8 @@ class DraDaemon:
             return False, "not registered with kubelet"
         if self.health is None or not self.health.running:
             return False, "NVML health thread is not running"
+        if self.guard is not None and not self.guard.running:
+            return False, "node guard thread is not running"
         return True, "ok"
 
     async def stop(self) -> None:
@@ -169,6 +198,10 @@ class DraDaemon:
             await self.servers.stop()
         if self.health is not None:
             await asyncio.to_thread(self.health.stop)
+        if self.guard is not None:
+            await asyncio.to_thread(self.guard.stop)
+        if self.podresources is not None:
+            self.podresources.close()
         if self.publisher is not None:
             await self.publisher.stop()
         await self._stack.aclose()

@@ -23,30 +23,31 @@ Restarts (docs/dra.md has the cases):
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import shutil
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import aiohttp
+from pydantic import Field
 
-from core import contract
 from core.kube import KubeError, KubeNotFound
-from deviceplugin import cdispec
-from deviceplugin.checkpoint import CheckpointError, write_document
 from deviceplugin.dra import cdi
 from deviceplugin.dra.claims import ClaimError, ClaimRef, Result, limits, results
 from deviceplugin.dra.config import DraConfig
-from deviceplugin.inventory import Card
-from deviceplugin.plugin import install_preload, make_grant_dirs
+from deviceplugin.shared import cdispec
+from deviceplugin.shared import checkpoint as versioned
+from deviceplugin.shared.checkpoint import CheckpointError
+from deviceplugin.shared.guard import GrantError
+from deviceplugin.shared.hostfiles import boot_id, install_preload, make_grant_dirs, write_limits
+from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.podresources import ContainerDevices
 
 log = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
-BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 ClaimGetter = Callable[[ClaimRef], Awaitable[dict[str, Any]]]
 
@@ -57,15 +58,15 @@ class Prepared:
     results: tuple[Result, ...]
     cdi_ids: tuple[str, ...]  # one per result, in order
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "namespace": self.ref.namespace,
-            "name": self.ref.name,
-            "devices": [
-                {**r.to_json(), "cdiID": cdi_id}
+    def record(self) -> CheckpointClaim:
+        return CheckpointClaim(
+            namespace=self.ref.namespace,
+            name=self.ref.name,
+            devices=[
+                CheckpointDevice.model_validate({**r.to_json(), "cdiID": cdi_id})
                 for r, cdi_id in zip(self.results, self.cdi_ids, strict=True)
             ],
-        }
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,11 +77,32 @@ class Outcome:
     error: str = ""
 
 
-def boot_id() -> str:
-    try:
-        return BOOT_ID.read_text().strip()
-    except OSError:
-        return ""
+class CheckpointDevice(versioned.Document):
+    """One prepared device of a claim, as the checkpoint records it."""
+
+    request: str
+    pool: str
+    device: str
+    share_id: str | None = Field(alias="shareID")
+    uuid: str  # the card, by UUID: an index may name another card after a change of hardware
+    cores: int
+    memory_bytes: int = Field(alias="memoryBytes")
+    cdi_id: str = Field(alias="cdiID")
+
+
+class CheckpointClaim(versioned.Document):
+    namespace: str
+    name: str
+    devices: list[CheckpointDevice]
+
+
+class DraCheckpoint(versioned.Document):
+    """Version 1, the first: the claims this plugin prepared, by claim UID."""
+
+    version: Literal[1]
+    driver: str
+    boot_id: str = Field(alias="bootID")  # the boot it was written in ("" unknown)
+    claims: dict[str, CheckpointClaim]
 
 
 class DraDriver:
@@ -116,15 +138,7 @@ class DraDriver:
         if fresh:
             limits_dir.parent.mkdir(exist_ok=True)
         make_grant_dirs(limits_dir, shared_dir)
-        target = limits_dir / contract.LIMITS_FILE
-        current = None
-        if not fresh:
-            try:
-                current = target.read_text(encoding="ascii")
-            except (OSError, UnicodeDecodeError):
-                current = None
-        if current != claim_limits.render():
-            claim_limits.write_atomic(limits_dir)
+        if write_limits(limits_dir, claim_limits, fresh=fresh):
             log.info(
                 "limits written",
                 extra={
@@ -160,6 +174,21 @@ class DraDriver:
         self.config.claims_dir.mkdir(parents=True, exist_ok=True)
         self.config.cdi_root.mkdir(parents=True, exist_ok=True)
 
+    def grant_dir(self, container: ContainerDevices) -> Path:
+        """The limits directory of the one claim of this driver a listed container uses (the
+        guard's grant). Called from the guard's thread: it reads a copy of the prepared claims,
+        which the event loop replaces but never changes in place."""
+        if len(container.claims) != 1:
+            raise GrantError(
+                f"container {container.name} uses {len(container.claims)} claims of "
+                f"{self.config.driver_name}; the guard checks containers with exactly one"
+            )
+        ((namespace, name),) = container.claims
+        for uid, prepared in list(self.prepared.items()):
+            if (prepared.ref.namespace, prepared.ref.name) == (namespace, name):
+                return self._claim_dirs(uid)[0]
+        raise GrantError(f"ResourceClaim {namespace}/{name} is not prepared on this node")
+
     # ---- checkpoint ------------------------------------------------------------------------
 
     def _save(self) -> None:
@@ -168,56 +197,48 @@ class DraDriver:
         # ignored; either way kubelet prepares every claim again when it re-creates the pod
         # sandboxes after the reboot, and the reconciler drops what is gone. Two fsyncs were the
         # slowest and most variable part of a prepare.
-        write_document(
+        versioned.write(
             self.config.checkpoint_path,
-            {
-                "version": CHECKPOINT_VERSION,
-                "driver": self.config.driver_name,
-                "bootID": boot_id(),
-                "claims": {uid: p.to_json() for uid, p in sorted(self.prepared.items())},
-            },
+            DraCheckpoint(
+                version=CHECKPOINT_VERSION,
+                driver=self.config.driver_name,
+                boot_id=boot_id(),
+                claims={uid: p.record() for uid, p in sorted(self.prepared.items())},
+            ),
             durable=False,
         )
         self.checkpoint_writes += 1
 
     def _load(self) -> tuple[dict[str, Prepared], str]:
         path = self.config.checkpoint_path
-        try:
-            document: Any = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
+        document = versioned.read(path, DraCheckpoint)
+        if document is None:
             return {}, ""
-        except (OSError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
-        if not isinstance(document, dict) or document.get("version") != CHECKPOINT_VERSION:
-            raise CheckpointError(f"checkpoint {path} has an unsupported format")
         loaded: dict[str, Prepared] = {}
-        try:
-            for uid, entry in (document.get("claims") or {}).items():
-                ref = ClaimRef(str(entry["namespace"]), str(entry["name"]), str(uid))
-                granted, ids = [], []
-                for device in entry["devices"]:
-                    card = self._by_uuid.get(device["uuid"])
-                    if card is None:
-                        raise CheckpointError(
-                            f"checkpoint {path}: {ref} holds card {device['uuid']}, which this "
-                            "node no longer has"
-                        )
-                    granted.append(
-                        Result(
-                            request=str(device["request"]),
-                            pool=str(device["pool"]),
-                            device=str(device["device"]),
-                            share_id=device.get("shareID"),
-                            card=card,
-                            cores=int(device["cores"]),
-                            memory_bytes=int(device["memoryBytes"]),
-                        )
+        for uid, entry in document.claims.items():
+            ref = ClaimRef(entry.namespace, entry.name, uid)
+            granted, ids = [], []
+            for device in entry.devices:
+                card = self._by_uuid.get(device.uuid)
+                if card is None:
+                    raise CheckpointError(
+                        f"checkpoint {path}: {ref} holds card {device.uuid}, which this "
+                        "node no longer has"
                     )
-                    ids.append(str(device["cdiID"]))
-                loaded[str(uid)] = Prepared(ref, tuple(granted), tuple(ids))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise CheckpointError(f"checkpoint {path} has a malformed claim: {exc}") from exc
-        return loaded, str(document.get("bootID") or "")
+                granted.append(
+                    Result(
+                        request=device.request,
+                        pool=device.pool,
+                        device=device.device,
+                        share_id=device.share_id,
+                        card=card,
+                        cores=device.cores,
+                        memory_bytes=device.memory_bytes,
+                    )
+                )
+                ids.append(device.cdi_id)
+            loaded[uid] = Prepared(ref, tuple(granted), tuple(ids))
+        return loaded, document.boot_id
 
     def restore(self) -> None:
         """Reload the checkpoint, write every claim's files again, remove files of no claim."""

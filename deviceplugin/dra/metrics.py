@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from deviceplugin.shared.guard import GuardMetrics
+
 PREFIX = "fracgpu_dra_plugin"
 
 
 class DraMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
+        self.guard = GuardMetrics(registry, PREFIX)  # the node guard, under this agent's prefix
         self.registered = Gauge(
             f"{PREFIX}_registered",
             "1 while kubelet has the plugin registered",

@@ -47,7 +47,7 @@ from core.kube import (
 )
 from core.quantity import QuantityError, parse_quantity
 from core.units import BLOCK_MIB, CORE_PER_CARD, MIB
-from deviceplugin.inventory import Card, CardDetails
+from deviceplugin.shared.inventory import Card, CardDetails
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ from tests.e2e.scenarios import container, manifest
 from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
 
 CARDS = 4
-# Devices that Allocate hands to a container besides the card itself (deviceplugin.plugin).
+# Devices that Allocate hands to a container besides the card itself (deviceplugin.classic.plugin).
 CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 HOOK = ROOT / "native" / "build" / "libfracgpu.so"
 

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from core.units import BLOCK_MIB, CORE, MEMORY
-from deviceplugin.allocator import SETTLE_S
+from deviceplugin.classic.allocator import SETTLE_S
 from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
 from tests.e2e.nodeagent import (
     NodeAgent,

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from deviceplugin.config import Config
-from deviceplugin.daemon import Daemon
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.daemon import Daemon
 from tests.fakes.kubelet import FakeKubelet
 from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
 

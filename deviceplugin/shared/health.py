@@ -21,7 +21,7 @@ from typing import Any
 
 import pynvml
 
-from deviceplugin.inventory import Card
+from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 from core.contract import Limits
 from core.units import BLOCK_MIB, CORE_PER_CARD, MIB
-from deviceplugin.inventory import Card
+from deviceplugin.shared.inventory import Card
 
 
 class PreStartError(ValueError):

@@ -1,4 +1,5 @@
-"""Client of kubelet's PodResources API: who holds which fracgpu device IDs."""
+"""Client of kubelet's PodResources API: who holds which fracgpu device IDs, and (DRA mode)
+which of the driver's claims."""
 
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ class ContainerDevices:
     container: str
     # resource name -> device IDs, merged over kubelet's one-entry-per-ID listing
     devices: dict[str, frozenset[str]] = field(default_factory=dict)
+    # (namespace, name) of the claims this container uses devices of the driver from (DRA)
+    claims: frozenset[tuple[str, str]] = frozenset()
 
     def ids(self, resource: str) -> frozenset[str]:
         return self.devices.get(resource, frozenset())
@@ -33,11 +36,21 @@ class ContainerDevices:
         return f"{self.namespace}/{self.pod}/{self.container}"
 
 
-def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[ContainerDevices]:
-    """Containers that hold any of ``resources``, their entries merged by resource name."""
+def merge(
+    response: pr.ListPodResourcesResponse, resources: set[str], driver: str | None = None
+) -> list[ContainerDevices]:
+    """Containers that hold any of ``resources`` (their entries merged by resource name) or a
+    device of ``driver`` through a claim."""
     containers = []
     for pod in response.pod_resources:
         for container in pod.containers:
+            claims: frozenset[tuple[str, str]] = frozenset()
+            if driver is not None and container.dynamic_resources:
+                claims = frozenset(
+                    (d.claim_namespace, d.claim_name)
+                    for d in container.dynamic_resources
+                    if any(r.driver_name == driver for r in d.claim_resources)
+                )
             # Each protobuf attribute read is the cost on a full node (thousands of one-ID
             # entries): read every entry once into plain tuples, then let comprehensions
             # do the merging.
@@ -47,9 +60,11 @@ def merge(response: pr.ListPodResourcesResponse, resources: set[str]) -> list[Co
                 held = frozenset([i for name, ids in entries if name == resource for i in ids])
                 if held:
                     merged[resource] = held
-            if not merged:
+            if not merged and not claims:
                 continue
-            containers.append(ContainerDevices(pod.namespace, pod.name, container.name, merged))
+            containers.append(
+                ContainerDevices(pod.namespace, pod.name, container.name, merged, claims)
+            )
     return containers
 
 
@@ -128,9 +143,9 @@ class PodResourcesClient:
                 f"kubelet PodResources List on {self.socket} failed: {exc}"
             ) from None
 
-    def list(self, resources: set[str]) -> list[ContainerDevices]:
-        """Every container holding any of ``resources`` (reconciliation)."""
-        return merge(self._list(), resources)
+    def list(self, resources: set[str], driver: str | None = None) -> list[ContainerDevices]:
+        """Every container holding any of ``resources`` or a claim of ``driver``."""
+        return merge(self._list(), resources, driver)
 
     def find(
         self, resource: str, wanted: frozenset[str], resources: set[str]

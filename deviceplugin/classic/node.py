@@ -17,26 +17,24 @@ Written with one JSON merge patch (labels and the annotations together), again w
 health changes or, at most once a second, what the cards have free, and retried with backoff
 while the API server is unreachable.
 
-The plugin is threaded (gRPC's server runs handlers on threads), and a publish is rare (start,
-health changes), so the publisher is a plain thread that runs each PATCH to completion in its own
-short event loop, through the project's one client factory (``core.kube.kube_client``: the same
-configuration order as every other component). No event loop outlives a publish, and each publish
-reads the configuration afresh, so a rotated service-account token is picked up.
+The plugin is threaded (gRPC's server runs handlers on threads), so each writer is a plain thread
+that decides *when* to write, and every write runs on the agent's one API thread
+(``shared.apiloop.ApiLoop``: one event loop, one client, made afresh after a failure, so a
+rotated service-account token is picked up).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
-from core.kube import NODES, call_json, kube_client
+from core.kube import NODES, Api, call_json
 from core.labels import (
     COUNT_LABEL,
     FREE_ANNOTATION,
@@ -47,14 +45,16 @@ from core.labels import (
     PRODUCT_LABEL,
 )
 from core.units import BLOCK_MIB, CORE_PER_CARD
-from deviceplugin.allocator import Allocator, CardUsage
-from deviceplugin.config import Config
-from deviceplugin.ids import Kind
-from deviceplugin.inventory import Card
+from deviceplugin.classic.allocator import Allocator, CardUsage
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.ids import Kind
+from deviceplugin.shared.apiloop import ApiLoop
+from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)
 
 MERGE_PATCH = "application/merge-patch+json"
+WRITE_TIMEOUT_S = 10.0  # one PATCH; a writer retries after a failure
 
 
 def label_safe(text: str) -> str:
@@ -113,7 +113,7 @@ def node_patch(
     return {"metadata": {"labels": labels, "annotations": annotations}}
 
 
-async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
+async def publish(api: Api, node_name: str, patch: dict[str, Any]) -> None:
     """Merge-patch the Node (``api``: an ApiClient from ``core.kube.kube_client``)."""
     await call_json(api, "PATCH", NODES.path(name=node_name), body=patch, content_type=MERGE_PATCH)
 
@@ -121,8 +121,11 @@ async def publish(api: Any, node_name: str, patch: dict[str, Any]) -> None:
 class NodePublisher:
     """Keeps the Node's labels and annotation current, from its own thread."""
 
-    def __init__(self, config: Config, cards: list[Card], allocator: Allocator) -> None:
+    def __init__(
+        self, config: Config, cards: list[Card], allocator: Allocator, api: ApiLoop
+    ) -> None:
         self.config = config
+        self.api = api
         self.cards = cards
         self.allocator = allocator
         self._wake = threading.Event()
@@ -159,8 +162,9 @@ class NodePublisher:
             if not woken and free == published_free:
                 continue
             healthy = {u.card.index: u.healthy for u in usage}
+            patch = node_patch(self.cards, healthy, free)
             try:
-                asyncio.run(self._publish(node, node_patch(self.cards, healthy, free)))
+                self.api.call(partial(publish, node_name=node, patch=patch), WRITE_TIMEOUT_S)
             except Exception as exc:  # configuration, network, 5xx, RBAC: log and retry
                 log.warning(
                     "publishing the node inventory failed; retrying",
@@ -174,13 +178,20 @@ class NodePublisher:
             published_free = free
             backoff = 1.0
 
-    async def _publish(self, node: str, patch: dict[str, Any]) -> None:
-        async with kube_client(self.config.kubeconfig) as api:
-            await publish(api, node, patch)
-
 
 def allocatable_patch(counts: Mapping[str, int]) -> dict[str, Any]:
     return {"status": {"allocatable": {name: str(n) for name, n in sorted(counts.items())}}}
+
+
+async def write_allocatable(api: Api, node_name: str, counts: Mapping[str, int]) -> None:
+    """Merge-patch the Node's status: its allocatable fracgpu resources."""
+    await call_json(
+        api,
+        "PATCH",
+        NODES.path(name=node_name) + "/status",
+        body=allocatable_patch(counts),
+        content_type=MERGE_PATCH,
+    )
 
 
 class AllocatableMirror:
@@ -210,6 +221,7 @@ class AllocatableMirror:
         self,
         config: Config,
         allocator: Allocator,
+        api: ApiLoop,
         *,
         registered: Callable[[], bool] = lambda: True,
         confirm_after_s: float = 1.0,
@@ -217,6 +229,7 @@ class AllocatableMirror:
     ) -> None:
         self.config = config
         self.allocator = allocator
+        self.api = api
         self.registered = registered
         self.resources = {Kind.CORE: config.core_resource, Kind.MEMORY: config.memory_resource}
         self.confirm_after_s = confirm_after_s
@@ -257,18 +270,8 @@ class AllocatableMirror:
         assert node is not None
         zero = {name: 0 for name in self.resources.values()}
 
-        async def write() -> None:
-            async with kube_client(self.config.kubeconfig) as api:
-                await call_json(
-                    api,
-                    "PATCH",
-                    NODES.path(name=node) + "/status",
-                    body=allocatable_patch(zero),
-                    content_type=MERGE_PATCH,
-                )
-
         try:
-            asyncio.run(asyncio.wait_for(write(), timeout_s))
+            self.api.call(lambda api: write_allocatable(api, node, zero), timeout_s)
         except Exception as exc:  # stopping anyway: kubelet's update follows within its period
             log.warning(
                 "withdrawing the node's allocatable GPU resources failed",
@@ -282,65 +285,46 @@ class AllocatableMirror:
     def _run(self) -> None:
         node = self.config.node_name
         assert node is not None
-        loop = asyncio.new_event_loop()
-        stack = AsyncExitStack()
-        api: Any = None
         seen = -1
         confirm_at: float | None = None
         failing = False
-        try:
-            while not self._stop.is_set():
-                wait = 1.0 if confirm_at is None else max(0.0, confirm_at - time.monotonic())
-                version = self.allocator.wait_for_change(seen, wait)
-                moved, seen = version != seen, version
-                due = confirm_at is not None and time.monotonic() >= confirm_at
-                if not self.registered():
-                    self._stop.wait(0.1)
-                    seen = -1  # once registered, write what the lists say then
-                    continue
-                if not (moved or due or failing):
-                    continue  # nothing changed: no need to count the lists again
-                counts = self.counts()
-                if counts == self.published and not due:
-                    if confirm_at is None and self.allocator.keeping():
-                        # kubelet writes its lists' count at its status period, and while the
-                        # lists keep what a change hid, that count is higher: written again
-                        # each second until the lists say what is offered.
-                        confirm_at = time.monotonic() + self.confirm_after_s
-                    continue
-                try:
-                    if api is None:
-                        api = loop.run_until_complete(
-                            stack.enter_async_context(kube_client(self.config.kubeconfig))
-                        )
-                    loop.run_until_complete(
-                        call_json(
-                            api,
-                            "PATCH",
-                            NODES.path(name=node) + "/status",
-                            body=allocatable_patch(counts),
-                            content_type=MERGE_PATCH,
-                        )
+        while not self._stop.is_set():
+            wait = 1.0 if confirm_at is None else max(0.0, confirm_at - time.monotonic())
+            version = self.allocator.wait_for_change(seen, wait)
+            moved, seen = version != seen, version
+            due = confirm_at is not None and time.monotonic() >= confirm_at
+            if not self.registered():
+                self._stop.wait(0.1)
+                seen = -1  # once registered, write what the lists say then
+                continue
+            if not (moved or due or failing):
+                continue  # nothing changed: no need to count the lists again
+            counts = self.counts()
+            if counts == self.published and not due:
+                if confirm_at is None and self.allocator.keeping():
+                    # kubelet writes its lists' count at its status period, and while the
+                    # lists keep what a change hid, that count is higher: written again
+                    # each second until the lists say what is offered.
+                    confirm_at = time.monotonic() + self.confirm_after_s
+                continue
+            try:
+                self.api.call(
+                    partial(write_allocatable, node_name=node, counts=counts), WRITE_TIMEOUT_S
+                )
+            except Exception as exc:  # configuration, network, 5xx, RBAC: retry
+                if not failing:
+                    log.warning(
+                        "writing the node's allocatable GPU resources failed; retrying "
+                        "(kubelet still writes them every node-status period)",
+                        extra={"node": node, "error": str(exc)},
                     )
-                except Exception as exc:  # configuration, network, 5xx, RBAC: retry
-                    if not failing:
-                        log.warning(
-                            "writing the node's allocatable GPU resources failed; retrying "
-                            "(kubelet still writes them every node-status period)",
-                            extra={"node": node, "error": str(exc)},
-                        )
-                    failing = True
-                    loop.run_until_complete(stack.aclose())
-                    stack, api = AsyncExitStack(), None
-                    self._stop.wait(self.retry_s)
-                    continue
-                if failing:
-                    log.info("writing the node's allocatable GPU resources works again")
-                failing = False
-                self.writes += 1
-                changed = counts != self.published or self.allocator.keeping()
-                self.published = counts
-                confirm_at = time.monotonic() + self.confirm_after_s if changed else None
-        finally:
-            loop.run_until_complete(stack.aclose())
-            loop.close()
+                failing = True
+                self._stop.wait(self.retry_s)
+                continue
+            if failing:
+                log.info("writing the node's allocatable GPU resources works again")
+            failing = False
+            self.writes += 1
+            changed = counts != self.published or self.allocator.keeping()
+            self.published = counts
+            confirm_at = time.monotonic() + self.confirm_after_s if changed else None

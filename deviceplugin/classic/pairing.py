@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from deviceplugin.ids import Kind
+from deviceplugin.classic.ids import Kind
 
 
 class Clock(Protocol):

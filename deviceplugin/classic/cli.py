@@ -8,13 +8,16 @@ from pathlib import Path
 
 from core import contract
 from core.flags import add_kube_flags
-from deviceplugin.config import (
-    DEFAULT_GUARD_PROCESS_OVERHEAD_MIB,
-    DEFAULT_IGNORED_XIDS,
+from deviceplugin.classic.config import (
     DEFAULT_RECONCILE_INTERVAL_S,
     KUBELET_DEVICE_PLUGIN_DIR,
-    KUBELET_PODRESOURCES_SOCKET,
     Config,
+)
+from deviceplugin.shared.flags import (
+    DEFAULT_IGNORED_XIDS,
+    KUBELET_PODRESOURCES_SOCKET,
+    add_guard_flags,
+    guard_settings,
 )
 
 
@@ -28,36 +31,6 @@ def _xids(text: str) -> frozenset[int]:
     if any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"--ignore-xids {text!r}: XIDs are positive numbers")
     return values
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be positive")
-    return value
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more seconds")
-    return value
-
-
-def _mib(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more MiB")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -130,48 +103,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="SECONDS",
         help="a card is Healthy again after this long without a critical event",
     )
-    guard = parser.add_argument_group(
-        "node guard", "compare each container's memory in NVML with its grant and act on excess"
-    )
-    guard.add_argument(
-        "--guard-interval",
-        type=_seconds,
-        default=0.5,
-        metavar="SECONDS",
-        help="how often NVML's per-process memory is read (0 turns the guard off)",
-    )
-    guard.add_argument(
-        "--guard-grace",
-        type=_seconds,
-        default=1.0,
-        metavar="SECONDS",
-        help="how long an excess lasts before the container's largest processes are killed",
-    )
-    guard.add_argument(
-        "--guard-kill",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="kill after the grace (--no-guard-kill: report only)",
-    )
-    guard.add_argument(
-        "--guard-process-overhead-mib",
-        type=_mib,
-        default=DEFAULT_GUARD_PROCESS_OVERHEAD_MIB,
-        metavar="MIB",
-        help="allowance per process for its CUDA context, which NVML counts and the hook does not",
-    )
-    guard.add_argument(
-        "--guard-proc-root",
-        type=Path,
-        default=Path("/proc"),
-        help="the node's /proc (the DaemonSet runs with hostPID)",
-    )
-    guard.add_argument(
-        "--guard-container-logs",
-        type=Path,
-        default=Path("/var/log/containers"),
-        help="kubelet's container log links, which name each container ID's pod and container",
-    )
+    add_guard_flags(parser)
     parser.set_defaults(run=run)
 
 
@@ -191,16 +123,11 @@ def config_from(args: argparse.Namespace) -> Config:
         kubeconfig=args.kubeconfig,
         reconcile_interval_s=args.reconcile_interval,
         health_quiet_s=args.health_quiet,
-        guard_interval_s=args.guard_interval,
-        guard_grace_s=args.guard_grace,
-        guard_kill=args.guard_kill,
-        guard_process_overhead_mib=args.guard_process_overhead_mib,
-        guard_proc_root=args.guard_proc_root,
-        guard_container_logs=args.guard_container_logs,
+        guard=guard_settings(args),
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from deviceplugin.daemon import run as run_daemon
+    from deviceplugin.classic.daemon import run as run_daemon
 
     return run_daemon(config_from(args))

@@ -20,9 +20,11 @@ From a pid to a fracgpu container, using only what the container cannot change:
    log there, whatever the runtime, to ``…/pods/<namespace>_<pod>_<uid>/<container>/<n>.log``.
    The link's target names the pod, its namespace and UID and the container; the UID must equal
    the cgroup's, so a pod deleted and created again under the same name is never confused.
-3. kubelet's PodResources ``List`` (the plugin's client): the container's fracgpu device IDs,
-   which name its directory (``allocator.container_dir_name``), whose limits file is its grant:
-   the card the plugin placed it on and its amounts, exactly what the hook enforces.
+3. kubelet's PodResources ``List`` (the agent's client): what the container holds, from which
+   the agent names its *grant*, the directory whose limits file the hook enforces: in
+   device-plugin mode the container's own (named after its device IDs), in DRA mode its claim's
+   (a claim shared by several containers is one grant, one accounting region, and the guard
+   adds up their processes as the hook does).
 
 A process that fails any step (a system process, a container of another device plugin, a pod
 that holds no fracgpu resource) belongs to no fracgpu container: it is counted, never acted on.
@@ -50,15 +52,14 @@ from pathlib import Path
 from typing import Protocol
 
 import pynvml
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from core.contract import LIMITS_FILE, Limits, LimitsError
+from core.contract import Limits, LimitsError
 from core.units import MIB
-from deviceplugin.allocator import container_dir_name
-from deviceplugin.config import Config
-from deviceplugin.inventory import Card
-from deviceplugin.metrics import Metrics
-from deviceplugin.podresources import ContainerDevices, PodResourcesError
-from deviceplugin.prestart import PreStartError
+from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.hostfiles import read_limits
+from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,61 @@ _CGROUP = re.compile(
 _LOG_TARGET = re.compile(r"([^/_]+)_([^/_]+)_([0-9a-f][0-9a-f-]{31,35})/([^/]+)/[^/]+$")
 _MAX_MISS_RETRY_S = 60.0
 _FORGET_AFTER_S = 300.0
+
+
+class GuardMetrics:
+    """The guard's metrics, under the prefix of the agent that runs it (its caller's registry)."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.registry = registry
+        self.guard_excess = Counter(
+            f"{prefix}_guard_excess",
+            "Times a grant was found holding more of a card than it was given",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_containers_over = Gauge(
+            f"{prefix}_guard_containers_over_grant",
+            "Grants (containers; claims in DRA mode) over their share of the card at the last scan",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_kills = Counter(
+            f"{prefix}_guard_kills",
+            "Processes the guard killed for their grant's excess",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_kills_skipped = Counter(
+            f"{prefix}_guard_kills_skipped",
+            "Kills not made, by reason (pid reused, gone, left the container, not permitted)",
+            ["reason"],
+            registry=registry,
+        )
+        self.guard_foreign_processes = Gauge(
+            f"{prefix}_guard_foreign_processes",
+            "Processes on the card that belong to no fracgpu container (never acted on)",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_unmeasured_processes = Gauge(
+            f"{prefix}_guard_unmeasured_processes",
+            "Processes on the card for which NVML gives no memory figure",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_nvml_errors = Counter(
+            f"{prefix}_guard_nvml_errors",
+            "Process-list reads NVML failed (no action on the card that pass)",
+            ["card"],
+            registry=registry,
+        )
+        self.guard_scan_seconds = Histogram(
+            f"{prefix}_guard_scan_seconds",
+            "Time of one guard scan over every card",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+            registry=registry,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +177,7 @@ class ProcReader:
 
 @dataclass(frozen=True, slots=True)
 class Owner:
-    """A fracgpu container and its grant."""
+    """A fracgpu container and its grant (``grant``: the grant's limits directory, its key)."""
 
     namespace: str
     pod: str
@@ -129,6 +185,7 @@ class Owner:
     pod_uid: str
     container_id: str
     limits: Limits
+    grant: str = ""
 
     @property
     def name(self) -> str:
@@ -139,26 +196,25 @@ class Owner:
         return self.limits.memory_bytes if card_uuid in self.limits.devices else 0
 
 
+class GrantError(RuntimeError):
+    """No grant can be named for a listed container (no limits file yet, an unknown claim)."""
+
+
 ListContainers = Callable[[], list[ContainerDevices]]
-Grant = Callable[[ContainerDevices], Limits]
+LimitsDir = Callable[[ContainerDevices], Path]
+Grant = Callable[[ContainerDevices], tuple[str, Limits]]
 
 
-def grant_of(config: Config) -> Grant:
-    """A container's grant: the limits file PreStartContainer wrote in its directory.
+def grant_from(limits_dir: LimitsDir) -> Grant:
+    """A container's grant: the limits file the agent wrote before the container ran, in the
+    directory ``limits_dir`` names for it (the agent's own layout; GrantError if none)."""
 
-    Its device IDs name no card (the plugin places containers from its own ledger), so the
-    file, written before the container ran, is where its card and amounts are recorded.
-    """
-
-    def grant(container: ContainerDevices) -> Limits:
-        core = container.ids(config.core_resource)
-        if not core:
-            raise PreStartError(f"container {container.name} holds no {config.core_resource}")
-        path = config.containers_dir / container_dir_name(core) / "limits" / LIMITS_FILE
+    def grant(container: ContainerDevices) -> tuple[str, Limits]:
+        directory = limits_dir(container)
         try:
-            return Limits.parse(path.read_text(encoding="ascii"))
+            return str(directory), read_limits(directory)
         except (OSError, UnicodeDecodeError, LimitsError) as exc:
-            raise PreStartError(f"container {container.name} has no limits file: {exc}") from None
+            raise GrantError(f"container {container.name} has no limits file: {exc}") from None
 
     return grant
 
@@ -245,14 +301,14 @@ class Owners:
             if (entry.namespace, entry.pod, entry.container) != named:
                 continue
             try:
-                limits = self._grant(entry)
-            except PreStartError as exc:
+                grant, limits = self._grant(entry)
+            except GrantError as exc:
                 log.warning(
                     "guard cannot compute a grant",
                     extra={"container": entry.name, "error": str(exc)},
                 )
                 return None
-            return Owner(namespace, pod, container, ref.pod_uid, ref.container_id, limits)
+            return Owner(namespace, pod, container, ref.pod_uid, ref.container_id, limits, grant)
         return None
 
 
@@ -269,11 +325,12 @@ class Process:
     pid: int
     used: int  # bytes
     start: int  # stat field 22
+    ref: ContainerRef | None = None  # its container (a grant may span several)
 
 
 @dataclass(slots=True)
 class _Episode:
-    """A container over its grant on one card, since ``since`` (monotonic)."""
+    """A grant over its share of one card, since ``since`` (monotonic)."""
 
     since: float
     starts: dict[int, int] = field(default_factory=dict)  # pid -> start time first seen
@@ -292,7 +349,8 @@ class Usage:
 
 @dataclass(slots=True)
 class Observation:
-    """One scan's reading: each fracgpu container's processes per card."""
+    """One scan's reading: each grant's processes per card (``owner``: the first container of
+    the grant seen; its name is what logs and Events point at)."""
 
     usage: list[Usage] = field(default_factory=list)
     foreign: dict[int, int] = field(default_factory=dict)  # card -> processes of no container
@@ -351,7 +409,7 @@ class Guard:
         cards: Iterable[Card],
         owners: Owners,
         proc: ProcReader,
-        metrics: Metrics,
+        metrics: GuardMetrics,
         *,
         interval_s: float = 0.5,
         grace_s: float = 1.0,
@@ -370,7 +428,7 @@ class Guard:
         self.overhead = process_overhead_mib * MIB
         self.reporter = reporter
         self._clock = clock
-        self._episodes: dict[tuple[ContainerRef, int], _Episode] = {}
+        self._episodes: dict[tuple[str, int], _Episode] = {}
         self._failing: dict[int, str] = {}  # card -> the NVML error already logged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -408,8 +466,8 @@ class Guard:
 
     def observe(self) -> Observation:
         observation = Observation()
-        grouped: dict[tuple[ContainerRef, int], list[Process]] = {}
-        owners: dict[ContainerRef, Owner] = {}
+        grouped: dict[tuple[str, int], list[Process]] = {}
+        owners: dict[str, Owner] = {}
         for index, card in sorted(self.cards.items()):
             try:
                 processes = card_processes(card)
@@ -430,15 +488,16 @@ class Guard:
                 if ref is None or owner is None or start is None:
                     foreign += 1
                     continue
-                owners[ref] = owner
-                grouped.setdefault((ref, index), []).append(Process(pid, used, start))
+                key = owner.grant or owner.name
+                owners.setdefault(key, owner)
+                grouped.setdefault((key, index), []).append(Process(pid, used, start, ref))
             observation.foreign[index] = foreign
             observation.unmeasured[index] = unmeasured
             self.metrics.guard_foreign_processes.labels(str(index)).set(foreign)
             self.metrics.guard_unmeasured_processes.labels(str(index)).set(unmeasured)
         observation.usage = [
-            Usage(owners[ref], self.cards[index], tuple(processes))
-            for (ref, index), processes in grouped.items()
+            Usage(owners[key], self.cards[index], tuple(processes))
+            for (key, index), processes in grouped.items()
         ]
         return observation
 
@@ -458,10 +517,9 @@ class Guard:
 
     def act(self, observation: Observation) -> None:
         now = self._clock()
-        over: set[tuple[ContainerRef, int]] = set()
+        over: set[tuple[str, int]] = set()
         for usage in observation.usage:
-            ref = ContainerRef(usage.owner.pod_uid, usage.owner.container_id)
-            key = (ref, usage.card.index)
+            key = (usage.owner.grant or usage.owner.name, usage.card.index)
             allowed = self.allowed(usage)
             if usage.used <= allowed:
                 continue
@@ -472,15 +530,12 @@ class Guard:
                 self._report_excess(usage, allowed)
             fresh = self._note_starts(episode, usage)
             if self.kill and now - episode.since >= self.grace_s:
-                self._kill(usage, allowed, ref, fresh)
+                self._kill(usage, allowed, fresh)
         # Episodes of cards that could not be read this time are kept: no news is not a cure.
         for key in list(self._episodes):
             if key not in over and key[1] not in observation.failed:
                 del self._episodes[key]
-                log.info(
-                    "container is back within its grant",
-                    extra={"container_id": key[0].container_id, "card": key[1]},
-                )
+                log.info("grant is back within its share", extra={"grant": key[0], "card": key[1]})
         counts: dict[int, int] = dict.fromkeys(self.cards, 0)
         for _, card in self._episodes:
             counts[card] += 1
@@ -521,7 +576,7 @@ class Guard:
         if self.reporter is not None:
             self.reporter.excess(usage.owner, card, usage.used, allowed, self.grace_s)
 
-    def _kill(self, usage: Usage, allowed: int, ref: ContainerRef, settled: set[int]) -> None:
+    def _kill(self, usage: Usage, allowed: int, settled: set[int]) -> None:
         """Kill the largest processes until the rest fits (the rest keep their contexts).
 
         When the next in line cannot be killed now (its pid was reused, it left the container)
@@ -534,6 +589,7 @@ class Guard:
                 break
             if process.pid not in settled:
                 break
+            ref = process.ref or ContainerRef(usage.owner.pod_uid, usage.owner.container_id)
             outcome = kill_verified(self.proc, process.pid, process.start, ref)
             if outcome not in ("killed", "gone"):
                 self.metrics.guard_kills_skipped.labels(outcome).inc()
@@ -564,16 +620,44 @@ class Guard:
                 self.reporter.killed(usage.owner, usage.card, process.pid, process.used, allowed)
 
 
+def build_guard(
+    settings: GuardSettings,
+    *,
+    cards: Iterable[Card],
+    list_containers: ListContainers,
+    limits_dir: LimitsDir,
+    metrics: GuardMetrics,
+    reporter: Reporter | None,
+) -> Guard:
+    """The guard as either agent runs it: ``list_containers`` and ``limits_dir`` are the agent's
+    view of who holds what and where its grants live."""
+    owners = Owners(settings.container_logs, list_containers, grant_from(limits_dir))
+    return Guard(
+        cards,
+        owners,
+        ProcReader(settings.proc_root),
+        metrics,
+        interval_s=settings.interval_s,
+        grace_s=settings.grace_s,
+        kill=settings.kill,
+        process_overhead_mib=settings.process_overhead_mib,
+        reporter=reporter,
+    )
+
+
 __all__ = [
     "ContainerRef",
+    "GrantError",
     "Guard",
+    "GuardMetrics",
     "Observation",
     "Owner",
     "Owners",
     "ProcReader",
     "Reporter",
+    "build_guard",
     "card_processes",
-    "grant_of",
+    "grant_from",
     "kill_verified",
     "parse_cgroup",
 ]

@@ -22,12 +22,12 @@ import grpc
 
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.allocator import AllocationError
-from deviceplugin.ids import Kind
-from deviceplugin.listing import ListedDevice
-from deviceplugin.plugin import DevicePlugin, NotListedError, WaitingError
-from deviceplugin.podresources import PodResourcesError
-from deviceplugin.prestart import PreStartError
+from deviceplugin.classic.allocator import AllocationError
+from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.listing import ListedDevice
+from deviceplugin.classic.plugin import DevicePlugin, NotListedError, WaitingError
+from deviceplugin.classic.prestart import PreStartError
+from deviceplugin.shared.podresources import PodResourcesError
 
 log = logging.getLogger(__name__)
 

@@ -8,92 +8,67 @@ recovery then relies on PodResources alone.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from core.units import CORE_PER_CARD, card_blocks
-from deviceplugin.allocator import Allocation
-from deviceplugin.ids import DeviceId, Kind
-from deviceplugin.inventory import Card
+from deviceplugin.classic.allocator import Allocation
+from deviceplugin.classic.ids import DeviceId, Kind
+from deviceplugin.shared import checkpoint as versioned
+from deviceplugin.shared.checkpoint import CheckpointError
+from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)
 
 VERSION = 2
-"""2: an allocation's ``cards`` are where the plugin placed it (its IDs name no card), and may
-be empty (waiting for a card). Version 1, written while IDs named cards, is read as version 2:
-its ``cards`` were the cards of its IDs, which is where those containers run."""
-READABLE = (1, VERSION)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used (corrupt, another version, other cards)."""
+class DevicePluginCheckpoint(versioned.Document):
+    """Version 2: an allocation's ``cards`` are where the plugin placed it (its IDs name no
+    card), and may be empty (waiting for a card).
+
+    Allocations stay plain records here and are parsed one by one in ``read``: one bad record
+    must not cost the others (the plugin would crash-loop until someone deleted the file).
+    """
+
+    version: Literal[2]
+    cards: dict[str, str]  # index -> UUID of the cards it was written for
+    allocations: list[Any]
+
+
+def _from_v1(document: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 was written while IDs named cards; its ``cards`` were the cards of its IDs,
+    which is where those containers run, so it reads as version 2 unchanged."""
+    return {**document, "version": 2}
+
+
+UPGRADES: Mapping[int, versioned.Upgrade] = {1: _from_v1}
 
 
 def write(path: Path, cards: Iterable[Card], allocations: Iterable[Allocation]) -> None:
-    document = {
-        "version": VERSION,
-        "cards": {str(c.index): c.uuid for c in cards},
-        "allocations": [a.to_json() for a in allocations],
-    }
-    write_document(path, document)
-
-
-def write_document(path: Path, document: Mapping[str, Any], *, durable: bool = True) -> None:
-    """Write a JSON checkpoint atomically: a reader sees the old file or the new one.
-
-    ``durable`` (fsync of the file and its directory) makes that hold across a crash of the
-    node too; without it a crash may leave the old file, or an empty one that reads as corrupt.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            # dumps, not dump: dump streams through the pure-Python encoder, several times
-            # slower, and this runs beside the RPC handlers under the same interpreter lock
-            fh.write(json.dumps(document, separators=(",", ":")))
-            if durable:
-                fh.flush()
-                os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    if not durable:
-        return
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    document = DevicePluginCheckpoint(
+        version=VERSION,
+        cards={str(c.index): c.uuid for c in cards},
+        allocations=[a.to_json() for a in allocations],
+    )
+    versioned.write(path, document)
 
 
 def read(path: Path, cards: Mapping[int, Card]) -> list[Allocation]:
     """The allocations of a checkpoint written for these cards; [] when there is none."""
-    try:
-        document: Any = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    document = versioned.read(path, DevicePluginCheckpoint, upgrades=UPGRADES)
+    if document is None:
         return []
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path} is unreadable: {exc}") from exc
-    if not isinstance(document, dict) or document.get("version") not in READABLE:
-        raise CheckpointError(f"checkpoint {path} has an unsupported format")
     expected = {str(i): c.uuid for i, c in cards.items()}
-    recorded = document.get("cards")
-    if recorded != expected:
+    if document.cards != expected:
         raise CheckpointError(
-            f"checkpoint {path} was written for cards {recorded}, this node has {expected}"
+            f"checkpoint {path} was written for cards {document.cards}, this node has {expected}"
         )
-    records = document.get("allocations")
-    if not isinstance(records, list):
-        raise CheckpointError(f"checkpoint {path} has no list of allocations")
     allocations = []
-    for number, record in enumerate(records):
+    for number, record in enumerate(document.allocations):
         # One bad record must not stop the plugin (a crash loop until someone deletes the file):
         # it is dropped, and PodResources tells recovery what that container holds.
         try:
@@ -187,3 +162,13 @@ class CheckpointWriter:
                 log.error("checkpoint write failed; retrying", extra={"error": str(exc)})
                 self._stop.wait(1.0)
                 self._dirty.set()
+
+
+__all__ = [
+    "VERSION",
+    "CheckpointError",
+    "CheckpointWriter",
+    "DevicePluginCheckpoint",
+    "read",
+    "write",
+]

@@ -1,4 +1,10 @@
-"""The running device plugin: NVML, health thread, gRPC endpoints, reconciler, HTTP, publisher."""
+"""The running device plugin: NVML, health thread, gRPC endpoints, reconciler, HTTP, publisher.
+
+Its concurrency model is threads: gRPC serves kubelet's calls on worker threads, NVML's event
+wait and the guard's scans block, the reconciler sleeps between PodResources reads. Every call
+to the API server (the Node's labels and allocatable, the guard's Events) goes through one
+event-loop thread this daemon owns (``shared.apiloop.ApiLoop``).
+"""
 
 from __future__ import annotations
 
@@ -9,16 +15,17 @@ import time
 from http.server import ThreadingHTTPServer
 from types import FrameType
 
-from deviceplugin import inventory
-from deviceplugin.config import Config
-from deviceplugin.guard import Guard, Owners, ProcReader, grant_of
-from deviceplugin.guardevents import EventReporter
-from deviceplugin.health import HealthMonitor
-from deviceplugin.http import serve
-from deviceplugin.node import AllocatableMirror, NodePublisher
-from deviceplugin.plugin import DevicePlugin
-from deviceplugin.podresources import PodResourcesError
-from deviceplugin.service import Supervisor
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.node import AllocatableMirror, NodePublisher
+from deviceplugin.classic.plugin import DevicePlugin
+from deviceplugin.classic.service import Supervisor
+from deviceplugin.shared import inventory
+from deviceplugin.shared.apiloop import ApiLoop
+from deviceplugin.shared.guard import Guard, build_guard
+from deviceplugin.shared.guardevents import EventReporter
+from deviceplugin.shared.health import HealthMonitor
+from deviceplugin.shared.http import serve
+from deviceplugin.shared.podresources import PodResourcesError
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +41,7 @@ class Daemon:
         self.http: ThreadingHTTPServer | None = None
         self.guard: Guard | None = None
         self.events: EventReporter | None = None
+        self.api: ApiLoop | None = None
         self._stop = threading.Event()
         self._reconciler: threading.Thread | None = None
 
@@ -48,12 +56,15 @@ class Daemon:
         plugin.checkpointer.start()
         plugin.start_verifier()
         if config.node_name:
-            self.publisher = NodePublisher(config, cards, plugin.allocator)
+            self.api = ApiLoop(config.kubeconfig)
+            self.api.start()
+            self.publisher = NodePublisher(config, cards, plugin.allocator, self.api)
             self.publisher.start()
             if config.node_allocatable:
                 self.mirror = AllocatableMirror(
                     config,
                     plugin.allocator,
+                    self.api,
                     registered=lambda: self.supervisor is not None and self.supervisor.registered,
                 )
                 self.mirror.start()
@@ -70,7 +81,7 @@ class Daemon:
             ).inc(),
         )
         self.health.start()
-        if config.guard_interval_s > 0:
+        if config.guard.interval_s > 0:
             self.guard = self._guard(plugin)
             self.guard.start()
         self.supervisor = Supervisor(plugin)
@@ -86,23 +97,14 @@ class Daemon:
     def _guard(self, plugin: DevicePlugin) -> Guard:
         config = self.config
         resources = set(plugin.resources.values())
-        owners = Owners(
-            config.guard_container_logs,
-            lambda: plugin.podresources.list(resources),
-            grant_of(config),
-        )
-        if config.node_name:
-            self.events = EventReporter(config, kill=config.guard_kill)
-            self.events.start()
-        return Guard(
-            plugin.cards.values(),
-            owners,
-            ProcReader(config.guard_proc_root),
-            plugin.metrics,
-            interval_s=config.guard_interval_s,
-            grace_s=config.guard_grace_s,
-            kill=config.guard_kill,
-            process_overhead_mib=config.guard_process_overhead_mib,
+        if config.node_name and self.api is not None:
+            self.events = EventReporter(config.node_name, self.api.spawn, kill=config.guard.kill)
+        return build_guard(
+            config.guard,
+            cards=plugin.cards.values(),
+            list_containers=lambda: plugin.podresources.list(resources),
+            limits_dir=plugin.grant_dir,
+            metrics=plugin.metrics.guard,
             reporter=self.events,
         )
 
@@ -155,10 +157,10 @@ class Daemon:
             self.health.stop()
         if self.guard is not None:
             self.guard.stop()
-        if self.events is not None:
-            self.events.stop()
         if self.publisher is not None:
             self.publisher.stop()
+        if self.api is not None:
+            self.api.stop()
         if self._reconciler is not None:
             self._reconciler.join(timeout=5)
         if self.plugin is not None:

@@ -34,51 +34,31 @@ from prometheus_client import CollectorRegistry
 from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
 from core.units import BLOCK_MIB, CORE_PER_CARD, ENV_MEMORY_MIB, cards_phrase
-from deviceplugin import checkpoint
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
-from deviceplugin.allocator import (
+from deviceplugin.classic import checkpoint
+from deviceplugin.classic.allocator import (
     Allocation,
     AllocationError,
     Allocator,
     Reconciled,
     container_dir_name,
 )
-from deviceplugin.cdispec import CDI_VERSION, CONTROL_DEVICES
-from deviceplugin.cdispec import write as write_cdi
-from deviceplugin.config import Config
-from deviceplugin.ids import Kind
-from deviceplugin.inventory import Card
-from deviceplugin.metrics import Metrics
-from deviceplugin.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
-from deviceplugin.prestart import PreStartError, limits_for
+from deviceplugin.classic.config import Config
+from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.metrics import Metrics
+from deviceplugin.classic.prestart import PreStartError, limits_for
+from deviceplugin.shared.cdispec import CDI_VERSION, CONTROL_DEVICES
+from deviceplugin.shared.cdispec import write as write_cdi
+from deviceplugin.shared.guard import GrantError
+from deviceplugin.shared.hostfiles import install_preload, make_grant_dirs, write_limits
+from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
 
 log = logging.getLogger(__name__)
 
 CDI_KIND = "fracgpu.io/container"
 """The CDI kind of device-plugin containers' specs: one device per container, named after its
 directory."""
-
-
-def install_preload(preload: Path) -> None:
-    """Write the ``ld.so.preload`` file that containers get mounted over theirs (both modes)."""
-    content = f"{contract.CONTAINER_HOOK_LIBRARY}\n"
-    if not preload.exists() or preload.read_text() != content:
-        preload.parent.mkdir(parents=True, exist_ok=True)
-        tmp = preload.with_name(f".{preload.name}.tmp")
-        tmp.write_text(content)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, preload)
-
-
-def make_grant_dirs(limits_dir: Path, shared_dir: Path) -> None:
-    """Create a grant's limits and accounting directories (idempotent). The accounting one is
-    world-writable because the container's user, possibly not root, keeps its region there."""
-    limits_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        shared_dir.mkdir()
-    except FileExistsError:
-        return  # made before, with its mode
-    os.chmod(shared_dir, 0o777)  # mkdir's mode is cut by the umask
 
 
 class NotListedError(RuntimeError):
@@ -352,13 +332,7 @@ class DevicePlugin:
         limits_dir, _ = self._make_container_dirs(allocation.core)
         if self.config.cdi_root is not None:
             write_cdi(cdi_spec_path(self.config.cdi_root, dir_name), self._cdi_spec(allocation))
-        path = limits_dir / contract.LIMITS_FILE
-        try:
-            current = path.read_text(encoding="ascii")
-        except (OSError, UnicodeDecodeError):
-            current = None
-        if current != limits.render():  # PreStart repeats per resource and per restart
-            limits.write_atomic(limits_dir)
+        if write_limits(limits_dir, limits):  # PreStart repeats per resource and per restart
             where = (
                 {}
                 if listed is None
@@ -377,7 +351,15 @@ class DevicePlugin:
                     "dir": limits_dir.parent.name,
                 },
             )
-        return path
+        return limits_dir / contract.LIMITS_FILE
+
+    def grant_dir(self, container: ContainerDevices) -> Path:
+        """The limits directory of a container PodResources lists (the guard's grant): named
+        after its core IDs, which name no card; the file in it says where it runs."""
+        core = container.ids(self.config.core_resource)
+        if not core:
+            raise GrantError(f"container {container.name} holds no {self.config.core_resource}")
+        return self.config.containers_dir / container_dir_name(core) / "limits"
 
     def cards_of(self, core: Iterable[str]) -> tuple[int, ...] | None:
         """The cards a running container's limits file names (None: no readable file).
@@ -575,6 +557,4 @@ __all__ = [
     "NotListedError",
     "PreStartError",
     "WaitingError",
-    "install_preload",
-    "make_grant_dirs",
 ]

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from deviceplugin.ids import DeviceId, Kind
+from deviceplugin.classic.ids import DeviceId, Kind
 
 
 @dataclass(frozen=True, slots=True)

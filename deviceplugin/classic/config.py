@@ -12,18 +12,15 @@ from pathlib import Path
 
 from core import contract
 from core.units import CORE, MEMORY
+from deviceplugin.shared.flags import (
+    DEFAULT_IGNORED_XIDS,
+    KUBELET_PODRESOURCES_SOCKET,
+    GuardSettings,
+)
+from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
 
 KUBELET_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
-KUBELET_PODRESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
-# XIDs caused by the application (illegal address, MMU faults from user code, reset channel by
-# the program, preemptive cleanup, video processor): the card is fine, the program is not.
-DEFAULT_IGNORED_XIDS = (13, 31, 43, 45, 68)
 DEFAULT_RECONCILE_INTERVAL_S = 1.0
-
-
-# What the guard allows each process beyond its container's grant: its CUDA context, which NVML
-# counts and the hook does not. A bare context took 518 MiB on an H200 (driver 580.159).
-DEFAULT_GUARD_PROCESS_OVERHEAD_MIB = 640
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,13 +68,7 @@ class Config:
     health_probe_interval_s: float = 5.0
     health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
     health_error_backoff_s: float = 1.0  # pause after an NVML error before rebuilding events
-    # the node guard (guard.py); an interval of 0 turns it off
-    guard_interval_s: float = 0.5
-    guard_grace_s: float = 1.0  # continuous excess before the kill
-    guard_kill: bool = True
-    guard_process_overhead_mib: int = DEFAULT_GUARD_PROCESS_OVERHEAD_MIB
-    guard_proc_root: Path = Path("/proc")  # the node's, with the host PID namespace
-    guard_container_logs: Path = Path("/var/log/containers")
+    guard: GuardSettings = field(default_factory=GuardSettings)  # the node guard (shared/guard.py)
 
     @property
     def core_resource(self) -> str:
@@ -102,13 +93,3 @@ class Config:
     @property
     def ld_so_preload(self) -> Path:
         return ld_so_preload(self.host_root)
-
-
-def hook_library(host_root: Path) -> Path:
-    """Where the node keeps the hook that containers get mounted (both modes)."""
-    return host_root / "lib" / "libfracgpu.so"
-
-
-def ld_so_preload(host_root: Path) -> Path:
-    """The preload file naming the hook's path inside containers (both modes)."""
-    return host_root / "ld.so.preload"

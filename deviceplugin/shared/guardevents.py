@@ -1,26 +1,25 @@
 """The node guard's findings as Kubernetes Events on the pod, where its owner looks first.
 
 The guard thread must never wait for the API server (the kill deadline does not move because the
-network is slow), so reports go into a bounded queue that a thread of this module drains with its
-own event loop. When the queue is full a report is dropped and counted in the log; the guard's
-own log line and metrics carry it anyway.
+network is slow), so each report is handed to the agent's event loop (``spawn``: the classic
+agent's ``ApiLoop``, the DRA agent's own loop) and not waited for. At most ``QUEUE_SIZE`` posts
+are in flight; beyond that a report is dropped and counted in the log; the guard's own log line
+and metrics carry it anyway.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
+import concurrent.futures
 import logging
-import queue
 import threading
 from typing import Any
 
 from core import events
-from core.kube import Api, KubeConfigError, KubeError, kube_client
+from core.kube import Api, KubeConfigError, KubeError
 from core.units import MIB
-from deviceplugin.config import Config
-from deviceplugin.guard import Owner
-from deviceplugin.inventory import Card
+from deviceplugin.shared.apiloop import Spawn
+from deviceplugin.shared.guard import Owner
+from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)
 
@@ -74,29 +73,17 @@ def event_body(owner: Owner, reason: str, message: str, node: str) -> dict[str, 
 
 
 class EventReporter:
-    """The guard's ``Reporter`` that posts Events (needs ``node_name``, like the publisher)."""
+    """The guard's ``Reporter`` that posts Events on the pods of ``node``."""
 
-    def __init__(self, config: Config, *, kill: bool) -> None:
-        assert config.node_name is not None
-        self.config = config
-        self.node = config.node_name
+    def __init__(self, node: str, spawn: Spawn, *, kill: bool) -> None:
+        self.node = node
         self.kill = kill
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(QUEUE_SIZE)
-        self._thread: threading.Thread | None = None
+        self._spawn = spawn
+        self._lock = threading.Lock()
+        self._in_flight = 0
         self.posted = 0
         self.dropped = 0
-
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="guard-events", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        if self._thread is None:
-            return
-        # A full queue means the thread is stuck on the API server; it is a daemon thread.
-        with contextlib.suppress(queue.Full):
-            self._queue.put(None, timeout=1)
-        self._thread.join(timeout=5)
+        self.failed = 0
 
     def excess(self, owner: Owner, card: Card, used: int, allowed: int, grace_s: float) -> None:
         message = excess_message(owner, card, used, allowed, grace_s if self.kill else None)
@@ -107,33 +94,40 @@ class EventReporter:
         self._put(event_body(owner, REASON_KILLED, message, self.node))
 
     def _put(self, body: dict[str, Any]) -> None:
-        try:
-            self._queue.put_nowait(body)
-        except queue.Full:
-            self.dropped += 1
+        with self._lock:
+            full = self._in_flight >= QUEUE_SIZE
+            if full:
+                self.dropped += 1
+            else:
+                self._in_flight += 1
+        if full:
             log.warning(
                 "guard event dropped: the API server is not keeping up",
                 extra={"reason": body["reason"], "pod": body["involvedObject"]["name"]},
             )
+            return
 
-    def _run(self) -> None:
-        asyncio.run(self._main())
-
-    async def _main(self) -> None:
-        try:
-            async with kube_client(self.config.kubeconfig) as api:
-                while (body := await asyncio.to_thread(self._queue.get)) is not None:
-                    await self._post(api, body)
-        except KubeConfigError as exc:  # no API access: the guard's log and metrics still report
-            log.error("guard events disabled: no API access", extra={"error": str(exc)})
-
-    async def _post(self, api: Api, body: dict[str, Any]) -> None:
-        try:
+        async def post(api: Api) -> None:
             await events.post(api, body)
-            self.posted += 1
-        except (KubeError, OSError, TimeoutError) as exc:  # RBAC, network, namespace gone
+
+        self._spawn(post).add_done_callback(lambda done: self._done(done, body))
+
+    def _done(self, done: concurrent.futures.Future[Any], body: dict[str, Any]) -> None:
+        with self._lock:
+            self._in_flight -= 1
+            error = None if done.cancelled() else done.exception()
+            if done.cancelled() or error is not None:
+                self.failed += 1
+            else:
+                self.posted += 1
+        if isinstance(error, (KubeError, KubeConfigError, OSError, TimeoutError)):
+            # RBAC, network, namespace gone, no API access: the log and metrics still report
             log.warning(
-                "guard event not posted", extra={"reason": body["reason"], "error": str(exc)}
+                "guard event not posted", extra={"reason": body["reason"], "error": str(error)}
+            )
+        elif error is not None:
+            log.error(
+                "guard event not posted", extra={"reason": body["reason"], "error": repr(error)}
             )
 
 

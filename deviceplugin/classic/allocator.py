@@ -38,11 +38,11 @@ from itertools import chain
 from typing import Any
 
 from core.units import CORE_PER_CARD, card_blocks
-from deviceplugin import placement
-from deviceplugin.ids import DeviceId, DeviceIdError, Kind
-from deviceplugin.inventory import Card
-from deviceplugin.listing import GroupState, ListedDevice, ListingCache
-from deviceplugin.pairing import Clock, Pairing
+from deviceplugin.classic import placement
+from deviceplugin.classic.ids import DeviceId, DeviceIdError, Kind
+from deviceplugin.classic.listing import GroupState, ListedDevice, ListingCache
+from deviceplugin.classic.pairing import Clock, Pairing
+from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from core.units import CORE_PER_CARD
-from deviceplugin.ids import Kind
+from deviceplugin.classic.ids import Kind
 
 
 @dataclass(frozen=True, slots=True)

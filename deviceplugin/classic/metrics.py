@@ -8,7 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from deviceplugin.allocator import CardUsage
+from deviceplugin.classic.allocator import CardUsage
+from deviceplugin.shared.guard import GuardMetrics
 
 PREFIX = "fracgpu_device_plugin"
 
@@ -95,55 +96,8 @@ class Metrics:
             registry=self.registry,
         )
 
-        # the node guard (guard.py)
-        self.guard_excess = Counter(
-            f"{PREFIX}_guard_excess",
-            "Times a container was found holding more of a card than its grant",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_containers_over = Gauge(
-            f"{PREFIX}_guard_containers_over_grant",
-            "Containers over their grant on the card at the last scan",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_kills = Counter(
-            f"{PREFIX}_guard_kills",
-            "Processes the guard killed for their container's excess",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_kills_skipped = Counter(
-            f"{PREFIX}_guard_kills_skipped",
-            "Kills not made, by reason (pid reused, gone, left the container, not permitted)",
-            ["reason"],
-            registry=self.registry,
-        )
-        self.guard_foreign_processes = Gauge(
-            f"{PREFIX}_guard_foreign_processes",
-            "Processes on the card that belong to no fracgpu container (never acted on)",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_unmeasured_processes = Gauge(
-            f"{PREFIX}_guard_unmeasured_processes",
-            "Processes on the card for which NVML gives no memory figure",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_nvml_errors = Counter(
-            f"{PREFIX}_guard_nvml_errors",
-            "Process-list reads NVML failed (no action on the card that pass)",
-            ["card"],
-            registry=self.registry,
-        )
-        self.guard_scan_seconds = Histogram(
-            f"{PREFIX}_guard_scan_seconds",
-            "Time of one guard scan over every card",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
-            registry=self.registry,
-        )
+        # the node guard (shared/guard.py), under this agent's prefix
+        self.guard = GuardMetrics(registry, PREFIX)
 
     def watch_cards(self, usage: Callable[[], list[CardUsage]]) -> None:
         self.registry.register(_CardCollector(usage))
