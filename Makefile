@@ -25,7 +25,7 @@ run: setup
 lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests bench hack
+	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests testkit bench hack
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

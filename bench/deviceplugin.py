@@ -64,8 +64,8 @@ from bench._load import free_port
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.daemon import Daemon
-from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
-from tests.fakes.kubelet import Container, Pod
+from testkit.gpunode import GIB, GpuNode, cards, gpu_node
+from testkit.kubelet import Container, Pod
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"

@@ -39,10 +39,10 @@ from bench.deviceplugin import cpu_times, steal_percent, summary
 from deviceplugin._proto import dra_v1_pb2 as dra
 from deviceplugin._proto import dra_v1_pb2_grpc as dra_grpc
 from deviceplugin.dra.config import DraConfig
-from tests.fakes.dranode import DRIVER, NODE, device_class, share_claim
-from tests.fakes.draobjects import allocate_claim
-from tests.fakes.gpunode import GIB, cards
-from tests.fakes.nvml import FakeNvml, build_cached
+from testkit.dranode import DRIVER, NODE, device_class, share_claim
+from testkit.draobjects import allocate_claim
+from testkit.gpunode import GIB, cards
+from testkit.nvml import FakeNvml, build_cached
 
 
 def serve(text: str) -> int:

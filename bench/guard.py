@@ -3,7 +3,7 @@
 The real plugin (daemon in this process, guard thread at its production defaults: a scan every
 0.5 s, 1 s grace before the kill), the strict FakeKubelet with one admitted pod of 1 GiB on a fake
 2-card node, the fake NVML reporting per-process memory, and real processes (``sleep``) placed in
-the pod's container through a fake node /proc tree and kubelet's log links (tests/fakes/nodeproc).
+the pod's container through a fake node /proc tree and kubelet's log links (testkit/nodeproc).
 
 1. Excess -> reported and excess -> killed: from appending a figure over the grant to the fake
    NVML's event file until the guard's excess counter moves, and until the process is reaped
@@ -37,9 +37,9 @@ from bench.deviceplugin import percentile
 from deviceplugin.classic.config import Config
 from deviceplugin.shared import guard as nodeguard
 from deviceplugin.shared.flags import GuardSettings
-from tests.fakes.gpunode import GpuNode, cards, gpu_node
-from tests.fakes.kubelet import Container, Pod
-from tests.fakes.nodeproc import NodeProc, container
+from testkit.gpunode import GpuNode, cards, gpu_node
+from testkit.kubelet import Container, Pod
+from testkit.nodeproc import NodeProc, container
 
 GRANT_BLOCKS = 4  # 1 GiB with 256 MiB blocks
 OVER_MIB = 4096

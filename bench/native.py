@@ -20,7 +20,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from tests.fakes.native_kit import MIB, Kit, build_kit
+from testkit.native_kit import MIB, Kit, build_kit
 
 LAUNCH_TARGET_NS = 100.0
 ALLOC_TARGET_NS = 1000.0

@@ -22,7 +22,7 @@ import subprocess
 import sys
 from collections.abc import Sequence
 
-from tests.fakes.native_kit import Kit, build_kit
+from testkit.native_kit import Kit, build_kit
 
 GIB = 1 << 30
 

@@ -6,7 +6,7 @@
     python -m bench.quota --release [--rounds 3]
     python -m bench.quota --kubeconfig FILE [--serial 100] [--pods 300] [--concurrency 16]
 
-Without ``--kubeconfig`` everything runs on this machine. The fake API server (tests/fakes, real
+Without ``--kubeconfig`` everything runs on this machine. The fake API server (testkit/, real
 HTTP) runs in a process of its own, as kube-apiserver would, and charges every write
 ``--write-ms`` as an etcd commit would. Each webhook replica (the real quota service with its
 own kubernetes-asyncio client) runs in a process of its own too, as webhook pods do; they elect
@@ -71,9 +71,9 @@ from core.kube import (
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
 from quota.service import open_quota
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.kinds import Kind
-from tests.quota_pods import gpu_pod, gpu_quota, review
+from testkit.apiserver import FakeApiServer
+from testkit.kinds import Kind
+from testkit.quota_pods import gpu_pod, gpu_quota, review
 from webhook.server import build_app
 
 CORE, BLOCKS = 10, 4  # each pod: 0.10 card, 1024 MiB

@@ -14,8 +14,8 @@ import pytest
 from kubernetes_asyncio import config as kube_config
 
 from core.kube import kube_client
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
-from tests.fakes.native_kit import Kit, sanitized_kit
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.native_kit import Kit, sanitized_kit
 
 # Suites whose tests sample real time (throttling), validate manifests against every Kubernetes
 # version's schemas, start real servers and subprocesses, or build and run native binaries.

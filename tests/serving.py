@@ -9,7 +9,7 @@ from pathlib import Path
 
 from certs.config import CertsConfig
 from fracgpu.serve import ServeConfig
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from tests.support import eventually
 from webhook.config import AdmissionConfig, ServerConfig
 

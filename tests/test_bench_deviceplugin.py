@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from bench import deviceplugin as bench
-from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
-from tests.fakes.kubelet import Container, Pod
+from testkit.gpunode import GIB, GpuNode, cards, gpu_node
+from testkit.kubelet import Container, Pod
 
 
 def go_driver() -> Path:

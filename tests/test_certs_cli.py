@@ -14,7 +14,7 @@ import pytest
 from certs.cli import add_parser
 from certs.issuance import san_sets
 from certs.material import Material
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.test_certs_inject import webhook_configuration
 
 

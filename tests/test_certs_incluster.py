@@ -18,7 +18,7 @@ from certs.config import CertsConfig
 from certs.rotation import Request
 from certs.serving import ServingCertificates, open_serving
 from certs.sources import ManagedSource
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.support import eventually
 from tests.test_certs_inject import webhook_configuration
 

@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry
 from certs.config import CertsConfig
 from certs.inject import CaBundleInjector, with_bundle
 from certs.metrics import CertsMetrics
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from tests.support import eventually
 
 CONFIG = CertsConfig(

@@ -17,7 +17,7 @@ from certs.rotation import Request
 from certs.secretstore import SecretStore
 from certs.sources import ManagedSource
 from certs.stores import StoreConflict
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 
 NS = "fracgpu"
 NAME = "fracgpu-webhook-tls"

@@ -31,7 +31,7 @@ from core.kube import (
     load_configuration,
     status_error,
 )
-from tests.fakes.apiserver import FakeApiServer, RequestRecord
+from testkit.apiserver import FakeApiServer, RequestRecord
 from tests.support import eventually
 
 IN_A_POD = os.path.exists(SERVICE_TOKEN_FILENAME)

@@ -20,6 +20,7 @@ from core import contract, dra
 from core.kube import kube_client
 from deviceplugin.dra.cli import add_parser, config_from
 from quota.claims import CLAIM, TEMPLATE, ClaimSpecs
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer, RequestRecord
 from tests.deploy_render import (
     NAMESPACE,
     Grant,
@@ -32,7 +33,6 @@ from tests.deploy_render import (
     policy_admits,
     render,
 )
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer, RequestRecord
 from tests.support import eventually
 from webhook.claims import SliceModels, plan_claim
 from webhook.claimstore import TemplateStore, referenced_templates, slice_informer

@@ -39,6 +39,13 @@ from core.kube import GPUQUOTAS, MUTATING_WEBHOOK_CONFIGURATIONS, VALIDATING_WEB
 from core.labels import PRODUCT_LABEL
 from core.units import CORE, MEMORY
 from fracgpu.serve import ServeConfig
+from testkit import cdiruntime
+from testkit.apiserver import FakeApiServer
+from testkit.drakubelet import ClaimKey, FakeDraKubelet
+from testkit.dranode import share_claim
+from testkit.draobjects import allocate_claim
+from testkit.kinds import Kind
+from testkit.kubelet import Container, FakeKubelet, Pod
 from tests.deploy_render import kubectl
 from tests.e2e import harness
 from tests.e2e.harness import (
@@ -64,13 +71,6 @@ from tests.e2e.nodeagent import (
     node_metadata,
     unpublish,
 )
-from tests.fakes import cdiruntime
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.drakubelet import ClaimKey, FakeDraKubelet
-from tests.fakes.dranode import share_claim
-from tests.fakes.draobjects import allocate_claim
-from tests.fakes.kinds import Kind
-from tests.fakes.kubelet import Container, FakeKubelet, Pod
 from webhook import server
 from webhook.config import AdmissionConfig
 

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 
 from fracgpu.serve import ServeConfig, run_server
+from testkit.apiserver import FakeApiServer
 from tests.deploy_render import Grant, config_of, find, grants_of, of_kind, render
-from tests.fakes.apiserver import FakeApiServer
 from tests.support import eventually, free_port
 from webhook import server as server_module
 

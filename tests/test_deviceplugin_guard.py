@@ -41,11 +41,11 @@ from deviceplugin.shared.guard import (
 )
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
-from tests.fakes.gpunode import cards as fake_cards
-from tests.fakes.gpunode import gpu_node
-from tests.fakes.kubelet import Container, Pod
-from tests.fakes.nodeproc import FakeContainer, NodeProc, container
-from tests.fakes.nvml import FakeNvml, build_cached
+from testkit.gpunode import cards as fake_cards
+from testkit.gpunode import gpu_node
+from testkit.kubelet import Container, Pod
+from testkit.nodeproc import FakeContainer, NodeProc, container
+from testkit.nvml import FakeNvml, build_cached
 
 CONFIG = Config()
 CORE, MEMORY = CONFIG.core_resource, CONFIG.memory_resource

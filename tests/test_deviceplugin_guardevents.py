@@ -17,10 +17,10 @@ from deviceplugin.shared.flags import GuardSettings
 from deviceplugin.shared.guard import Owner
 from deviceplugin.shared.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
 from deviceplugin.shared.inventory import Card
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.gpunode import cards, gpu_node
-from tests.fakes.kubelet import Container, Pod
-from tests.fakes.nodeproc import NodeProc, container
+from testkit.apiserver import FakeApiServer
+from testkit.gpunode import cards, gpu_node
+from testkit.kubelet import Container, Pod
+from testkit.nodeproc import NodeProc, container
 
 CORE, MEMORY = Config().core_resource, Config().memory_resource
 

@@ -13,8 +13,8 @@ from deviceplugin.classic.config import DEFAULT_IGNORED_XIDS
 from deviceplugin.shared import inventory
 from deviceplugin.shared.health import EVENT_DBE, EVENT_XID, HealthMonitor
 from deviceplugin.shared.inventory import Card
-from tests.fakes.gpunode import cards as fake_cards
-from tests.fakes.nvml import FakeNvml, build_cached
+from testkit.gpunode import cards as fake_cards
+from testkit.nvml import FakeNvml, build_cached
 
 CARDS = [Card(i, f"GPU-{i}", "Fake", 4096, i, None) for i in range(2)]
 

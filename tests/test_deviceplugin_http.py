@@ -6,8 +6,8 @@ import time
 import urllib.error
 import urllib.request
 
-from tests.fakes.gpunode import cards, gpu_node
-from tests.fakes.kubelet import Container, Pod
+from testkit.gpunode import cards, gpu_node
+from testkit.kubelet import Container, Pod
 from tests.support import free_port
 
 

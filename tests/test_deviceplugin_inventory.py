@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.shared import inventory
-from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
+from testkit.nvml import FakeCard, FakeNvml, build_cached
 
 
 def test_discovers_cards_from_nvml(tmp_path: Path) -> None:

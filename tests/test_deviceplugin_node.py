@@ -23,7 +23,7 @@ from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.node import NodePublisher, label_safe, node_patch, publish
 from deviceplugin.shared.apiloop import ApiLoop
 from deviceplugin.shared.inventory import Card
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 
 CORE = "fracgpu.io/core"
 CARDS = [

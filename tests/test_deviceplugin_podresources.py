@@ -11,7 +11,7 @@ import pytest
 
 from deviceplugin._proto import podresources_v1_pb2 as pr
 from deviceplugin.shared.podresources import PodResourcesClient, PodResourcesError, find, merge
-from tests.fakes.kubelet import FakeKubelet
+from testkit.kubelet import FakeKubelet
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"

@@ -24,8 +24,8 @@ from deviceplugin.classic.config import Config
 from deviceplugin.classic.ids import Kind, core_id, memory_id
 from deviceplugin.classic.service import MAX_STREAMS, DevicePluginServicer
 from deviceplugin.shared.inventory import Card
-from tests.fakes.gpunode import GIB, GpuNode, cards, gpu_node
-from tests.fakes.kubelet import AdmissionError, Container, Pod, PreStartFailed
+from testkit.gpunode import GIB, GpuNode, cards, gpu_node
+from testkit.kubelet import AdmissionError, Container, Pod, PreStartFailed
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"

@@ -21,8 +21,8 @@ from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
 from deviceplugin.shared.flags import GuardSettings
 from deviceplugin.shared.guard import GrantError
 from deviceplugin.shared.podresources import ContainerDevices, merge
-from tests.fakes.dranode import DRIVER, DraNode, dra_node, share_claim
-from tests.fakes.nodeproc import FakeContainer, NodeProc, container
+from testkit.dranode import DRIVER, DraNode, dra_node, share_claim
+from testkit.nodeproc import FakeContainer, NodeProc, container
 
 TRAIN = container("default", "train-0", "main")
 SIDECAR = container("default", "train-0", "sidecar")

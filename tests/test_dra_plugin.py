@@ -19,9 +19,9 @@ from core.contract import Limits
 from deviceplugin._proto import dra_v1_pb2 as dra
 from deviceplugin._proto import dra_v1_pb2_grpc as dra_grpc
 from deviceplugin._proto import drahealth_v1alpha1_pb2 as health
-from tests.fakes import cdiruntime
-from tests.fakes.drakubelet import ClaimKey
-from tests.fakes.dranode import DRIVER, DraNode, dra_node, share_claim
+from testkit import cdiruntime
+from testkit.drakubelet import ClaimKey
+from testkit.dranode import DRIVER, DraNode, dra_node, share_claim
 
 GIB = 2**30
 MIB = 2**20

@@ -21,7 +21,7 @@ from deviceplugin.dra.slices import (
     same_devices,
 )
 from deviceplugin.shared.inventory import Card, CardDetails
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 
 DRIVER = "gpu.fracgpu.io"
 NODE = "node-a"

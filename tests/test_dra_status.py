@@ -14,7 +14,7 @@ from core.kube import RESOURCE_CLAIMS, call_json, kube_client
 from deviceplugin.dra.claims import ClaimRef, Result
 from deviceplugin.dra.status import HEALTHY, READY, ClaimStatusWriter
 from deviceplugin.shared.inventory import Card
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 
 DRIVER = "gpu.fracgpu.io"
 GIB = 2**30

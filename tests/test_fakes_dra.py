@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 
 from core.kube import RESOURCE_CLAIMS, RESOURCE_SLICES, KubeInvalid, call_json
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.dranode import device_class, share_claim
-from tests.fakes.draobjects import Unschedulable, allocate_claim, canonical_quantity
+from testkit.apiserver import FakeApiServer
+from testkit.dranode import device_class, share_claim
+from testkit.draobjects import Unschedulable, allocate_claim, canonical_quantity
 
 GIB = 2**30
 

@@ -12,7 +12,7 @@ from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin._proto import podresources_v1_pb2 as pr
 from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
-from tests.fakes.kubelet import Container, FakeKubelet, Pod, ProtocolViolation, _Resource
+from testkit.kubelet import Container, FakeKubelet, Pod, ProtocolViolation, _Resource
 
 CORE = "fracgpu.io/core"
 MEMORY = "fracgpu.io/memory"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from core.contract import LIMITS_FILE
-from tests.fakes.native_kit import (
+from testkit.native_kit import (
     CUDA_ERROR_OUT_OF_MEMORY,
     MIB,
     Kit,

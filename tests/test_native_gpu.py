@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.native_kit import Kit, release_kit
+from testkit.native_kit import Kit, release_kit
 
 GIB = 1 << 30
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.fakes.native_kit import (
+from testkit.native_kit import (
     CUDA_ERROR_OUT_OF_MEMORY,
     MIB,
     Kit,

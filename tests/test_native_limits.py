@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core.contract import LIMITS_FILE, MAX_DEVICES, MAX_FILE_BYTES, Limits, LimitsError
-from tests.fakes.native_kit import (
+from testkit.native_kit import (
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_SUCCESS,
     FAKE_UUID,

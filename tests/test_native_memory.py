@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.fakes.native_kit import (
+from testkit.native_kit import (
     CUDA_ERROR_OUT_OF_MEMORY,
     CUDA_SUCCESS,
     MIB,

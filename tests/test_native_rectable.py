@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from tests.fakes.native_kit import sanitized_kit
+from testkit.native_kit import sanitized_kit
 
 CASES = [
     "colliding keys",

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.fakes.native_kit import CUDA_SUCCESS, MIB, Kit
+from testkit.native_kit import CUDA_SUCCESS, MIB, Kit
 
 KERNEL_US = 1000
 WINDOW_MS = 3000

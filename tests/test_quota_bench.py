@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import quota as bench
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 
 
 async def test_cluster_mode_runs_and_cleans_up(

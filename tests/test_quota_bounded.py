@@ -22,8 +22,8 @@ from core.admission import AdmissionRequest
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.service import QuotaService, open_quota
-from tests.fakes.apiserver import FakeApiServer
-from tests.quota_pods import counted_quota, gpu_pod, gpu_quota, review
+from testkit.apiserver import FakeApiServer
+from testkit.quota_pods import counted_quota, gpu_pod, gpu_quota, review
 from tests.support import eventually
 
 # "A few KB": the largest status write any test here may see.

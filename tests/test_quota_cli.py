@@ -14,8 +14,8 @@ from quota.ledger import Ledger
 from quota.model import GPUQuota
 from quota.offline import review_pods
 from quota.report import render
-from tests.fakes.apiserver import FakeApiServer
-from tests.quota_pods import gpu_pod, gpu_quota
+from testkit.apiserver import FakeApiServer
+from testkit.quota_pods import gpu_pod, gpu_quota
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ import pytest
 
 from core.labels import PRODUCT_LABEL
 from quota.demand import CardMemory, Demand, is_terminal, pod_demand
-from tests.quota_pods import container, gpu_pod, plain_pod
+from testkit.quota_pods import container, gpu_pod, plain_pod
 
 
 def test_sum_of_app_containers() -> None:

@@ -22,8 +22,8 @@ from quota.demand import Demand
 from quota.forward import DECIDE_PATH, MAX_BODY_BYTES, Forwarder, decode, encode
 from quota.metrics import QuotaMetrics
 from quota.service import QuotaService, open_quota
-from tests.fakes.apiserver import FakeApiServer
-from tests.quota_pods import counted_quota, gpu_pod, review
+from testkit.apiserver import FakeApiServer
+from testkit.quota_pods import counted_quota, gpu_pod, review
 from webhook.server import build_app
 from webhook.transport import listen
 

@@ -17,8 +17,8 @@ from quota.config import LeaderElection, QuotaConfig
 from quota.controller import UsageController
 from quota.leader import LeaderElector
 from quota.service import QuotaService, open_quota
-from tests.fakes.apiserver import FakeApiServer
-from tests.quota_pods import counted_quota, gpu_pod, gpu_quota, plain_pod, review
+from testkit.apiserver import FakeApiServer
+from testkit.quota_pods import counted_quota, gpu_pod, gpu_quota, plain_pod, review
 from webhook.server import build_app
 
 NAMESPACES = ("default", "team-a", "team-b", "fracgpu-system")

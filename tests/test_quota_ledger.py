@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from quota.demand import Demand
 from quota.ledger import Ledger, Usage
 from quota.model import GPUQuota, LimitSpec, QuotaSpec
-from tests.quota_pods import gpu_quota
+from testkit.quota_pods import gpu_quota
 
 MODELS = ["A100", "T4"]
 

@@ -6,7 +6,7 @@ from quota.demand import Demand
 from quota.ledger import Ledger, Usage, Violation
 from quota.messages import exceeded, no_quota, unverifiable
 from quota.model import GPUQuota, LimitSpec
-from tests.quota_pods import gpu_quota
+from testkit.quota_pods import gpu_quota
 
 
 def _violation(spec: dict[str, object], used: list[Demand], ask: Demand) -> str:

@@ -3,7 +3,7 @@
 import pytest
 
 from quota.model import GPUQuota, QuotaError, QuotaStatus
-from tests.quota_pods import gpu_quota
+from testkit.quota_pods import gpu_quota
 
 
 def test_spec_in_canonical_units() -> None:

@@ -8,7 +8,7 @@ import yaml
 from quota.model import QuotaError
 from quota.offline import review_pods
 from quota.store import load_quota_file
-from tests.quota_pods import gpu_pod, gpu_quota, plain_pod
+from testkit.quota_pods import gpu_pod, gpu_quota, plain_pod
 
 
 def _file(tmp_path: Path, *objects: object) -> Path:

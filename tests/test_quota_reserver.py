@@ -9,7 +9,7 @@ from quota.ledger import Ledger
 from quota.model import GPUQuota
 from quota.reserver import Reserver
 from quota.store import Conflict, MemoryStore, Unavailable
-from tests.quota_pods import counted_quota as gpu_quota
+from testkit.quota_pods import counted_quota as gpu_quota
 
 
 class InterleavingStore(MemoryStore):

@@ -12,7 +12,7 @@ from quota.metrics import QuotaMetrics
 from quota.reserver import Reserver
 from quota.reviewer import QuotaReviewer
 from quota.store import MemoryStore
-from tests.quota_pods import counted_quota, gpu_pod, plain_pod, review
+from testkit.quota_pods import counted_quota, gpu_pod, plain_pod, review
 from webhook.server import build_app
 
 

@@ -14,9 +14,9 @@ from core.admission import AdmissionRequest
 from fracgpu.serve import run_server
 from quota.config import QuotaConfig
 from quota.service import open_quota
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.kinds import DEFAULT_KINDS, GPUQUOTA
-from tests.quota_pods import gpu_pod, gpu_quota, review
+from testkit.apiserver import FakeApiServer
+from testkit.kinds import DEFAULT_KINDS, GPUQUOTA
+from testkit.quota_pods import gpu_pod, gpu_quota, review
 from tests.serving import in_cluster_config, issued_ca
 from tests.support import eventually, free_port
 

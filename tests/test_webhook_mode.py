@@ -9,7 +9,7 @@ import pytest
 
 from core import dra
 from core.kube import DEVICE_CLASSES, KubeError, call_json, kube_client
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from webhook.mode import Cluster, ModeError, admitting, read_cluster, resolve, to_install
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from tests.support import eventually
 from webhook.inventory import Inventory
 from webhook.nodewatch import node_informer

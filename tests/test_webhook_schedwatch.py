@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from tests.support import eventually
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory

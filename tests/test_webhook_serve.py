@@ -19,7 +19,7 @@ import pytest
 from certs.config import CertsConfig
 from fracgpu.serve import ServeConfig, _until_stopped, run_server
 from quota.config import QuotaConfig
-from tests.fakes.apiserver import FakeApiServer
+from testkit.apiserver import FakeApiServer
 from tests.serving import in_cluster_config, issued_ca
 from tests.support import eventually, free_port
 from webhook.config import AdmissionConfig, ServerConfig

@@ -13,7 +13,7 @@ import pytest
 from core import dra
 from core.kube import kube_client
 from core.labels import FREE_ANNOTATION
-from tests.fakes.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.support import eventually
 from webhook.waiting import (
     Ask,

@@ -19,7 +19,7 @@ plugins) and ``plugins/`` (the plugin's socket, dialled by kubelet at the path t
 names, so kubelet must see it at the same path), and FRACGPU_E2E_CDI_DIR (default /var/run/cdi)
 is where the node's container runtime reads CDI specs.
 
-The cards come from the project's fake NVML (tests/fakes/nvml, compiled here); their device
+The cards come from the project's fake NVML (testkit/nvml, compiled here); their device
 nodes are character devices with /dev/null's numbers: a runtime that applies CDI (containerd
 2.x) refuses a device path that is not a device node, a symbolic link to /dev/null included.
 Containers run the pause image, which never loads the hook.
@@ -47,6 +47,7 @@ from core.kube import NODES, call_json
 from core.quantity import parse_quantity
 from deviceplugin.dra import cdi
 from deviceplugin.dra.config import DEFAULT_DRIVER
+from testkit.nvml import FakeCard, FakeNvml, build_cached
 from tests.e2e.harness import (
     CARD_MIB,
     CARD_PRODUCT,
@@ -61,7 +62,6 @@ from tests.e2e.harness import (
     free_port,
 )
 from tests.e2e.scenarios import container, manifest
-from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
 
 CARDS = 4
 # Devices that Allocate hands to a container besides the card itself (deviceplugin.classic.plugin).

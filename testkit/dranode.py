@@ -18,13 +18,13 @@ from typing import Any
 
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.daemon import DraDaemon
-from tests.fakes.apiserver import FakeApiServer
-from tests.fakes.drakubelet import ClaimKey, FakeDraKubelet
-from tests.fakes.draobjects import allocate_claim, canonicalize
-from tests.fakes.gpunode import cards as fake_cards
-from tests.fakes.kinds import RESOURCE_CLAIM
-from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
-from tests.fakes.objectrules import now
+from testkit.apiserver import FakeApiServer
+from testkit.drakubelet import ClaimKey, FakeDraKubelet
+from testkit.draobjects import allocate_claim, canonicalize
+from testkit.gpunode import cards as fake_cards
+from testkit.kinds import RESOURCE_CLAIM
+from testkit.nvml import FakeCard, FakeNvml, build_cached
+from testkit.objectrules import now
 
 DRIVER = "gpu.fracgpu.io"
 NODE = "node-a"

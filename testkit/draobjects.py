@@ -42,9 +42,9 @@ from decimal import ROUND_CEILING, Decimal
 from typing import Any
 
 from core.quantity import QuantityError, parse_quantity
-from tests.fakes.apierrors import invalid
-from tests.fakes.apistore import Obj, Store, clone
-from tests.fakes.kinds import (
+from testkit.apierrors import invalid
+from testkit.apistore import Obj, Store, clone
+from testkit.kinds import (
     DEVICE_CLASS,
     RESOURCE_CLAIM,
     RESOURCE_CLAIM_TEMPLATE,

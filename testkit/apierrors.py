@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests.fakes.apistore import Obj
-from tests.fakes.kinds import Kind
+from testkit.apistore import Obj
+from testkit.kinds import Kind
 
 
 class ApiError(Exception):

@@ -16,8 +16,8 @@ from typing import Any
 
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.daemon import Daemon
-from tests.fakes.kubelet import FakeKubelet
-from tests.fakes.nvml import FakeCard, FakeNvml, build_cached
+from testkit.kubelet import FakeKubelet
+from testkit.nvml import FakeCard, FakeNvml, build_cached
 
 GIB = 1024
 

@@ -70,7 +70,7 @@ from typing import Any
 import yaml
 from aiohttp import web
 
-from tests.fakes.apierrors import (
+from testkit.apierrors import (
     STALE,
     ApiError,
     bad_request,
@@ -78,7 +78,7 @@ from tests.fakes.apierrors import (
     invalid,
     not_found,
 )
-from tests.fakes.apistore import (
+from testkit.apistore import (
     Bookmark,
     Change,
     Close,
@@ -90,8 +90,8 @@ from tests.fakes.apistore import (
     clone,
     key_of,
 )
-from tests.fakes.kinds import DEFAULT_KINDS, NAMESPACE, POD, Kind
-from tests.fakes.objectrules import (
+from testkit.kinds import DEFAULT_KINDS, NAMESPACE, POD, Kind
+from testkit.objectrules import (
     GENERATE_ALPHABET,
     check_immutable,
     defaults_on_create,
@@ -100,8 +100,8 @@ from tests.fakes.objectrules import (
     rewrite,
     validate,
 )
-from tests.fakes.patching import apply_patch
-from tests.fakes.selectors import SelectorError, compile_selectors
+from testkit.patching import apply_patch
+from testkit.selectors import SelectorError, compile_selectors
 
 DEFAULT_NAMESPACES = ("default", "kube-system", "kube-public", "kube-node-lease")
 MAX_BODY_BYTES = 3 * 1024 * 1024  # kube-apiserver's request body limit
@@ -1191,11 +1191,11 @@ async def _serve_forever(kubeconfig: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m tests.fakes.apiserver --kubeconfig PATH`: serve until interrupted (for trying
+    """`python -m testkit.apiserver --kubeconfig PATH`: serve until interrupted (for trying
     a component, or the e2e scaffolding, against the fake from another process)."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m tests.fakes.apiserver")
+    parser = argparse.ArgumentParser(prog="python -m testkit.apiserver")
     parser.add_argument("--kubeconfig", type=Path, required=True, help="where to write it")
     args = parser.parse_args(argv)
     with suppress(KeyboardInterrupt):

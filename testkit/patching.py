@@ -16,8 +16,8 @@ from typing import Any
 
 import jsonpatch
 
-from tests.fakes.apierrors import ApiError, bad_request
-from tests.fakes.kinds import Kind
+from testkit.apierrors import ApiError, bad_request
+from testkit.kinds import Kind
 
 JSON_PATCH = "application/json-patch+json"
 MERGE_PATCH = "application/merge-patch+json"

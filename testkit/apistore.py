@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.fakes.kinds import Kind
+from testkit.kinds import Kind
 
 Obj = dict[str, Any]
 Key = tuple[str, str]  # (namespace or "", name)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from core.contract import LIMITS_FILE, SHARED_REGION_FILE, Limits
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 NATIVE = REPO / "native"
 # What the fake driver calls its card 0 (native/tests/fake_cuda.c, cuDeviceGetUuid).
 FAKE_UUID = "GPU-10111213-1415-1617-1819-1a1b1c1d1e00"

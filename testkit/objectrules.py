@@ -16,10 +16,10 @@ import binascii
 import re
 from datetime import UTC, datetime, timedelta
 
-from tests.fakes import draobjects
-from tests.fakes.apierrors import bad_request, invalid
-from tests.fakes.apistore import Obj, clone
-from tests.fakes.kinds import DRA_KINDS, NAMESPACE, POD, SECRET, Kind
+from testkit import draobjects
+from testkit.apierrors import bad_request, invalid
+from testkit.apistore import Obj, clone
+from testkit.kinds import DRA_KINDS, NAMESPACE, POD, SECRET, Kind
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
