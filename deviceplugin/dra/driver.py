@@ -176,8 +176,9 @@ class DraDriver:
 
     def grant_dir(self, container: ContainerDevices) -> Path:
         """The limits directory of the one claim of this driver a listed container uses (the
-        guard's grant). Called from the guard's thread: it reads a copy of the prepared claims,
-        which the event loop replaces but never changes in place."""
+        guard's grant). Called from the guard's thread while the event loop changes the prepared
+        claims: ``list(dict.items())`` copies them in one step under the interpreter lock (string
+        keys run no Python code), so the copy is never half-changed."""
         if len(container.claims) != 1:
             raise GrantError(
                 f"container {container.name} uses {len(container.claims)} claims of "
