@@ -451,7 +451,26 @@ async def compare(args: argparse.Namespace, cases: Any) -> int:
             burst[name] = await measure(create, args.pods, args.concurrency)
         over = max(over, burst["gq"].admitted - fit)
         rounds.append(Round(serial, burst))
+    status_bytes = getattr(cases, "status_bytes", None)
+    if status_bytes is not None:  # against a cluster: what the bursts left, and the trend
+        for index, done in enumerate(rounds):
+            size = await status_bytes(f"bench-gq-burst-{index}")
+            first, last = flat(done.burst["gq"], fit)
+            print(
+                f"  round {index}: GPUQuota status after {fit} admissions {size} bytes; p50 of "
+                f"the first tenth of the burst {first:.1f} ms, of the tenth that filled it "
+                f"{last:.1f} ms"
+            )
     return report(rounds, fit, args.pods, over)
+
+
+def flat(result: Any, fit: int) -> tuple[float, float]:
+    """p50 (ms) of the first tenth of a burst's creates, in order of completion, and of the
+    tenth that filled the quota (the denials after it write nothing and would flatter it)."""
+    tenth = max(1, len(result.latencies) // 10)
+    first = statistics.median(result.latencies[:tenth]) * 1000
+    last = statistics.median(result.latencies[max(0, fit - tenth) : fit]) * 1000
+    return first, last
 
 
 async def burst(args: argparse.Namespace, local: Local) -> int:
@@ -473,11 +492,8 @@ async def burst(args: argparse.Namespace, local: Local) -> int:
         f" over-admission {max(0, result.admitted - fit)}, {result.rate:.0f} pods/s, p50 "
         f"{result.p50:.1f} ms, p99 {result.quantile(0.99):.1f} ms"
     )
-    # In order of completion: the first tenth, and the tenth that filled the quota (the pods
-    # after it are denied, which writes nothing and would flatter the comparison).
     tenth = max(1, len(result.latencies) // 10)
-    first = statistics.median(result.latencies[:tenth]) * 1000
-    last = statistics.median(result.latencies[max(0, fit - tenth) : fit]) * 1000
+    first, last = flat(result, fit)
     print(
         f"  flat: p50 of creates 1-{tenth} {first:.1f} ms, "
         f"of creates {fit - tenth + 1}-{fit} {last:.1f} ms"
@@ -533,14 +549,23 @@ async def release(args: argparse.Namespace, local: Local) -> int:
 class Cluster:
     """The two cases against a real API server (see the module docstring)."""
 
-    def __init__(self, api: Any, gpu: str, run: str, settle_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        api: Any,
+        gpu: str,
+        run: str,
+        settle_s: float = 10.0,
+        labels: dict[str, str] | None = None,
+    ) -> None:
         self.api, self.gpu, self.run = api, gpu, run
         self.settle_s = settle_s  # how long a new quota may take to get its first status
+        self.labels = labels or {}  # on fracgpu's namespaces (a webhook's namespaceSelector)
         self.namespaces: list[str] = []
 
-    async def namespace(self, name: str) -> str:
+    async def namespace(self, name: str, labels: dict[str, str] | None = None) -> str:
         name = f"{name}-{self.run}"
-        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}}
+        metadata: dict[str, Any] = {"name": name, "labels": labels or {}}
+        body = {"apiVersion": "v1", "kind": "Namespace", "metadata": metadata}
         await call_json(self.api, "POST", NAMESPACES.path(), body=body)
         self.namespaces.append(name)
         return name
@@ -585,7 +610,7 @@ class Cluster:
         return self._creator(namespace, {BENCH_RESOURCE: "1"})
 
     async def fracgpu(self, name: str, limit: int) -> Create:
-        namespace = await self.namespace(name)
+        namespace = await self.namespace(name, self.labels)
         cards = limit // CORE * float(self.gpu)
         quota = gpu_quota("gpu", namespace, gpu=f"{cards:.2f}")
         await call_json(self.api, "POST", GPUQUOTAS.path(namespace), body=quota)
@@ -597,6 +622,10 @@ class Cluster:
             await asyncio.sleep(0.1)
         return self._creator(namespace, {"fracgpu.io/gpu": self.gpu})
 
+    async def status_bytes(self, name: str) -> int:
+        obj = await call_json(self.api, "GET", GPUQUOTAS.path(f"{name}-{self.run}", "gpu"))
+        return len(json.dumps(obj.get("status") or {}))
+
     async def cleanup(self) -> None:
         for name in self.namespaces:
             await call_json(self.api, "DELETE", NAMESPACES.path(None, name))
@@ -604,7 +633,8 @@ class Cluster:
 
 async def cluster(args: argparse.Namespace) -> int:
     async with kube_client(args.kubeconfig, args.context) as api:
-        cases = Cluster(api, args.gpu, uuid.uuid4().hex[:6], args.settle_s)
+        labels = dict(pair.split("=", 1) for pair in args.namespace_label)
+        cases = Cluster(api, args.gpu, uuid.uuid4().hex[:6], args.settle_s, labels)
         print(
             f"bench.quota against {args.kubeconfig}: {args.serial} pods one at a time, "
             f"{args.pods} with {args.concurrency} in flight, {args.rounds} rounds"
@@ -633,6 +663,13 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kubeconfig", help="run against this cluster (fracgpu installed)")
     parser.add_argument("--context", help="kubeconfig context")
+    parser.add_argument(
+        "--namespace-label",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="label fracgpu's bench namespaces (where the webhooks select namespaces by label)",
+    )
     parser.add_argument("--gpu", default="0.1", help="cards per pod against a cluster")
     parser.add_argument("--settle-s", type=float, default=10.0, help=argparse.SUPPRESS)
     parser.add_argument("--serve-fake", action="store_true", help=argparse.SUPPRESS)
