@@ -5,6 +5,13 @@ candidate takes the Lease over only when the record it observed has not changed 
 ``leaseDurationSeconds`` of its *own* clock (so clock skew between nodes does not matter).
 Every write carries the resourceVersion read, so two candidates cannot both win. A leader
 that cannot renew within the lease duration stops its work before another may take over.
+
+A leader that stops (a rolling update, a drained node) first stops its work, then **releases**
+the Lease: it writes an empty holder, as client-go's ``ReleaseOnCancel`` does, so that the next
+replica, restarted or already running, takes over at its next try instead of waiting out the
+whole lease duration. Until a controller runs no new GPUQuota is counted, and its pods are
+denied "not counted yet": a release turns that wait of ``leaseDurationSeconds`` (15 s) after a
+restart into one renew interval. After a crash nothing is released and the wait stays.
 """
 
 from __future__ import annotations
@@ -89,6 +96,33 @@ class LeaderElector:
             if task is not None:
                 await self._stop(task)
             self.metrics.leader.set(0)
+            if self.is_leader:
+                await self._release()
+
+    async def _release(self) -> None:
+        """Give the Lease up (its work has stopped): an empty holder, which any candidate takes
+        at once. Best effort within one request timeout; a failure leaves the Lease to expire."""
+        path = LEASES.path(self.namespace, self.config.lease_name)
+        self.is_leader = False
+        try:
+            lease = await call_json(self.api, "GET", path, timeout_s=self.request_timeout_s)
+            spec = lease.get("spec") or {}
+            if spec.get("holderIdentity") != self.identity:
+                return  # taken over meanwhile: not ours to release
+            body = self._lease(
+                lease,
+                transitions=int(spec.get("leaseTransitions") or 0),
+                acquired=spec.get("acquireTime") or _micro_time(),
+            )
+            body["spec"]["holderIdentity"] = ""
+            body["metadata"].pop("annotations", None)  # no decider: nobody leads
+            await call_json(self.api, "PUT", path, body=body, timeout_s=self.request_timeout_s)
+            log.info("quota controller Lease released", extra={"identity": self.identity})
+        except (KubeError, TimeoutError, aiohttp.ClientError, OSError) as err:
+            log.warning(
+                "quota controller Lease not released; it expires by itself",
+                extra={"identity": self.identity, "error": str(err) or type(err).__name__},
+            )
 
     @staticmethod
     async def _stop(task: asyncio.Task[None]) -> None:

@@ -5,6 +5,7 @@ cache); GPUQuota status and pods live in the fake, which enforces resourceVersio
 """
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
@@ -335,3 +336,42 @@ async def test_reread_after_conflict_uses_a_newer_cached_object_else_reads_live(
         # Nothing newer cached than what conflicted: read live.
         obj, live = await store.reread("team-a", "team-a", version)
         assert (obj["metadata"]["resourceVersion"], live) == (version, True)
+
+
+async def test_a_stopping_leader_releases_the_lease_at_once(fake: FakeApiServer) -> None:
+    """A rolling update: the leader stops, and the other replica leads at its next try, not a
+    lease duration (here 10 s) later; the controller's work never runs on both."""
+    async with fake.api_client() as api:
+        config = LeaderElection(
+            lease_duration_s=10.0, renew_interval_s=0.1, lease_namespace="fracgpu-system"
+        )
+        running: list[str] = []
+
+        def work(name: str) -> Callable[[], Awaitable[None]]:
+            async def body() -> None:
+                running.append(name)
+                try:
+                    await asyncio.Event().wait()
+                finally:
+                    running.remove(name)
+
+            return body
+
+        first = LeaderElector(api, config.model_copy(update={"identity": "old"}))
+        old = asyncio.create_task(first.run(work("old")))
+        await _eventually(lambda: running == ["old"])
+        second = LeaderElector(api, config.model_copy(update={"identity": "new"}))
+        new = asyncio.create_task(second.run(work("new")))
+        try:
+            await asyncio.sleep(0.5)
+            assert running == ["old"]  # a live leader is not displaced
+            old.cancel()
+            await asyncio.gather(old, return_exceptions=True)
+            stopped = time.monotonic()
+            await _eventually(lambda: running == ["new"])
+            assert time.monotonic() - stopped < 2.0
+            lease = fake.get("leases", config.lease_name, "fracgpu-system") or {}
+            assert lease["spec"]["holderIdentity"] == "new"
+        finally:
+            new.cancel()
+            await asyncio.gather(new, return_exceptions=True)
