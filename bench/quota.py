@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import sys
@@ -448,7 +449,15 @@ async def compare(args: argparse.Namespace, cases: Any) -> int:
             serial[name] = await measure(create, args.serial, 1)
         for name, make in (("rq", cases.resourcequota), ("gq", cases.fracgpu)):
             create = await make(f"bench-{name}-burst-{index}", fit * CORE)
+            before = cpu_seconds(args.cpu_of)
             burst[name] = await measure(create, args.pods, args.concurrency)
+            spent = cpu_seconds(args.cpu_of)
+            if args.cpu_of:
+                cost = {k: (spent[k] - before.get(k, 0.0)) * 1000 / args.pods for k in spent}
+                print(
+                    f"  round {index} {name} burst: CPU ms per pod "
+                    + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cost.items()))
+                )
         over = max(over, burst["gq"].admitted - fit)
         rounds.append(Round(serial, burst))
     status_bytes = getattr(cases, "status_bytes", None)
@@ -462,6 +471,27 @@ async def compare(args: argparse.Namespace, cases: Any) -> int:
                 f"{last:.1f} ms"
             )
     return report(rounds, fit, args.pods, over)
+
+
+def cpu_seconds(names: list[str]) -> dict[str, float]:
+    """User and system CPU seconds of this machine's processes whose command line contains
+    each of ``names`` (a cluster on this machine: kube-apiserver, etcd, fracgpu serve)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    found = dict.fromkeys(names, 0.0)
+    for entry in os.listdir("/proc") if names else []:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                command = fh.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rpartition(")")[2].split()
+        except OSError:
+            continue
+        for name in names:
+            if name in command:
+                found[name] += (int(fields[11]) + int(fields[12])) / tick
+    return found
 
 
 def flat(result: Any, fit: int) -> tuple[float, float]:
@@ -663,6 +693,14 @@ def parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--kubeconfig", help="run against this cluster (fracgpu installed)")
     parser.add_argument("--context", help="kubeconfig context")
+    parser.add_argument(
+        "--cpu-of",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="with a cluster on this machine: report the CPU per pod of each burst spent by the "
+        "processes whose command line contains TEXT (repeatable: kube-apiserver, etcd, ...)",
+    )
     parser.add_argument(
         "--namespace-label",
         action="append",
