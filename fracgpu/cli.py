@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from certs.cli import add_parser as add_certs_parser
 from core import log
-from core.flags import add_kube_flags, add_log_flags
+from core.flags import add_kube_flags, add_log_flags, deferred
 from deviceplugin.classic.cli import add_parser as add_deviceplugin_parser
 from deviceplugin.dra.cli import add_parser as add_dra_parser
 from fracgpu.review import (
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_review(sub)
     _add_mode(sub)
+    _add_why(sub)
     # In the order `fracgpu --help` lists them.
     add_quota_parser(sub)
     add_certs_parser(sub)
@@ -80,6 +81,22 @@ def _add_mode(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     add_kube_flags(p)
     p.set_defaults(run=_run_mode)
+
+
+def _add_why(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "why",
+        help="why a GPU pod is not running, in cards and MiB",
+        description="Why a fracgpu pod waits (no card can host its share now, and the largest "
+        "free share; another scheduling reason; containers starting) or that it runs, with its "
+        "recent warnings. Exit status 1 when the pod does not exist, 2 when the API server "
+        "cannot be asked.",
+    )
+    p.add_argument("pod", metavar="POD")
+    p.add_argument("-n", "--namespace", help="the pod's namespace (default: default)")
+    p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
+    add_kube_flags(p)
+    p.set_defaults(run=deferred("fracgpu.why", "run"))
 
 
 def _run_mode(args: argparse.Namespace) -> int:

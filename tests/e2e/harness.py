@@ -304,6 +304,21 @@ class Kubectl:
         data: Obj = json.loads(self.ok("get", kind, name, "-n", namespace, "-o", "json"))
         return data
 
+    def fracgpu(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        """``kubectl fracgpu ARGS``: kubectl finds the plugin (the ``kubectl-fracgpu`` console
+        script of the environment running the tests) on PATH, as it would for a user; kubectl
+        passes a plugin only what follows its name, so the kubeconfig goes last."""
+        scripts = str(Path(sys.executable).parent)
+        env = {**os.environ, "PATH": f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}"}
+        return subprocess.run(
+            [self.binary, "fracgpu", *args, "--kubeconfig", str(self.kubeconfig)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env=env,
+        )
+
 
 def render(directory: Path) -> list[Obj]:
     """The objects a kustomization renders to, with the renderer users run."""

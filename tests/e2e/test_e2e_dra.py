@@ -234,6 +234,12 @@ def test_a_share_that_fits_no_single_card_waits_pending_and_is_told_why(
     expected = explain(asks_of(wide["spec"]), free)
     messages = [e["message"] for e in events_of(kubectl, dra_namespace, "wide", REASON)]
     assert messages[-1] == expected
+    # What a user runs: the same sentence, from the slices and claims as they are now.
+    why = kubectl.fracgpu("why", "wide", "-n", dra_namespace, "-o", "json")
+    assert why.returncode == 0, why.stderr
+    found = json.loads(why.stdout)
+    assert (found["state"], found["mode"]) == ("waiting-for-a-card", "dra"), found
+    assert found["message"] == f"no card can host it now: {expected}", found
     deadline = time.monotonic() + PENDING_FOR_S
     while time.monotonic() < deadline:
         assert kubectl.get("pod", "wide", dra_namespace)["status"]["phase"] == "Pending"

@@ -320,6 +320,12 @@ def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
     assert message is not None
     assert message.startswith("largest free share on any node: 0.40 card and "), message
     assert f"of {agent.node}; this pod asks 0.50 card and " in message, message
+    # What a user runs: the same sentence, worked out afresh from the Node's annotation.
+    why = kubectl.fracgpu("why", "late", "-n", node_namespace, "-o", "json")
+    assert why.returncode == 0, why.stderr
+    found = json.loads(why.stdout)
+    assert (found["state"], found["mode"]) == ("waiting-for-a-card", "device-plugin"), found
+    assert found["message"] == f"no card can host it now: {message}", found
     status = kubectl.get("pod", "late", node_namespace)["status"]
     assert status["phase"] == "Pending"
     assert not _condition(kubectl.get("pod", "late", node_namespace), "PodScheduled")
