@@ -403,6 +403,41 @@ def test_excess_that_ends_within_the_grace_is_not_killed(
     assert sample(setup.metrics, "guard_containers_over_grant", card="0") == 0
 
 
+def test_each_share_is_exported_against_its_grant_until_it_leaves_the_card(
+    nvml: tuple[FakeNvml, list[Card]], node: NodeProc
+) -> None:
+    """Per share and card: memory used (its processes together) and granted, compute granted,
+    labelled with the pod and the card's UUID and model; gone when its processes are."""
+    fake, cards = nvml
+    setup = make_guard(node, cards, [holding(ALICE, 0, 4, core=30)])
+    first, second = node.spawn(), node.spawn()
+    for child in (first, second):
+        node.enter(child.pid, ALICE)
+    fake.process(0, first.pid, 300)
+    fake.process(0, second.pid, 200)
+    setup.guard.scan_once()
+    share = {
+        "namespace": ALICE.namespace,
+        "pod": ALICE.pod,
+        "container": ALICE.container,
+        "card_uuid": cards[0].uuid,
+        "model": cards[0].product,
+    }
+    assert sample(setup.metrics, "share_memory_used_bytes", **share) == 500 * 2**20
+    assert sample(setup.metrics, "share_memory_granted_bytes", **share) == 1024 * 2**20
+    assert sample(setup.metrics, "share_compute_granted_percent", **share) == 30
+    for child in (first, second):
+        fake.exit(0, child.pid)
+    setup.guard.scan_once()
+    exported = {
+        s.name
+        for family in setup.metrics.registry.collect()
+        for s in family.samples
+        if s.name.startswith(f"{PREFIX}_share_")
+    }
+    assert exported == set()
+
+
 # ---- never the wrong process ---------------------------------------------------------------
 
 

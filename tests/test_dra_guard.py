@@ -156,6 +156,17 @@ async def test_a_process_over_its_claims_memory_is_killed(
         node.nvml.process(0, child.pid, 2048)
         await asyncio.sleep(0.4)
         assert child.poll() is None  # exactly its claim
+        share = {
+            "namespace": "default",
+            "pod": "train-0",
+            "container": "main",
+            "card_uuid": node.plugin.driver.cards[0].uuid,  # type: ignore[union-attr]
+            "model": node.plugin.driver.cards[0].product,  # type: ignore[union-attr]
+        }
+        registry = node.plugin.metrics.registry
+        used = registry.get_sample_value("fracgpu_dra_plugin_share_memory_used_bytes", share)
+        granted = registry.get_sample_value("fracgpu_dra_plugin_share_memory_granted_bytes", share)
+        assert (used, granted) == (2048 * 2**20, 2 * 2**30)
         node.nvml.process(0, child.pid, 2049)
         assert await _killed(child)
         metrics = node.plugin.metrics.registry

@@ -47,6 +47,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
+from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -119,6 +120,29 @@ class GuardMetrics:
             f"{prefix}_guard_nvml_errors",
             "Process-list reads NVML failed (no action on the card that pass)",
             ["card"],
+            registry=registry,
+        )
+        # Each share's use against its grant, per card: the per-container figures that a
+        # card-level exporter (dcgm-exporter) cannot give on a shared card. One series per
+        # grant and card while the grant has processes on the card (bounded by the node's
+        # containers), removed when it has none.
+        share = ["namespace", "pod", "container", "card_uuid", "model"]
+        self.share_memory_used = Gauge(
+            f"{prefix}_share_memory_used_bytes",
+            "Card memory the share's processes hold, as NVML counts it (CUDA contexts included)",
+            share,
+            registry=registry,
+        )
+        self.share_memory_granted = Gauge(
+            f"{prefix}_share_memory_granted_bytes",
+            "Card memory the share was granted (its limits file)",
+            share,
+            registry=registry,
+        )
+        self.share_compute_granted = Gauge(
+            f"{prefix}_share_compute_granted_percent",
+            "Percent of the card's compute the share was granted (100: unthrottled)",
+            share,
             registry=registry,
         )
         self.guard_scan_seconds = Histogram(
@@ -429,6 +453,7 @@ class Guard:
         self.reporter = reporter
         self._clock = clock
         self._episodes: dict[tuple[str, int], _Episode] = {}
+        self._exported: set[tuple[str, ...]] = set()  # share series set at the last scan
         self._failing: dict[int, str] = {}  # card -> the NVML error already logged
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -499,7 +524,37 @@ class Guard:
             Usage(owners[key], self.cards[index], tuple(processes))
             for (key, index), processes in grouped.items()
         ]
+        self._export(observation.usage)
         return observation
+
+    def _export(self, usage: list[Usage]) -> None:
+        """Each share's use and grant per card; series of shares no longer seen are removed."""
+        now: dict[tuple[str, ...], tuple[int, Usage]] = {}
+        for entry in usage:
+            owner, card = entry.owner, entry.card
+            labels: tuple[str, ...] = (
+                owner.namespace,
+                owner.pod,
+                owner.container,
+                card.uuid,
+                card.product,
+            )
+            held = now.get(labels)
+            now[labels] = (entry.used + (held[0] if held else 0), entry)
+        metrics = self.metrics
+        for labels, (used, entry) in now.items():
+            metrics.share_memory_used.labels(*labels).set(used)
+            metrics.share_memory_granted.labels(*labels).set(entry.owner.allowed(entry.card.uuid))
+            metrics.share_compute_granted.labels(*labels).set(entry.owner.limits.compute_percent)
+        for labels in self._exported - now.keys():
+            for gauge in (
+                metrics.share_memory_used,
+                metrics.share_memory_granted,
+                metrics.share_compute_granted,
+            ):
+                with suppress(KeyError):
+                    gauge.remove(*labels)
+        self._exported = set(now)
 
     def _nvml_failed(self, card: Card, exc: Exception) -> None:
         self.metrics.guard_nvml_errors.labels(str(card.index)).inc()
