@@ -110,3 +110,60 @@ def test_guard_reads_a_cuda_process_and_its_context_fits_the_allowance(
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_shares_use_is_exported_from_real_nvml(real_cards: list[Card]) -> None:
+    """The per-share gauges from a real card: a CUDA process of a (stand-in) container shows as
+    its share's memory used, NVML's own figure, beside the grant it was given."""
+    from prometheus_client import CollectorRegistry
+
+    from core.contract import Limits
+    from deviceplugin.shared.guard import ContainerRef, Guard, GuardMetrics, Owner
+
+    card = real_cards[0]
+    child = subprocess.Popen([sys.executable, "-c", CUDA_CHILD], stdout=subprocess.PIPE, text=True)
+    ref = ContainerRef("6f1c2a8e-1b2c-4d5e-8f90-0123456789ab", "0f" * 32)
+    owner = Owner("team-a", "train-0", "main", ref.pod_uid, ref.container_id,
+                  Limits((card.uuid,), 4 << 30, 30), grant="g")  # fmt: skip
+
+    class OneContainer:
+        """The child's process is the container's; the rest of the node's are not."""
+
+        def container(self, pid: int) -> ContainerRef | None:
+            return ref if pid == child.pid else None
+
+        def start_time(self, pid: int) -> int | None:
+            return 1
+
+    class Resolve:
+        def resolve(self, seen: ContainerRef) -> Owner | None:
+            return owner if seen == ref else None
+
+        def forget_idle(self) -> None:
+            return None
+
+    metrics = GuardMetrics(CollectorRegistry(), "fracgpu_device_plugin")
+    guard = Guard([card], Resolve(), OneContainer(), metrics, kill=False)  # type: ignore[arg-type]
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "ready"
+        labels = {"namespace": "team-a", "pod": "train-0", "container": "main",
+                  "card_uuid": card.uuid, "model": card.product}  # fmt: skip
+        used = None
+        deadline = time.monotonic() + 10
+        while used is None and time.monotonic() < deadline:
+            guard.scan_once()
+            used = metrics.registry.get_sample_value(
+                "fracgpu_device_plugin_share_memory_used_bytes", labels
+            )
+            time.sleep(0.1)
+        print({"share_memory_used_mib": None if used is None else int(used) >> 20})
+        assert used is not None, "the scan exported no share for the CUDA process"
+        assert used >= 256 << 20
+        granted = metrics.registry.get_sample_value(
+            "fracgpu_device_plugin_share_memory_granted_bytes", labels
+        )
+        assert granted == 4 << 30
+    finally:
+        child.kill()
+        child.wait()
