@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_review(sub)
     _add_mode(sub)
     _add_why(sub)
+    _add_top(sub)
+    _add_fit(sub)
     # In the order `fracgpu --help` lists them.
     add_quota_parser(sub)
     add_certs_parser(sub)
@@ -97,6 +99,41 @@ def _add_why(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     add_kube_flags(p)
     p.set_defaults(run=deferred("fracgpu.why", "run"))
+
+
+def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "top",
+        help="each GPU: its shares (pod, container, grant) and what it has free",
+        description="Per node and card: what is used and free, in cards and MiB, and each "
+        "share on it with its grant (DRA mode: from the claims; device-plugin mode: a node's "
+        "shares, whose card only its node agent knows). Shares of -n NAMESPACE only, or all "
+        "with -A (the default).",
+    )
+    p.add_argument("--node", help="only this node's cards")
+    scope = p.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", help="only this namespace's shares")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")
+    p.add_argument("-o", "--output", choices=["text", "wide", "json", "yaml"], default="text")
+    add_kube_flags(p)
+    p.set_defaults(run=deferred("fracgpu.top", "run_top"))
+
+
+def _add_fit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "fit",
+        help="which GPUs could take a pod of this shape now, or why none",
+        description="SHAPE is what fracgpu.io/gpu says (0.01 to 1 with two decimals, or whole "
+        "cards); --gpumem what fracgpu.io/gpumem says (default: the share's part of each card's "
+        "memory). Prints the cards that can take it now, best fit first, or the reason none "
+        "can, as a waiting pod's event says it. Exit status 0 when it fits, 1 when it fits "
+        "nowhere now, 2 for a shape that is not one or an API server that cannot be asked.",
+    )
+    p.add_argument("gpu", metavar="SHAPE")
+    p.add_argument("--gpumem", help="GPU memory per card, e.g. 8Gi (fracgpu.io/gpumem)")
+    p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
+    add_kube_flags(p)
+    p.set_defaults(run=deferred("fracgpu.top", "run_fit"))
 
 
 def _run_mode(args: argparse.Namespace) -> int:

@@ -240,6 +240,17 @@ def test_a_share_that_fits_no_single_card_waits_pending_and_is_told_why(
     found = json.loads(why.stdout)
     assert (found["state"], found["mode"]) == ("waiting-for-a-card", "dra"), found
     assert found["message"] == f"no card can host it now: {expected}", found
+    # Each card with its share, from the claims; and no card can take 0.5 now.
+    top = kubectl.fracgpu("top", "--node", agent.node, "-n", dra_namespace, "-o", "json")
+    assert top.returncode == 0, top.stderr
+    view = json.loads(top.stdout)
+    assert view["mode"] == "dra", view
+    on_cards = sorted(s["pod"] for c in view["cards"] for s in c["shares"])
+    assert on_cards == sorted(fillers), view
+    assert [c["free_cores"] for c in view["cards"]] == [40] * len(CARDS), view
+    nowhere = kubectl.fracgpu("fit", "0.5", "--gpumem", "4Gi")
+    assert nowhere.returncode == 1, nowhere.stdout + nowhere.stderr
+    assert "fits nowhere now: largest free share on any node: 0.40 card" in nowhere.stdout
     deadline = time.monotonic() + PENDING_FOR_S
     while time.monotonic() < deadline:
         assert kubectl.get("pod", "wide", dra_namespace)["status"]["phase"] == "Pending"

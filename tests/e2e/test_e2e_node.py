@@ -326,6 +326,20 @@ def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
     found = json.loads(why.stdout)
     assert (found["state"], found["mode"]) == ("waiting-for-a-card", "device-plugin"), found
     assert found["message"] == f"no card can host it now: {message}", found
+    # Each card and the node's shares, and which cards could take a shape now.
+    top = kubectl.fracgpu("top", "--node", agent.node, "-o", "json")
+    assert top.returncode == 0, top.stderr
+    view = json.loads(top.stdout)
+    assert (view["mode"], len(view["cards"])) == ("device-plugin", len(CARDS)), view
+    assert [c["free_cores"] for c in view["cards"]] == [40] * len(CARDS), view
+    held = {s["pod"] for s in view["unplaced"][agent.node] if s["namespace"] == node_namespace}
+    assert held >= {f"big-{i}" for i in range(len(CARDS))}, view
+    nowhere = kubectl.fracgpu("fit", "0.5", "--gpumem", "1Gi")
+    assert nowhere.returncode == 1, nowhere.stdout + nowhere.stderr
+    assert "fits nowhere now: largest free share on any node: 0.40 card" in nowhere.stdout
+    somewhere = kubectl.fracgpu("fit", "0.4", "--gpumem", "1Gi", "-o", "json")
+    assert somewhere.returncode == 0, somewhere.stdout + somewhere.stderr
+    assert len(json.loads(somewhere.stdout)["fits"]) == len(CARDS)
     status = kubectl.get("pod", "late", node_namespace)["status"]
     assert status["phase"] == "Pending"
     assert not _condition(kubectl.get("pod", "late", node_namespace), "PodScheduled")
