@@ -12,12 +12,15 @@ import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, get_type_hints
 
 T = TypeVar("T")
 
 
 def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+        return {k: _plain(v) for k, v in fields.items() if v is not None}
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, frozenset):
@@ -26,20 +29,32 @@ def _plain(value: Any) -> Any:
 
 
 def to_json(config: Any) -> str:
-    fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    return json.dumps({k: _plain(v) for k, v in fields.items() if v is not None})
+    return json.dumps(_plain(config))
+
+
+def _typed(kind: Any, value: Any) -> Any:
+    """``value`` from JSON as the field's type (nested settings, paths and sets)."""
+    if dataclasses.is_dataclass(kind) and isinstance(kind, type):
+        return _from_dict(kind, value)
+    if "Path" in str(kind):
+        return Path(value)
+    if "frozenset" in str(kind):
+        return frozenset(value)
+    return value
+
+
+def _from_dict(cls: type[T], raw: dict[str, Any]) -> T:
+    hints = get_type_hints(cls)
+    values = {
+        f.name: _typed(hints[f.name], raw[f.name])
+        for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if f.name in raw
+    }
+    return cls(**values)
 
 
 def from_json(cls: type[T], text: str) -> T:
-    raw: dict[str, Any] = json.loads(text)
-    for field in dataclasses.fields(cls):  # type: ignore[arg-type]
-        if field.name not in raw:
-            continue
-        if "Path" in str(field.type):
-            raw[field.name] = Path(raw[field.name])
-        elif "frozenset" in str(field.type):
-            raw[field.name] = frozenset(raw[field.name])
-    return cls(**raw)
+    return _from_dict(cls, json.loads(text))
 
 
 @contextmanager
