@@ -20,7 +20,7 @@ T = TypeVar("T")
 def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-        return {k: _plain(v) for k, v in fields.items() if v is not None}
+        return {k: _plain(v) for k, v in fields.items()}
     if isinstance(value, Path):
         return str(value)
     if isinstance(value, frozenset):
@@ -34,6 +34,8 @@ def to_json(config: Any) -> str:
 
 def _typed(kind: Any, value: Any) -> Any:
     """``value`` from JSON as the field's type (nested settings, paths and sets)."""
+    if value is None:
+        return None
     if dataclasses.is_dataclass(kind) and isinstance(kind, type):
         return _from_dict(kind, value)
     if "Path" in str(kind):
