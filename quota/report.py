@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+import yaml
 
 from core.kube import PODS, call_json, kube_client
 from core.units import cards_text
@@ -25,7 +28,13 @@ from quota.store import MemoryStore, Unavailable, load_quota_file
 def run(args: argparse.Namespace) -> int:
     try:
         quotas, pods = asyncio.run(_load(args))
-        print(render(quotas, pods, show_pods=not args.no_pods), end="")
+        output = getattr(args, "output", "text")
+        if output == "json":
+            print(json.dumps(document(quotas, pods), indent=2))
+        elif output == "yaml":
+            print(yaml.safe_dump(document(quotas, pods), sort_keys=False), end="")
+        else:
+            print(render(quotas, pods, show_pods=not args.no_pods), end="")
     except (QuotaError, Unavailable, OSError) as exc:
         print(f"fracgpu quota: {exc}", file=sys.stderr)
         return 1
@@ -108,6 +117,63 @@ def render(
         for quota in quotas:
             lines.extend(_pod_lines(quota, pods.get(quota.namespace)))
     return "\n".join(lines) + "\n"
+
+
+def _usage(core: int, memory_mib: int, pods: int) -> dict[str, Any]:
+    return {"cards": cards_text(core), "memoryMiB": memory_mib, "pods": pods}
+
+
+def _limits(gpu: int | None, gpumem: int | None, pods: int | None) -> dict[str, Any]:
+    return {
+        "cards": None if gpu is None else cards_text(gpu),
+        "memoryMiB": gpumem,
+        "pods": pods,
+    }
+
+
+def document(
+    quotas: Sequence[GPUQuota], pods: Mapping[str, Sequence[Mapping[str, Any]]]
+) -> list[dict[str, Any]]:
+    """What ``render`` shows, as objects (``-o json|yaml``): per quota its use and limits, per
+    GPU model too, and who uses it (``pending``: admitted, not yet seen as a pod)."""
+    out = []
+    for quota in quotas:
+        ledger = Ledger.of(quota)
+        used, spec = ledger.charged(None), quota.spec
+        users = []
+        counted = set()
+        for pod in pods.get(quota.namespace) or []:
+            demand = pod_demand(pod)
+            if demand is None or is_terminal(pod):
+                continue
+            meta = pod.get("metadata") or {}
+            counted.add(str(meta.get("uid")))
+            users.append({"pod": meta.get("name"), **_usage(demand.core, demand.memory_mib, 1)})
+        for entry in ledger.pending:
+            if entry.uid not in counted:
+                demand = entry.demand
+                users.append(
+                    {"pod": entry.pod, **_usage(demand.core, demand.memory_mib, 1), "pending": True}
+                )
+        out.append(
+            {
+                "namespace": quota.namespace,
+                "name": quota.name,
+                "used": _usage(used.core, used.memory_mib, used.pods),
+                "limit": _limits(spec.gpu, spec.gpumem, spec.pods),
+                "models": {
+                    model: {
+                        "used": _usage(u.core, u.memory_mib, u.pods),
+                        "limit": _limits(limit.gpu, limit.gpumem, limit.pods),
+                    }
+                    for model, limit in sorted(spec.models.items())
+                    for u in [ledger.charged(model)]
+                },
+                "pendingAdmissions": len(ledger.pending),
+                "pods": users,
+            }
+        )
+    return out
 
 
 def _limit(value: int | None, fmt: Any) -> str:

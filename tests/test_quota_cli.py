@@ -82,3 +82,19 @@ def test_render_lists_pending_admissions_and_the_unmatched_rest() -> None:
     assert "0.50/2.00" in out
     assert "  late  0.20 card, 256 MiB  (pending)" in out
     assert "  and 1 more admitted pods not yet seen by the controller  0.30 card, 256 MiB" in out
+
+
+@pytest.mark.parametrize("output", ["json", "yaml"])
+def test_the_view_as_objects(
+    output: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "q.yaml"
+    quota = gpu_quota(gpu="4", gpumem="64Gi", models={"A100": {"gpu": 2}})
+    quota["status"] = {"used": {"core": 150, "memoryMiB": 8192, "pods": 2}}
+    path.write_text(yaml.safe_dump(quota))
+    args = _parser().parse_args(["quota", "--file", str(path), "-n", "team-a", "-o", output])
+    assert args.run(args) == 0
+    (shown,) = yaml.safe_load(capsys.readouterr().out)  # JSON is YAML too
+    assert shown["used"] == {"cards": "1.50", "memoryMiB": 8192, "pods": 2}
+    assert shown["limit"] == {"cards": "4.00", "memoryMiB": 65536, "pods": None}
+    assert shown["models"]["A100"]["limit"]["cards"] == "2.00"
