@@ -19,7 +19,7 @@ from deviceplugin.dra.config import (
     DEFAULT_METRICS_PORT,
     DraConfig,
 )
-from deviceplugin.shared.flags import KUBELET_PODRESOURCES_SOCKET, add_guard_flags, guard_settings
+from deviceplugin.shared.flags import add_guard_flags, guard_settings
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -72,9 +72,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--pod-resources-socket",
         type=Path,
-        default=KUBELET_PODRESOURCES_SOCKET,
+        default=None,
         help="kubelet's PodResources API, where the node guard learns which claims each "
-        "container uses (default %(default)s)",
+        "container uses (default: <kubelet-root>/pod-resources/kubelet.sock)",
     )
     add_guard_flags(parser)
     parser.set_defaults(run=deferred("deviceplugin.dra.cli", "run"))

@@ -57,7 +57,8 @@ class DraConfig:
     claim_timeout_s: float = 10.0  # one ResourceClaim GET (kubelet waits 45 s per call)
     reconcile_interval_s: float = 60.0  # prepared claims against the API server
     guard: GuardSettings = field(default_factory=GuardSettings)  # the node guard (shared/guard.py)
-    podresources_socket: Path = KUBELET_PODRESOURCES_SOCKET  # the guard's view of claims
+    # kubelet's PodResources API, the guard's view of claims; None: under kubelet_root
+    podresources_socket: Path | None = None
     podresources_timeout_s: float = 5.0
 
     @property
@@ -71,6 +72,13 @@ class DraConfig:
     @property
     def service_socket(self) -> Path:
         return self.plugin_dir / "dra.sock"
+
+    @property
+    def pod_resources_socket(self) -> Path:
+        """Where kubelet serves PodResources: ``<root-dir>/pod-resources/kubelet.sock``."""
+        if self.podresources_socket is not None:
+            return self.podresources_socket
+        return self.kubelet_root / KUBELET_PODRESOURCES_SOCKET.relative_to("/var/lib/kubelet")
 
     @property
     def checkpoint_path(self) -> Path:

@@ -135,7 +135,7 @@ class DraDaemon:
         self.health.start()
         if config.guard.interval_s > 0:
             self.podresources = PodResourcesClient(
-                config.podresources_socket, config.podresources_timeout_s
+                config.pod_resources_socket, config.podresources_timeout_s
             )
             podresources = self.podresources
             self.guard = build_guard(

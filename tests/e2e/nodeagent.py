@@ -47,6 +47,7 @@ from core.kube import NODES, call_json
 from core.quantity import parse_quantity
 from deviceplugin.dra import cdi
 from deviceplugin.dra.config import DEFAULT_DRIVER
+from deviceplugin.shared.flags import DEFAULT_PROCESS_OVERHEAD_MIB
 from testkit.nvml import FakeCard, FakeNvml, build_cached
 from tests.e2e.harness import (
     CARD_MIB,
@@ -351,6 +352,68 @@ def wait_running(kubectl: Kubectl, namespace: str, name: str, agent: NodeAgent) 
         return bool(phase == "Running")
 
     return wait_for(running, RUNNING_WITHIN_S, lambda: describe(kubectl, namespace, agent))
+
+
+def container_pids(
+    kubectl: Kubectl, namespace: str, pod: str, name: str = "main"
+) -> list[int]:
+    """The node's pids of a running container: the processes whose cgroup names its ID (this
+    machine is the node, as the guard sees it)."""
+    statuses = kubectl.get("pod", pod, namespace)["status"].get("containerStatuses") or []
+    (entry,) = [s for s in statuses if s["name"] == name]
+    container_id = str(entry["containerID"]).split("://", 1)[1]
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if container_id in (proc / "cgroup").read_text():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def restarts(kubectl: Kubectl, namespace: str, pod: str) -> int:
+    statuses = kubectl.get("pod", pod, namespace)["status"].get("containerStatuses") or []
+    return sum(int(s.get("restartCount") or 0) for s in statuses)
+
+
+def guard_kills_over_grant(
+    agent: NodeAgent, kubectl: Kubectl, namespace: str, pod: str, *, card: int, grant_mib: int
+) -> None:
+    """The node guard on the real kubelet: the pod's process shows (in the fake NVML) exactly
+    its grant plus the guard's allowance for a CUDA context, and is left alone; then more, and
+    the guard kills it (kubelet restarts the container) and tells the pod in an Event."""
+    (pid,) = container_pids(kubectl, namespace, pod)
+    allowance = DEFAULT_PROCESS_OVERHEAD_MIB
+    agent.nvml.process(card, pid, grant_mib + allowance)
+    try:
+        time.sleep(3)  # several scans and more than the grace
+        assert restarts(kubectl, namespace, pod) == 0, describe(kubectl, namespace, agent)
+        agent.nvml.process(card, pid, grant_mib + allowance + 256)
+        wait_for(
+            lambda: restarts(kubectl, namespace, pod) >= 1,
+            30,
+            lambda: describe(kubectl, namespace, agent),
+        )
+        wait_for(
+            lambda: (
+                "GPUProcessKilled"
+                in kubectl(
+                    "get",
+                    "events",
+                    "-n",
+                    namespace,
+                    "--field-selector",
+                    f"involvedObject.name={pod}",
+                ).stdout
+            ),
+            30,
+            lambda: describe(kubectl, namespace, agent),
+        )
+    finally:
+        agent.nvml.exit(card, pid)
 
 
 async def node_metadata(api: Any, node: str) -> dict[str, Any]:

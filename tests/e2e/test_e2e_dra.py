@@ -47,6 +47,7 @@ from tests.e2e.nodeagent import (
     create,
     describe,
     fake_cards,
+    guard_kills_over_grant,
     node_pod,
     pods,
     results,
@@ -255,6 +256,18 @@ def test_a_share_that_fits_no_single_card_waits_pending_and_is_told_why(
     while time.monotonic() < deadline:
         assert kubectl.get("pod", "wide", dra_namespace)["status"]["phase"] == "Pending"
         time.sleep(1)
+
+
+def test_the_guard_kills_a_process_over_its_claim(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """The node guard in DRA mode on the real kubelet: kubelet's PodResources names the pod's
+    claim, the claim's limits file is the grant, and a process holding more is killed."""
+    create(kubectl, dra_namespace, node_pod("greedy", agent.node, share("0.3", "1Gi")))
+    wait_running(kubectl, dra_namespace, "greedy", agent)
+    (device,) = cards_of(kubectl, dra_namespace, "greedy")
+    card = int(device.split("-")[1])
+    guard_kills_over_grant(agent, kubectl, dra_namespace, "greedy", card=card, grant_mib=1024)
 
 
 def test_whole_cards_are_exclusive(agent: DraAgent, kubectl: Kubectl, dra_namespace: str) -> None:

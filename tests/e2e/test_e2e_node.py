@@ -25,6 +25,7 @@ from tests.e2e.nodeagent import (
     create,
     describe,
     fake_cards,
+    guard_kills_over_grant,
     node_metadata,
     node_pod,
     pods,
@@ -126,6 +127,20 @@ def test_pod_runs_with_the_limits_it_was_granted(
     assert set(written.devices) <= {c.uuid for c in CARDS}
     assert written.compute_percent == min(core, 100)
     assert written.memory_bytes == mib_per_card * MIB
+
+
+def test_the_guard_kills_a_process_over_its_grant(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    """The node guard in device-plugin mode on the real kubelet: PodResources names the
+    container's device IDs, their directory's limits file is the grant (its card too)."""
+    before = agent.written()
+    limits = {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "1Gi"}
+    create(kubectl, node_namespace, node_pod("greedy", agent.node, limits))
+    wait_running(kubectl, node_namespace, "greedy", agent)
+    (grant,) = agent.limits(before)
+    (index,) = [i for i, card in enumerate(CARDS) if card.uuid in grant.devices]
+    guard_kills_over_grant(agent, kubectl, node_namespace, "greedy", card=index, grant_mib=1024)
 
 
 def run_half_cards(agent: NodeAgent, kubectl: Kubectl, namespace: str) -> None:
