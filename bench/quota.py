@@ -723,8 +723,9 @@ def parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cli() -> int:
-    args = parser().parse_args()
+def main(argv: list[str] | None = None) -> int:
+    """The command; ``python -m bench`` (``make bench``) calls it with no arguments."""
+    args = parser().parse_args(argv)
     if args.serve_fake:
         asyncio.run(serve_fake(args.write_ms / 1000))
         return 0
@@ -747,4 +748,4 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(cli())
+    raise SystemExit(main())

@@ -177,3 +177,17 @@ def test_an_agent_loads_nothing_of_its_sibling(agent: str, sibling: str) -> None
         [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.split()
     assert loaded == []
+
+
+def test_every_benchmark_runs_under_make_bench() -> None:
+    """``make bench`` (``python -m bench``) calls each benchmark module's ``main([])``."""
+    import importlib
+    import pkgutil
+
+    names = [
+        m.name for m in pkgutil.iter_modules([str(ROOT / "bench")]) if not m.name.startswith("_")
+    ]
+    assert names
+    for name in names:
+        module = importlib.import_module(f"bench.{name}")
+        assert callable(getattr(module, "main", None)), f"bench.{name} has no main(argv)"
