@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
+from functools import partial
 from typing import Any
 
 import aiohttp
@@ -271,6 +272,19 @@ async def test_controller_follows_pods_under_leader_election(fake: FakeApiServer
             await asyncio.gather(*runs, return_exceptions=True)
 
 
+def _leading(running: list[str], name: str) -> Callable[[], Awaitable[None]]:
+    """The leader's work: it notes in ``running`` that it runs, until stopped."""
+
+    async def body() -> None:
+        running.append(name)
+        try:
+            await asyncio.Event().wait()
+        finally:
+            running.remove(name)
+
+    return body
+
+
 async def test_leader_election_exclusive(fake: FakeApiServer) -> None:
     async with fake.api_client() as api:
         config = LeaderElection(
@@ -278,16 +292,7 @@ async def test_leader_election_exclusive(fake: FakeApiServer) -> None:
         )
         running: list[str] = []
 
-        def work(name: str) -> Callable[[], Awaitable[None]]:
-            async def body() -> None:
-                running.append(name)
-                try:
-                    await asyncio.Event().wait()
-                finally:
-                    running.remove(name)
-
-            return body
-
+        work = partial(_leading, running)
         electors = [
             LeaderElector(api, config.model_copy(update={"identity": n})) for n in ("x", "y", "z")
         ]
@@ -347,16 +352,7 @@ async def test_a_stopping_leader_releases_the_lease_at_once(fake: FakeApiServer)
         )
         running: list[str] = []
 
-        def work(name: str) -> Callable[[], Awaitable[None]]:
-            async def body() -> None:
-                running.append(name)
-                try:
-                    await asyncio.Event().wait()
-                finally:
-                    running.remove(name)
-
-            return body
-
+        work = partial(_leading, running)
         first = LeaderElector(api, config.model_copy(update={"identity": "old"}))
         old = asyncio.create_task(first.run(work("old")))
         await _eventually(lambda: running == ["old"])
