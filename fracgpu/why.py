@@ -153,6 +153,11 @@ def diagnose(pod: Obj, cluster: Cluster) -> Diagnosis:
         for claim in cluster.claims:
             asks.extend(asks_of(claim.get("spec") or {}) if _ours(claim) else [])
         mode = "dra" if asks else ""
+    if not mode and any(
+        str(c.get("resourceClaimTemplateName") or "").startswith(dra.TEMPLATE_PREFIX)
+        for c in spec.get("resourceClaims") or []
+    ):
+        mode = "dra"  # the webhook's claim templates; their claims are not made (or read) yet
     warnings = [e for e in cluster.events if e.get("type") == "Warning"][-RECENT_EVENTS:]
     base = Diagnosis(
         namespace=namespace,

@@ -182,6 +182,15 @@ def test_each_state_in_the_users_units(
     assert says in render(diagnosis) or state == "no-gpu"
 
 
+def test_a_dra_pod_whose_claims_are_not_made_yet_is_not_called_gpu_free() -> None:
+    waiting = pod()
+    waiting["spec"]["resourceClaims"] = [
+        {"name": "gpu-0", "resourceClaimTemplateName": "fracgpu-0-50-8192"}
+    ]
+    diagnosis = diagnose(waiting, Cluster(claims=[]))
+    assert (diagnosis.mode, diagnosis.state) == ("dra", "scheduling")
+
+
 def test_warnings_are_listed_newest_last() -> None:
     events = [
         {"type": "Warning", "reason": f"R{i}", "message": f"m{i}", "count": i} for i in range(7)
