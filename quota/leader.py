@@ -118,7 +118,9 @@ class LeaderElector:
             body["metadata"].pop("annotations", None)  # no decider: nobody leads
             await call_json(self.api, "PUT", path, body=body, timeout_s=self.request_timeout_s)
             log.info("quota controller Lease released", extra={"identity": self.identity})
-        except (KubeError, TimeoutError, aiohttp.ClientError, OSError) as err:
+        except Exception as err:
+            # Best effort on the way out, whatever failed: the API server, the network, or a
+            # client its owner closed before this ran (then the Lease expires as before).
             log.warning(
                 "quota controller Lease not released; it expires by itself",
                 extra={"identity": self.identity, "error": str(err) or type(err).__name__},
