@@ -354,9 +354,7 @@ def wait_running(kubectl: Kubectl, namespace: str, name: str, agent: NodeAgent) 
     return wait_for(running, RUNNING_WITHIN_S, lambda: describe(kubectl, namespace, agent))
 
 
-def container_pids(
-    kubectl: Kubectl, namespace: str, pod: str, name: str = "main"
-) -> list[int]:
+def container_pids(kubectl: Kubectl, namespace: str, pod: str, name: str = "main") -> list[int]:
     """The node's pids of a running container: the processes whose cgroup names its ID (this
     machine is the node, as the guard sees it)."""
     statuses = kubectl.get("pod", pod, namespace)["status"].get("containerStatuses") or []
