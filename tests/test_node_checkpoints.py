@@ -1,6 +1,6 @@
 """Both agents' checkpoints as typed, versioned documents: files written by the code before the
-models (``tests/data/checkpoints``, made by that code, only pretty-printed) still read, an older version
-is upgraded, and a file of another shape is refused with a message that says where."""
+models (``tests/data/checkpoints``, made by that code, only pretty-printed) still read, an older
+version is upgraded, and a file of another shape is refused with a message that says where."""
 
 from __future__ import annotations
 
