@@ -41,7 +41,6 @@ class ApiLoop:
         self._stack: AsyncExitStack | None = None
         self._api: Api | None = None
         self._opening = asyncio.Lock()  # concurrent first calls make one client
-        self.clients = 0  # clients made (1 + one per failure that dropped one)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
@@ -102,7 +101,6 @@ class ApiLoop:
                 stack = AsyncExitStack()
                 opened: Api = await stack.enter_async_context(kube_client(self.kubeconfig))
                 self._api, self._stack, api = opened, stack, opened
-                self.clients += 1
         try:
             return await call(api)
         except BaseException:
