@@ -264,6 +264,36 @@ class UsageController:
             extra={"namespace": obj["metadata"].get("namespace"), "quota": obj["metadata"]["name"]},
         )
 
+    async def count(self, raw: Mapping[str, Any]) -> None:
+        """Count one GPUQuota that is not counted yet, from a live list of its namespace's pods,
+        without running the controller: what a replica does for a quota its pods are waiting
+        on when no leader has counted it (the leader crashed and its Lease has not expired, or
+        it is slow). The same recount and compare-and-swap write as :meth:`reconcile`, once:
+        on a conflict someone else wrote (the leader, or another replica counting too), and
+        what they wrote is read again. Leaves ``ControllerActive`` as it was: this replica
+        does not match admissions afterwards; the leader, when there is one again, does.
+        Raises :class:`Unavailable` when the API server cannot be reached."""
+        obj = dict(raw)
+        for _ in range(3):
+            quota = self._readable(obj)
+            if quota is None or quota.counted():
+                return
+            candidate, live = await self._recount(quota, fresh=True, active=False)
+            if candidate is None:
+                return
+            try:
+                await self.store.write_status(candidate.raw)
+            except Conflict:
+                self.metrics.conflicts.labels("count").inc()
+                obj = await self.store.get(quota.namespace, quota.name)
+                continue
+            self.metrics.first_counts.inc()
+            log.info(
+                "GPUQuota counted by admission (no controller had counted it)",
+                extra={"namespace": quota.namespace, "quota": quota.name, "pods": len(live)},
+            )
+            return
+
     @staticmethod
     def _readable(obj: dict[str, Any]) -> GPUQuota | None:
         """The quota; one whose status cannot be read is rebuilt from an empty status (the
@@ -282,14 +312,17 @@ class UsageController:
             )
             return quota
 
-    async def _recount(self, quota: GPUQuota) -> tuple[GPUQuota | None, set[str]]:
+    async def _recount(
+        self, quota: GPUQuota, *, fresh: bool = False, active: bool = True
+    ) -> tuple[GPUQuota | None, set[str]]:
         """The quota with its recounted status (None when nothing changed) and the pods it
-        counted."""
+        counted. ``fresh``: from a live list of pods, never the cache; ``active``: say in the
+        status that the controller matches admissions (it is this one)."""
         namespace = quota.namespace
         at = self.clock()
         ledger = Ledger.of(quota, pending_limit=self.pending_limit)
         newest = ledger.unmatched_newest
-        if not ledger.unmatched.empty and (newest is None or at - newest > self.grace):
+        if fresh or (not ledger.unmatched.empty and (newest is None or at - newest > self.grace)):
             # `unmatched` is about to be dropped whole: its pods must then be counted as pods,
             # so count from a live list, not from a cache that may lag.
             pods: Sequence[Mapping[str, Any]] = await self._list_pods(namespace)
@@ -330,8 +363,7 @@ class UsageController:
         unmatched = self._unmatched(quota, ledger, live, at, released)
         ledger.recount(live, keep, unmatched)
         self._schedule(namespace, ledger)
-        status = ledger.status(quota.status)
-        status = status.with_condition(
+        status = ledger.status(quota.status).with_condition(
             Condition(
                 type=COUNTED,
                 status="True",
@@ -339,15 +371,17 @@ class UsageController:
                 message=f"{len(live)} GPU pods counted, {len(keep)} admissions pending",
                 last_transition_time=at,
             )
-        ).with_condition(
-            Condition(
-                type=CONTROLLER_ACTIVE,
-                status="True",
-                reason="Matching",
-                message="the fracgpu quota controller matches admissions to pods",
-                last_transition_time=at,
-            )
         )
+        if active:
+            status = status.with_condition(
+                Condition(
+                    type=CONTROLLER_ACTIVE,
+                    status="True",
+                    reason="Matching",
+                    message="the fracgpu quota controller matches admissions to pods",
+                    last_transition_time=at,
+                )
+            )
         status = status.model_copy(update={"observed_generation": quota.generation})
         candidate = quota.with_status(status)
         if candidate.raw.get("status") == quota.raw.get("status"):

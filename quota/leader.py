@@ -9,9 +9,9 @@ that cannot renew within the lease duration stops its work before another may ta
 A leader that stops (a rolling update, a drained node) first stops its work, then **releases**
 the Lease: it writes an empty holder, as client-go's ``ReleaseOnCancel`` does, so that the next
 replica, restarted or already running, takes over at its next try instead of waiting out the
-whole lease duration. Until a controller runs no new GPUQuota is counted, and its pods are
-denied "not counted yet": a release turns that wait of ``leaseDurationSeconds`` (15 s) after a
-restart into one renew interval. After a crash nothing is released and the wait stays.
+whole lease duration. After a crash nothing is released and the Lease expires by itself; until
+then admissions are not held up (a quota nobody has counted is counted by the replica whose pod
+needs it, :meth:`quota.reserver.Reserver._counted`), only the matching of admissions to pods.
 """
 
 from __future__ import annotations

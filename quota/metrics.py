@@ -49,6 +49,12 @@ class QuotaMetrics:
             ["component"],
             registry=r,
         )
+        self.first_counts = Counter(
+            "fracgpu_quota_counted_by_admission",
+            "GPUQuotas that a replica counted itself because pods waited on them and no "
+            "controller had counted them (the leader crashed, or is slow).",
+            registry=r,
+        )
         self.admission = Histogram(
             "fracgpu_quota_admission_duration_seconds",
             "Time to decide quota for one GPU pod, reservation write included.",

@@ -27,9 +27,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -84,13 +85,17 @@ class Reserver:
         controller: bool = True,
         stale_after_s: float = 60.0,
         count_wait_s: float = 2.0,
+        counter: Callable[[Mapping[str, Any]], Awaitable[None]] | None = None,
+        handover_s: float = 0.3,
     ) -> None:
         """``controller``: whether a usage controller counts pods (Kubernetes mode). Without
         one (embedded mode) a quota is used as it is and admissions are never matched.
         ``stale_after_s``: an admission still unmatched this long means the controller is not
         doing its work; admission then says so (condition, metric, log, denial text).
         ``count_wait_s``: how long a pod waits for a new quota to be counted before it is
-        denied."""
+        denied. ``counter``: counts a quota from the pods when no controller has after
+        ``handover_s`` (the leader crashed and its Lease has not expired, or it is slow), so
+        that a new or restarted replica admits into every quota from its first request."""
         self.store = store
         self.metrics = metrics or QuotaMetrics(CollectorRegistry())
         self.timeout_s = timeout_s
@@ -101,6 +106,8 @@ class Reserver:
         self.controller = controller
         self.stale_after_s = stale_after_s
         self.count_wait_s = count_wait_s
+        self.counter = counter
+        self.handover_s = min(handover_s, count_wait_s / 2)
         self._queues: dict[str, list[_Waiter]] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._stale: set[tuple[str, str]] = set()  # quotas already reported as unmatched
@@ -214,14 +221,32 @@ class Reserver:
         return quotas
 
     async def _counted(self, namespace: str, name: str) -> GPUQuota:
-        """The quota read live, waiting up to ``count_wait_s`` for the controller to count it:
-        a quota created just before its pods (one `kubectl apply` of both) then admits them
-        instead of denying the first ones. Never decided on a cached state."""
-        deadline = asyncio.get_running_loop().time() + self.count_wait_s
+        """The quota read live, waiting up to ``count_wait_s`` for it to be counted: a quota
+        created just before its pods (one `kubectl apply` of both) then admits them instead of
+        denying the first ones. The leader's controller counts a new quota within a moment of
+        seeing it; when it has not after ``handover_s`` this replica counts it itself (the
+        same count, a compare-and-swap write), so a quota is never unusable for as long as a
+        crashed leader's Lease takes to expire. Never decided on a cached state."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + self.count_wait_s
+        tried = self.counter is None
         while True:
             quota = GPUQuota(await self.store.get(namespace, name))
-            if quota.counted() or asyncio.get_running_loop().time() >= deadline:
+            at = loop.time()
+            if quota.counted() or at >= deadline:
                 return quota
+            if not tried and at >= start + self.handover_s:
+                tried = True
+                assert self.counter is not None
+                try:
+                    await asyncio.wait_for(self.counter(quota.raw), deadline - at)
+                except (Unavailable, TimeoutError) as exc:
+                    log.warning(
+                        "could not count GPUQuota",
+                        extra={"quota": quota.ref, "error": str(exc) or type(exc).__name__},
+                    )
+                continue
             await asyncio.sleep(0.05)
 
     # --- reservations --------------------------------------------------------------------

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry
 
@@ -65,6 +66,7 @@ class QuotaService:
             controller=not embedded,
             stale_after_s=config.stale_after_s,
             count_wait_s=config.count_wait_s,
+            counter=self._count if api is not None and not embedded else None,
         )
         # DRA mode: what pods' claims of the fracgpu class request (read, then remembered).
         self.claims = ClaimSpecs(
@@ -103,6 +105,7 @@ class QuotaService:
         )
         self.decide_endpoint = decide_endpoint(self.reserver, metrics)
         self._problem: str | None = None
+        self._counter: UsageController | None = None
         self.probe_interval_s = 5.0
 
     def problem(self) -> str | None:
@@ -126,6 +129,13 @@ class QuotaService:
             log.info("GPUQuota CRD installed: GPU quota is checked again")
         self._problem = None
         self.metrics.crd_installed.set(1)
+
+    async def _count(self, raw: Mapping[str, Any]) -> None:
+        """Count a quota nobody has counted (:meth:`Reserver._counted`): with a controller of
+        its own whose watches never start, so the count reads pods live."""
+        if self._counter is None:
+            self._counter = self.controller()
+        await self._counter.count(raw)
 
     def controller(self) -> UsageController:
         assert self.api is not None

@@ -393,10 +393,16 @@ def test_the_dra_webhook_is_given_the_same_admission_in_dra_mode(tmp_path: Path)
     )
 
 
-def test_local_webhook_runs_one_quota_controller_without_a_lease(tmp_path: Path) -> None:
-    local = LocalWebhook(tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig")
+def test_local_webhook_leads_a_lease_of_its_run(tmp_path: Path) -> None:
+    """Each run's replica elects itself on a Lease named for the run, in a namespace every
+    cluster has: two runs on one cluster never share a leader, and a test can take it away."""
+    local = LocalWebhook(
+        tmp_path, "127.0.0.1", "127.0.0.1", "/nonexistent/kubeconfig", run_id="abc123"
+    )
     config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
-    assert config.quota.leader_election.enabled is False
+    election = config.quota.leader_election
+    assert election.enabled
+    assert (election.namespace(), election.lease_name) == ("default", "fracgpu-e2e-abc123-quota")
 
 
 def test_local_webhook_answers_in_time_for_the_deployed_timeout(

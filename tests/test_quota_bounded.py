@@ -22,6 +22,7 @@ from core.admission import AdmissionRequest
 from quota.config import QuotaConfig
 from quota.controller import UsageController
 from quota.service import QuotaService, open_quota
+from quota.store import Unavailable
 from testkit.apiserver import FakeApiServer
 from testkit.quota_pods import counted_quota, gpu_pod, gpu_quota, review
 from tests.support import eventually
@@ -205,18 +206,54 @@ async def test_unmatched_is_dropped_only_against_a_live_list_of_pods(fake: FakeA
         assert not (await service.reviewer(_request(gpu_pod("third", 40, 4)))).allowed
 
 
-async def test_new_quota_denies_until_the_existing_pods_are_counted(fake: FakeApiServer) -> None:
-    for index in range(5):
-        fake.put(gpu_pod(f"old{index}", 100, 4))  # 5.00 cards in use before any quota
+@pytest.mark.parametrize(
+    ("old_cards", "admitted"),
+    [pytest.param(5, 0, id="existing-pods-fill-it"), pytest.param(1, 2, id="room-for-two")],
+)
+async def test_a_quota_no_controller_counts_is_counted_by_admission(
+    fake: FakeApiServer, old_cards: int, admitted: int
+) -> None:
+    """No controller runs (the leader crashed; its Lease has not expired): the pods of a new
+    quota are not denied as "not counted yet" until it expires, the replica counts the quota
+    from the pods it lists and decides them against that count, within count_wait_s."""
+    for index in range(old_cards):
+        fake.put(gpu_pod(f"old{index}", 100, 4))
     async with AsyncExitStack() as stack:
-        service = await _service(stack, fake, count_wait_s=0.2)
+        service = await _service(stack, fake, count_wait_s=2.0)
         fake.put(gpu_quota(gpu=2))
+        started = time.monotonic()
         burst = await asyncio.gather(
             *(service.reviewer(_request(gpu_pod(f"n{i}", 50, 4))) for i in range(4))
         )
-        assert not any(a.allowed for a in burst)
-        message = burst[0].status.message if burst[0].status else ""
-        assert message.startswith(
+        assert time.monotonic() - started < 2.0
+        assert sum(a.allowed for a in burst) == admitted
+        denied = next(a for a in burst if not a.allowed)
+        assert denied.status is not None
+        assert "allows 2.00 cards" in denied.status.message
+        assert _counted(fake)
+        conditions = {c["type"] for c in _status(fake)["conditions"]}
+        assert "ControllerActive" not in conditions  # counted, but nobody matches admissions
+        assert service.metrics.first_counts._value.get() == 1
+
+
+async def test_a_quota_that_cannot_be_counted_is_denied_as_not_known(
+    fake: FakeApiServer,
+) -> None:
+    """Where the replica cannot count either (its pod list fails), the pod is denied with the
+    message that says the quota is not counted yet, not admitted unaccounted."""
+    for index in range(5):
+        fake.put(gpu_pod(f"old{index}", 100, 4))
+    async with AsyncExitStack() as stack:
+        service = await _service(stack, fake, count_wait_s=0.4)
+
+        async def cannot(raw: Any) -> None:
+            raise Unavailable("pods of team-a: connection refused")
+
+        service.reserver.counter = cannot
+        fake.put(gpu_quota(gpu=2))
+        denied = await service.reviewer(_request(gpu_pod("n", 50, 4)))
+        assert denied.status is not None
+        assert denied.status.message.startswith(
             'GPU quota not yet known in namespace "team-a": GPUQuota "team-a/team-a" has not '
             "been counted yet"
         )

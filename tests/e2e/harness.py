@@ -43,6 +43,7 @@ from certs.issuance import issue_ca, issue_serving
 from core.kube import (
     DEVICE_CLASSES,
     GPUQUOTAS,
+    LEASES,
     MUTATING_WEBHOOK_CONFIGURATIONS,
     NAMESPACES,
     NODES,
@@ -106,8 +107,26 @@ ADMISSION: dict[str, Any] = {
 # DRA mode (the DRA scenarios): the same admission with claims instead of extended resources.
 # GPU models then come from the ResourceSlices the node agent publishes, not from this inventory.
 ADMISSION_DRA: dict[str, Any] = {**ADMISSION, "allocation": "dra"}
-# One local replica: it runs the usage controller without a Lease (no fracgpu namespace exists).
-QUOTA: dict[str, Any] = {"timeout_s": 4, "leader_election": {"enabled": False}}
+# One local replica, leading a Lease of the run's own in the default namespace (no fracgpu
+# namespace exists): as in a cluster, and a test can take the Lease away to play a crashed leader.
+LEASE_NAMESPACE = "default"
+
+
+def lease_name(run_id: str) -> str:
+    return f"fracgpu-e2e-{run_id}-quota"
+
+
+def quota_config(run_id: str) -> Obj:
+    return {
+        "timeout_s": 4,
+        "leader_election": {
+            "lease_namespace": LEASE_NAMESPACE,
+            "lease_name": lease_name(run_id),
+            "identity": f"fracgpu-e2e-{run_id}",
+            "renew_interval_s": 1.0,
+        },
+    }
+
 
 CRDS = Resource("apiextensions.k8s.io", "v1", "customresourcedefinitions", namespaced=False)
 _CONFIGURATIONS = {
@@ -489,6 +508,7 @@ class LocalWebhook:
         port: int | None = None,
         *,
         admission: Obj = ADMISSION,
+        run_id: str = "local",
     ) -> None:
         self.host, self.bind = host, bind
         self.port = port or free_port(bind)
@@ -505,7 +525,7 @@ class LocalWebhook:
                 "ca_file": str(ca),
                 "inject": False,
             },
-            "quota": QUOTA,
+            "quota": quota_config(run_id),
             "kubeconfig": str(kubeconfig),
             "shutdown_delay_seconds": 0,
         }
@@ -646,6 +666,12 @@ async def delete_namespace(api: Any, name: str) -> None:
         await call_json(api, "DELETE", NAMESPACES.path(name=name))
 
 
+async def delete_lease(api: Any, run_id: str) -> None:
+    """The run's quota controller Lease (its replica released it when it stopped)."""
+    with contextlib.suppress(KubeNotFound):
+        await call_json(api, "DELETE", LEASES.path(LEASE_NAMESPACE, lease_name(run_id)))
+
+
 def _of_run(run_id: str) -> list[tuple[str, str]]:
     return [("labelSelector", f"{RUN_LABEL}={run_id}")]
 
@@ -759,7 +785,9 @@ def e2e_run(
             settings.kubeconfig,
             None if settings.port is None else settings.port + port_offset,
             admission=admission,
+            run_id=run_id,
         )
+        stack.callback(lambda: portal.run(delete_lease(portal.api, run_id)))
         stack.callback(webhook.stop)
         webhook.start()
         objs = for_local_webhook(configurations, run_id, webhook)
@@ -781,4 +809,7 @@ async def leftovers(api: Any, run_id: str) -> list[str]:
         for o in listed.get("items", [])
         if not o["metadata"].get("deletionTimestamp")
     ]
+    with contextlib.suppress(KubeNotFound):
+        await call_json(api, "GET", LEASES.path(LEASE_NAMESPACE, lease_name(run_id)))
+        found.append(f"leases/{LEASE_NAMESPACE}/{lease_name(run_id)}")
     return found

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+import ssl
 import time
+import urllib.request
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from core.kube import GPUQUOTAS, PODS, KubeError, call_json
+from core.kube import GPUQUOTAS, LEASES, PODS, KubeConflict, KubeError, call_json
 from quota.config import LeaderElection
 from quota.leader import LeaderElector
-from quota.model import COUNTED
-from tests.e2e.harness import Kubectl, Run
+from quota.model import CONTROLLER_ACTIVE, COUNTED
+from tests.e2e.harness import LEASE_NAMESPACE, Kubectl, LocalWebhook, Run, lease_name
 from tests.e2e.scenarios import expected_quota, gpu_pod, gpu_quota, manifest
+from webhook.server import METRICS_PATH
 
 Obj = dict[str, Any]
 QUOTA_WEBHOOK_KIND = "ValidatingWebhookConfiguration"
@@ -165,3 +169,70 @@ async def test_a_stopping_leader_hands_the_lease_over_at_once(
     finally:
         new.cancel()
         await asyncio.gather(new, return_exceptions=True)
+
+
+def _leading(webhook: LocalWebhook) -> bool:
+    """Whether the run's replica holds its Lease, from its own metrics."""
+    context = ssl.create_default_context(cadata=webhook.ca_pem.decode())
+    context.check_hostname = False
+    url = webhook.local_url(METRICS_PATH)
+    with urllib.request.urlopen(url, context=context, timeout=5) as reply:
+        text = reply.read().decode()
+    return "\nfracgpu_quota_leader 1.0" in text
+
+
+async def _set_holder(api: Any, path: str, holder: str) -> None:
+    """Write the Lease's holder as a replica would (compare-and-swap, retried on conflict)."""
+    for _ in range(20):
+        lease = await call_json(api, "GET", path)
+        lease["spec"].update(
+            holderIdentity=holder,
+            renewTime=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ"),
+            leaseDurationSeconds=15,
+        )
+        try:
+            await call_json(api, "PUT", path, body=lease)
+            return
+        except KubeConflict:
+            continue
+    raise AssertionError(f"Lease {path} kept changing")
+
+
+async def _until(check: Any, within_s: float) -> bool:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(check):
+            return True
+        await asyncio.sleep(0.1)
+    return bool(await asyncio.to_thread(check))
+
+
+async def test_a_crashed_leader_holds_no_new_quota_back(
+    e2e: Run, webhook: LocalWebhook, kube_api: Any, namespace: str
+) -> None:
+    """The leader crashed: its Lease stays held, unrenewed, for 15 s, and no controller runs.
+    A GPUQuota created then is counted by the replica that decides its first pod: the pod is
+    admitted within 2 s, not denied "not counted yet" until the Lease expires, and the next one
+    is decided against that count."""
+    path = LEASES.path(LEASE_NAMESPACE, lease_name(e2e.run_id))
+    assert await _until(lambda: _leading(webhook), 10)
+    await _set_holder(kube_api, path, "crashed-replica")
+    try:
+        assert await _until(lambda: not _leading(webhook), 5), "the replica kept leading"
+        quota = gpu_quota("q", gpu="1")
+        await call_json(kube_api, "POST", GPUQUOTAS.path(namespace), body=quota)
+        started = time.monotonic()
+        first = await _create(kube_api, namespace, gpu_pod("first", "0.6"))
+        elapsed = time.monotonic() - started
+        assert first is None, first.message
+        assert elapsed < 2.0
+        second = await _create(kube_api, namespace, gpu_pod("second", "0.6"))
+        assert second is not None
+        assert "GPU quota exceeded" in second.message
+        obj = await call_json(kube_api, "GET", GPUQUOTAS.path(namespace, "q"))
+        conditions = {c["type"]: c["status"] for c in obj["status"]["conditions"]}
+        assert conditions[COUNTED] == "True"
+        assert CONTROLLER_ACTIVE not in conditions  # nobody matches admissions to pods yet
+    finally:
+        await _set_holder(kube_api, path, "")  # as the crashed holder's Lease expiring would
+        assert await _until(lambda: _leading(webhook), 10), "the replica did not lead again"
