@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
+.PHONY: setup native helm run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
 
 setup: $(STAMP) native
 
@@ -14,6 +14,19 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
 	touch $@
+
+# Helm, built from the module hack/cluster/modules/helm pins (the module proxy only), for the
+# chart's tests (tests/test_deploy_helm.py, tests/e2e/test_e2e_helm.py). Without Go they skip.
+HELM_MODULE = hack/cluster/modules/helm
+HELM = .build/helm/helm
+helm: $(HELM)
+$(HELM): $(HELM_MODULE)/go.mod $(HELM_MODULE)/go.sum
+	@if command -v go >/dev/null; then \
+	  echo "building helm $$(awk '$$1 == "helm.sh/helm/v3" {print $$2}' $(HELM_MODULE)/go.mod) from the module proxy"; \
+	  cd $(HELM_MODULE) && CGO_ENABLED=0 go build -mod=readonly -trimpath \
+	    -ldflags "-s -w -X helm.sh/helm/v3/internal/version.version=$$(awk '$$1 == "helm.sh/helm/v3" {print $$2}' go.mod)" \
+	    -o $(abspath .build/helm)/ tool; \
+	else echo "no Go toolchain: helm is not built and the Helm chart tests skip"; fi
 
 native:
 	@if [ -f native/Makefile ]; then $(MAKE) -s -C native PYTHON=$(abspath $(BIN)/python); fi
@@ -30,7 +43,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: setup
+unit: setup helm
 	$(BIN)/pytest -q
 
 # The edit-test loop: unit tests only (no native throttle timing, no e2e, no GPU), in well under
@@ -72,7 +85,7 @@ cluster-clean:
 	@[ ! -d .build ] || { chmod -R u+w .build && rm -rf .build; }
 
 # The e2e suite on that cluster, device-plugin mode then DRA mode; nothing may be skipped.
-e2e: setup cluster
+e2e: setup cluster helm
 	hack/cluster/e2e.sh
 
 bench: setup

@@ -151,3 +151,45 @@ def policy_admits(policy: Obj, request: Obj, obj: Any, old_object: Any) -> bool:
         )
     activation["variables"] = celpy.json_to_cel({k: str(v) for k, v in variables.items()})
     return all(bool(evaluate(v["expression"], activation)) for v in policy["spec"]["validations"])
+
+
+# --- the Helm chart ----------------------------------------------------------------------------
+
+CHART = DEPLOY / "helm" / "fracgpu"
+# Where `make helm` builds it (from the module proxy, at the version the project pins).
+BUILT_HELM = ROOT / ".build" / "helm" / "helm"
+
+
+def helm() -> str:
+    """The helm binary: $FRACGPU_HELM, the one `make helm` built, or one on PATH."""
+    import os
+
+    for candidate in (os.environ.get("FRACGPU_HELM"), str(BUILT_HELM), shutil.which("helm")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    pytest.skip("no helm: `make helm` builds it from the module proxy (needs Go)")
+
+
+def helm_run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm(), *args], capture_output=True, text=True, timeout=120, check=False)
+
+
+def template_args(
+    values: Obj, *, namespace: str = NAMESPACE, kube: str = "1.35.0", apis: tuple[str, ...] = ()
+) -> list[str]:
+    """`helm template` arguments for ``values`` (written as one JSON --set-json per key) on a
+    cluster of version ``kube`` that serves ``apis`` (helm's --api-versions)."""
+    import json
+
+    args = ["template", "fracgpu", str(CHART), "--namespace", namespace, "--kube-version", kube]
+    args += [f"--api-versions={api}" for api in apis]
+    for key, value in values.items():
+        args += ["--set-json", f"{key}={json.dumps(value)}"]
+    return args
+
+
+def render_chart(values: Obj, **kwargs: Any) -> list[Obj]:
+    """The objects the chart renders to (CRDs included); fails the test with helm's error."""
+    proc = helm_run(*template_args(values, **kwargs), "--include-crds")
+    assert proc.returncode == 0, f"helm template failed:\n{proc.stderr}"
+    return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]

@@ -69,8 +69,9 @@ def test_every_object_validates(version: str) -> None:
 
 
 def test_the_device_plugin_is_not_deployed() -> None:
+    """Nor what only it uses: its own-node policy and its node checks."""
     names = {o["metadata"]["name"] for o in render(OVERLAY)}
-    assert "fracgpu-device-plugin" not in names
+    assert not [n for n in names if n.startswith(("fracgpu-device-plugin", "fracgpu-node-checks"))]
 
 
 def test_the_device_class_selects_the_driver() -> None:

@@ -1,0 +1,1 @@
+../../../base/check-nvidia-toolkit.sh

@@ -1,0 +1,67 @@
+{{/*
+The node mode this release installs: "dra" or "device-plugin". auto follows `fracgpu mode`: DRA
+where the API server serves resource.k8s.io/v1 DeviceClasses and is Kubernetes 1.36 or newer
+(DRA's consumable capacity, which many shares of one card need).
+*/}}
+{{- define "fracgpu.mode" -}}
+{{- if eq .Values.mode "auto" -}}
+{{- if and (.Capabilities.APIVersions.Has "resource.k8s.io/v1/DeviceClass") (semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version) -}}
+dra
+{{- else -}}
+device-plugin
+{{- end -}}
+{{- else -}}
+{{ .Values.mode }}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels on every object: kustomize's part-of, and Helm's own. */}}
+{{- define "fracgpu.labels" -}}
+app.kubernetes.io/part-of: fracgpu
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "fracgpu.image" -}}
+{{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
+{{- end -}}
+
+{{/* The resource names of the dialects in .Values.dialects (webhook/mutation's tables). */}}
+{{- define "fracgpu.dialectResources" -}}
+{{- $names := list -}}
+{{- if has "hami" .Values.dialects -}}
+{{- $names = concat $names (list "nvidia.com/gpu" "nvidia.com/gpucores" "nvidia.com/gpumem" "nvidia.com/gpumem-percentage") -}}
+{{- end -}}
+{{- if has "tkestack" .Values.dialects -}}
+{{- $names = concat $names (list "tencent.com/vcuda-core" "tencent.com/vcuda-memory") -}}
+{{- end -}}
+{{- join "," $names -}}
+{{- end -}}
+
+{{/* `fracgpu serve`'s config.yaml: what the chart's values decide, then .Values.config over it. */}}
+{{- define "fracgpu.serveConfig" -}}
+{{- $certs := dict "service" "fracgpu-webhook" "namespace" .Release.Namespace -}}
+{{- if eq .Values.certs.mode "cert-manager" -}}
+{{- $_ := set $certs "mode" "files" -}}
+{{- $_ := set $certs "cert_file" "/etc/fracgpu/tls/tls.crt" -}}
+{{- $_ := set $certs "key_file" "/etc/fracgpu/tls/tls.key" -}}
+{{- $_ := set $certs "ca_file" "/etc/fracgpu/tls/ca.crt" -}}
+{{- else -}}
+{{- $_ := set $certs "mode" "secret" -}}
+{{- $_ := set $certs "secret_name" "fracgpu-webhook-tls" -}}
+{{- $_ := set $certs "mutating_webhook_configurations" (list "fracgpu-mutate") -}}
+{{- $_ := set $certs "validating_webhook_configurations" (list "fracgpu-validate") -}}
+{{- end -}}
+{{- $toleration := dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule" -}}
+{{- $admission := dict "scheduler_name" "" "override_scheduler" false "tolerations" (list $toleration) "inventory" (dict "watch_nodes" true) -}}
+{{- if eq (include "fracgpu.mode" .) "dra" -}}
+{{- $_ := set $admission "allocation" "dra" -}}
+{{- end -}}
+{{- if .Values.dialects -}}
+{{- $_ := set $admission "dialects" .Values.dialects -}}
+{{- end -}}
+{{- $config := dict "server" (dict "host" "0.0.0.0" "port" 8443) "admission" $admission "certs" $certs "quota" (dict "timeout_s" (sub .Values.webhook.timeoutSeconds 1)) "shutdown_delay_seconds" 5 -}}
+{{- toYaml (mustMergeOverwrite $config (deepCopy .Values.config)) -}}
+{{- end -}}

@@ -1,0 +1,314 @@
+"""deploy/helm/fracgpu: the Helm chart renders what the kustomize overlays render, value for
+value, so that every test of the overlays (RBAC, CEL, schemas, host paths) holds for the chart
+too; its values are typed and documented; helm lints it.
+
+Equal means: the same objects (kind, name, namespace), each the same after removing what only
+one of the two tools adds: Helm's own labels and the pods' checksum annotations, kustomize's
+hash suffix on generated ConfigMap names, and the fracgpu Namespace (kustomize creates it; with
+Helm the release namespace is created by `helm install --create-namespace`). ConfigMap files are
+compared parsed (their comments differ), and text is compared with runs of whitespace as one
+space (YAML folding puts line breaks in CEL expressions at other places).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from fracgpu.serve import ServeConfig
+from tests.deploy_render import (
+    CHART,
+    DEPLOY,
+    config_of,
+    find,
+    helm_run,
+    render,
+    render_chart,
+    template_args,
+)
+
+Obj = dict[str, Any]
+
+HELM_LABELS = frozenset(
+    {
+        "helm.sh/chart",
+        "app.kubernetes.io/managed-by",
+        "app.kubernetes.io/instance",
+        "app.kubernetes.io/version",
+    }
+)
+GENERATED = re.compile(
+    r"^(fracgpu-config|fracgpu-scheduler-config|fracgpu-node-checks)-[a-z0-9]{10}$"
+)
+DRA_APIS = ("resource.k8s.io/v1/DeviceClass",)
+
+
+def _text(value: str) -> str:
+    return " ".join(GENERATED.sub(r"\1", value).split())
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _normal(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_normal(v) for v in value]
+    if isinstance(value, str):
+        return _text(value)
+    return value
+
+
+def _strip_meta(meta: Obj) -> None:
+    labels = {k: v for k, v in (meta.get("labels") or {}).items() if k not in HELM_LABELS}
+    annotations = {
+        k: v for k, v in (meta.get("annotations") or {}).items() if not k.startswith("checksum/")
+    }
+    meta.pop("labels", None)
+    meta.pop("annotations", None)
+    if labels:
+        meta["labels"] = labels
+    if annotations:
+        meta["annotations"] = annotations
+
+
+def comparable(objs: list[Obj]) -> dict[tuple[str, str, str], Any]:
+    """The objects keyed by (kind, namespace, name), with what only one tool adds removed."""
+    out: dict[tuple[str, str, str], Any] = {}
+    for original in objs:
+        if original["kind"] == "Namespace":
+            continue
+        obj = copy.deepcopy(original)
+        _strip_meta(obj["metadata"])
+        template = (obj.get("spec") or {}).get("template")
+        if isinstance(template, dict) and "metadata" in template:
+            _strip_meta(template["metadata"])
+        if obj["kind"] == "ConfigMap":
+            obj["data"] = {
+                key: yaml.safe_load(text) if key.endswith(".yaml") else text
+                for key, text in obj["data"].items()
+            }
+        meta = obj["metadata"]
+        key = (obj["kind"], meta.get("namespace", ""), GENERATED.sub(r"\1", meta["name"]))
+        assert key not in out, f"{key} twice"
+        out[key] = _normal(obj)
+    return out
+
+
+def _differences(chart: list[Obj], overlay: list[Obj]) -> list[str]:
+    mine, theirs = comparable(chart), comparable(overlay)
+    problems = [f"only in the chart: {k}" for k in sorted(mine.keys() - theirs.keys())]
+    problems += [f"only in the overlay: {k}" for k in sorted(theirs.keys() - mine.keys())]
+    for key in sorted(mine.keys() & theirs.keys()):
+        if mine[key] != theirs[key]:
+            problems.append(
+                f"{key} differs:\n chart:   {json.dumps(mine[key], sort_keys=True)}\n"
+                f" overlay: {json.dumps(theirs[key], sort_keys=True)}"
+            )
+    return problems
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    overlay: str
+    values: Obj = field(default_factory=dict)
+    kube: str = "1.35.0"
+    apis: tuple[str, ...] = ()
+
+
+EQUIVALENTS = [
+    pytest.param(Equivalent("default"), id="defaults-before-1.36-are-the-device-plugin"),
+    pytest.param(
+        Equivalent("dra", kube="1.37.0", apis=DRA_APIS), id="defaults-on-1.37-with-dra-are-dra"
+    ),
+    pytest.param(Equivalent("default", kube="1.37.0"), id="1.37-without-resource-v1-stays-dp"),
+    pytest.param(Equivalent("dra", {"mode": "dra"}), id="mode-dra"),
+    pytest.param(
+        Equivalent("default", {"mode": "device-plugin"}, kube="1.37.0", apis=DRA_APIS),
+        id="mode-device-plugin-on-a-dra-cluster",
+    ),
+    pytest.param(
+        Equivalent("cert-manager", {"certs": {"mode": "cert-manager"}}), id="cert-manager"
+    ),
+    pytest.param(
+        Equivalent(
+            "network-policy",
+            {"networkPolicy": {"enabled": True, "apiServerCIDRs": ["192.0.2.0/24"]}},
+        ),
+        id="network-policy",
+    ),
+    pytest.param(Equivalent("dialects", {"dialects": ["hami", "tkestack"]}), id="dialects"),
+]
+
+
+@pytest.mark.parametrize("case", EQUIVALENTS)
+def test_the_chart_renders_what_the_overlay_does(case: Equivalent) -> None:
+    chart = render_chart(case.values, kube=case.kube, apis=case.apis)
+    assert _differences(chart, render(case.overlay)) == []
+
+
+def test_the_comparison_sees_a_difference() -> None:
+    """The comparison is not blind: a value the overlay does not have is found."""
+    chart = render_chart({"webhook": {"replicas": 3}})
+    problems = _differences(chart, render("default"))
+    assert len(problems) == 1
+    assert problems[0].startswith("('Deployment', 'fracgpu', 'fracgpu-webhook') differs")
+
+
+def test_helm_lints_the_chart() -> None:
+    proc = helm_run("lint", str(CHART), "--kube-version", "1.35.0")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "0 chart(s) failed" in proc.stdout
+
+
+def test_the_crd_and_the_node_checks_are_the_kustomize_files() -> None:
+    """One copy of each: the chart links to deploy/crds and deploy/base (helm follows links, and
+    `helm package` stores the content)."""
+    assert (CHART / "crds" / "gpuquota.yaml").resolve() == DEPLOY / "crds" / "gpuquota.yaml"
+    checks = CHART / "files" / "check-nvidia-toolkit.sh"
+    assert checks.resolve() == DEPLOY / "base" / "check-nvidia-toolkit.sh"
+
+
+# --- values ------------------------------------------------------------------------------------
+
+
+def _schema() -> Obj:
+    schema: Obj = json.loads((CHART / "values.schema.json").read_text())
+    return schema
+
+
+def _resolve(schema: Obj, node: Obj) -> Obj:
+    ref = node.get("$ref")
+    if ref:
+        resolved: Obj = schema["$defs"][ref.rsplit("/", 1)[1]]
+        return resolved
+    return node
+
+
+def _walk(schema: Obj, node: Obj, values: Any, path: str) -> list[str]:
+    """Every values.yaml key that the schema does not type, or whose default it misstates."""
+    node = _resolve(schema, node)
+    problems = []
+    if "default" in node and node["default"] != values:
+        problems.append(f"{path}: default {node['default']!r} in the schema, {values!r} in values")
+    if isinstance(values, dict) and node.get("type") == "object" and "properties" in node:
+        for key, value in values.items():
+            if key not in node["properties"]:
+                problems.append(f"{path}.{key}: not in the schema")
+                continue
+            problems += _walk(schema, node["properties"][key], value, f"{path}.{key}")
+    elif "type" not in node:
+        problems.append(f"{path}: no type")
+    return problems
+
+
+def test_every_value_is_typed_and_its_default_stated() -> None:
+    schema = _schema()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert _walk(schema, schema, values, "") == []
+    # and every top-level key the schema has is set in values.yaml (documented there)
+    assert set(schema["properties"]) == set(values)
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        pytest.param({"mode": "mig"}, "at '/mode': value must be one of", id="unknown-mode"),
+        pytest.param({"webhook": {"replica": 3}}, "'replica' not allowed", id="misspelled-key"),
+        pytest.param({"webhook": {"replicas": 0}}, "at '/webhook/replicas'", id="no-replicas"),
+        pytest.param({"dialects": ["volcano"]}, "at '/dialects/0'", id="unknown-dialect"),
+        pytest.param({"certs": {"mode": "vault"}}, "at '/certs/mode'", id="unknown-certs-mode"),
+        pytest.param(
+            {"networkPolicy": {"enabled": True}},
+            "networkPolicy.enabled needs networkPolicy.apiServerCIDRs",
+            id="network-policy-without-cidrs",
+        ),
+        pytest.param(
+            {"networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1"]}},
+            "at '/networkPolicy/apiServerCIDRs/0'",
+            id="cidr-without-prefix",
+        ),
+    ],
+)
+def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
+    proc = helm_run(*template_args(values))
+    assert proc.returncode != 0
+    assert error in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("values", "kube", "apis"),
+    [
+        pytest.param({}, "1.35.0", (), id="device-plugin"),
+        pytest.param({}, "1.37.0", DRA_APIS, id="dra"),
+        pytest.param({"certs": {"mode": "cert-manager"}}, "1.35.0", (), id="cert-manager"),
+        pytest.param(
+            {"config": {"quota": {"require_quota": True}, "admission": {"scheduler_name": "x"}}},
+            "1.35.0",
+            (),
+            id="config-overrides",
+        ),
+    ],
+)
+def test_the_webhook_config_is_one_fracgpu_serve_accepts(
+    values: Obj, kube: str, apis: tuple[str, ...]
+) -> None:
+    config = config_of(render_chart(values, kube=kube, apis=apis))
+    ServeConfig.model_validate(config)
+    for key, section in (values.get("config") or {}).items():
+        for name, value in section.items():
+            assert config[key][name] == value
+
+
+def test_a_config_change_rolls_the_webhook() -> None:
+    def checksum(values: Obj) -> str:
+        deployment = find(render_chart(values), "Deployment", "fracgpu-webhook")
+        annotation: str = deployment["spec"]["template"]["metadata"]["annotations"][
+            "checksum/config"
+        ]
+        return annotation
+
+    assert checksum({}) != checksum({"config": {"quota": {"require_quota": True}}})
+    assert checksum({}) == checksum({"webhook": {"replicas": 3}})
+
+
+def test_another_release_namespace_is_used_everywhere() -> None:
+    """Installed into another namespace, nothing names fracgpu's: the service the webhook
+    configurations call, the subjects, the policies' usernames, the certificate's names."""
+    objs = render_chart(
+        {"certs": {"mode": "cert-manager"}, "mode": "device-plugin"}, namespace="gpu-system"
+    )
+    text = yaml.safe_dump_all(objs)
+    assert re.findall(r"\bfracgpu\.svc|:fracgpu:|namespace: fracgpu\b|fracgpu/fracgpu", text) == []
+    for obj in objs:
+        namespace = obj["metadata"].get("namespace")
+        assert namespace in (None, "gpu-system", "kube-system"), obj["metadata"]
+    assert config_of(objs)["certs"]["namespace"] == "gpu-system"
+
+
+def test_one_replica_has_no_disruption_budget() -> None:
+    """A budget of one available replica out of one blocks every node drain."""
+    kinds = {o["kind"] for o in render_chart({"webhook": {"replicas": 1}})}
+    assert "PodDisruptionBudget" not in kinds
+
+
+def test_the_scheduler_profile_can_be_left_out() -> None:
+    names = {o["metadata"]["name"] for o in render_chart({"scheduler": {"enabled": False}})}
+    assert not [n for n in names if n.startswith("fracgpu-scheduler")]
+
+
+@pytest.mark.parametrize("kube", ["1.30.0", "1.36.0", "1.37.0"])
+def test_every_object_validates(kube: str) -> None:
+    apis = DRA_APIS if kube >= "1.36" else ()
+    for obj in render_chart({}, kube=kube, apis=apis):
+        if obj["kind"] == "CustomResourceDefinition" or obj["apiVersion"].startswith("fracgpu.io"):
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube, strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} {list(exc.path)}")
