@@ -164,6 +164,14 @@ def test_a_shares_use_is_exported_from_real_nvml(real_cards: list[Card]) -> None
             "fracgpu_device_plugin_share_memory_granted_bytes", labels
         )
         assert granted == 4 << 30
+        # Compute used: NVML's per-process samples (the child is idle: no sample, 0). A card
+        # that does not sample per process exports no series; data-centre cards do.
+        busy = metrics.registry.get_sample_value(
+            "fracgpu_device_plugin_share_compute_used_percent", labels
+        )
+        print({"share_compute_used_percent": busy})
+        assert busy is not None, "NVML gave no per-process utilisation for this card"
+        assert 0 <= busy <= 100
     finally:
         child.kill()
         child.wait()

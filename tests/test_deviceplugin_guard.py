@@ -438,6 +438,62 @@ def test_each_share_is_exported_against_its_grant_until_it_leaves_the_card(
     assert exported == set()
 
 
+@pytest.mark.parametrize(
+    ("busy", "expected"),
+    [
+        pytest.param((25, 10), 35, id="its-processes-together"),
+        pytest.param((-1, -1), 0, id="idle-no-samples"),
+        pytest.param((70, 60), 100, id="never-over-the-card"),
+    ],
+)
+def test_each_share_exports_the_compute_it_used(
+    nvml: tuple[FakeNvml, list[Card]], node: NodeProc, busy: tuple[int, int], expected: float
+) -> None:
+    """Compute used per share and card: its processes' NVML utilisation samples summed, 0 for a
+    share whose processes did not use the SMs (NVML has no sample: NOT_FOUND)."""
+    fake, cards = nvml
+    setup = make_guard(node, cards, [holding(ALICE, 0, 4, core=30)])
+    children = [node.spawn(), node.spawn()]
+    for child, percent in zip(children, busy, strict=True):
+        node.enter(child.pid, ALICE)
+        fake.process(0, child.pid, 100)
+        fake.busy(0, child.pid, percent)
+    setup.guard.scan_once()
+    share = {
+        "namespace": ALICE.namespace,
+        "pod": ALICE.pod,
+        "container": ALICE.container,
+        "card_uuid": cards[0].uuid,
+        "model": cards[0].product,
+    }
+    assert sample(setup.metrics, "share_compute_used_percent", **share) == expected
+
+
+def test_a_card_that_does_not_sample_exports_no_compute_used(
+    nvml: tuple[FakeNvml, list[Card]], node: NodeProc
+) -> None:
+    """Where NVML does not sample per process (MIG, some models) there is no figure: no series,
+    rather than a 0 that would read as idle; memory is exported as before."""
+    fake, cards = nvml
+    setup = make_guard(node, cards, [holding(ALICE, 0, 4)])
+    child = node.spawn()
+    node.enter(child.pid, ALICE)
+    fake.process(0, child.pid, 100)
+    fake.busy(0, child.pid, 50)
+    fake.unsampled(0)
+    setup.guard.scan_once()
+    share = {
+        "namespace": ALICE.namespace,
+        "pod": ALICE.pod,
+        "container": ALICE.container,
+        "card_uuid": cards[0].uuid,
+        "model": cards[0].product,
+    }
+    name = f"{PREFIX}_share_compute_used_percent"
+    assert setup.metrics.registry.get_sample_value(name, share) is None
+    assert sample(setup.metrics, "share_memory_used_bytes", **share) == 100 * 2**20
+
+
 # ---- never the wrong process ---------------------------------------------------------------
 
 

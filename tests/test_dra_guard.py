@@ -154,6 +154,7 @@ async def test_a_process_over_its_claims_memory_is_killed(
         child = procs.spawn()
         procs.enter(child.pid, TRAIN)
         node.nvml.process(0, child.pid, 2048)
+        node.nvml.busy(0, child.pid, 40)
         await asyncio.sleep(0.4)
         assert child.poll() is None  # exactly its claim
         share = {
@@ -167,6 +168,8 @@ async def test_a_process_over_its_claims_memory_is_killed(
         used = registry.get_sample_value("fracgpu_dra_plugin_share_memory_used_bytes", share)
         granted = registry.get_sample_value("fracgpu_dra_plugin_share_memory_granted_bytes", share)
         assert (used, granted) == (2048 * 2**20, 2 * 2**30)
+        busy = registry.get_sample_value("fracgpu_dra_plugin_share_compute_used_percent", share)
+        assert busy == 40
         node.nvml.process(0, child.pid, 2049)
         assert await _killed(child)
         metrics = node.plugin.metrics.registry

@@ -139,6 +139,13 @@ class GuardMetrics:
             share,
             registry=registry,
         )
+        self.share_compute_used = Gauge(
+            f"{prefix}_share_compute_used_percent",
+            "Percent of the card's SMs the share's processes kept busy since the previous scan "
+            "(NVML's per-process utilisation samples; absent where the card does not sample)",
+            share,
+            registry=registry,
+        )
         self.share_compute_granted = Gauge(
             f"{prefix}_share_compute_granted_percent",
             "Percent of the card's compute the share was granted (100: unthrottled)",
@@ -380,6 +387,9 @@ class Observation:
     foreign: dict[int, int] = field(default_factory=dict)  # card -> processes of no container
     unmeasured: dict[int, int] = field(default_factory=dict)  # card -> no per-process figure
     failed: set[int] = field(default_factory=set)  # cards whose lists NVML did not give
+    # card -> pid -> percent of the card's SMs busy with it since the previous scan; a card
+    # whose utilisation NVML does not sample (MIG, some models) is not here.
+    busy: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
 def card_processes(card: Card) -> dict[int, int | None]:
@@ -400,6 +410,39 @@ def card_processes(card: Card) -> dict[int, int | None]:
             continue
         merged[pid] = used
     return merged
+
+
+class Utilisation:
+    """Each process's share of a card's SMs, from NVML's per-process samples.
+
+    The driver keeps a few seconds of samples per card (one every ~1/6 s per active process);
+    asking for those newer than the last one seen gives each scan the samples of its own
+    interval, and a process's figure is the mean of its samples there. No sample for a process
+    means it did not use the SMs (NVML answers NOT_FOUND when no process did).
+    """
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}  # card UUID -> newest sample timestamp (µs)
+        self._unsampled: set[str] = set()  # cards whose driver does not sample
+
+    def read(self, card: Card) -> dict[int, float] | None:
+        """pid -> percent busy since the previous read (None: this card is not sampled)."""
+        if card.uuid in self._unsampled:
+            return None
+        handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
+        try:
+            samples = pynvml.nvmlDeviceGetProcessUtilization(handle, self._seen.get(card.uuid, 0))
+        except pynvml.NVMLError_NotFound:
+            return {}
+        except pynvml.NVMLError_NotSupported:
+            self._unsampled.add(card.uuid)
+            log.info("card does not sample per-process utilisation", extra={"card": card.uuid})
+            return None
+        sums: dict[int, list[float]] = {}
+        for sample in samples:
+            sums.setdefault(int(sample.pid), []).append(float(sample.smUtil))
+            self._seen[card.uuid] = max(self._seen.get(card.uuid, 0), int(sample.timeStamp))
+        return {pid: sum(values) / len(values) for pid, values in sums.items()}
 
 
 def kill_verified(proc: ProcReader, pid: int, start: int, ref: ContainerRef) -> str:
@@ -455,6 +498,7 @@ class Guard:
         self._episodes: dict[tuple[str, int], _Episode] = {}
         self._exported: set[tuple[str, ...]] = set()  # share series set at the last scan
         self._failing: dict[int, str] = {}  # card -> the NVML error already logged
+        self.utilisation = Utilisation()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -516,6 +560,13 @@ class Guard:
                 key = owner.grant or owner.name
                 owners.setdefault(key, owner)
                 grouped.setdefault((key, index), []).append(Process(pid, used, start, ref))
+            try:
+                busy = self.utilisation.read(card)
+            except pynvml.NVMLError as exc:  # the figure is for metrics only: never fatal
+                log.debug("per-process utilisation unreadable", extra={"error": str(exc)})
+                busy = None
+            if busy is not None:
+                observation.busy[index] = busy
             observation.foreign[index] = foreign
             observation.unmeasured[index] = unmeasured
             self.metrics.guard_foreign_processes.labels(str(index)).set(foreign)
@@ -524,12 +575,13 @@ class Guard:
             Usage(owners[key], self.cards[index], tuple(processes))
             for (key, index), processes in grouped.items()
         ]
-        self._export(observation.usage)
+        self._export(observation.usage, observation.busy)
         return observation
 
-    def _export(self, usage: list[Usage]) -> None:
+    def _export(self, usage: list[Usage], busy: dict[int, dict[int, float]]) -> None:
         """Each share's use and grant per card; series of shares no longer seen are removed."""
         now: dict[tuple[str, ...], tuple[int, Usage]] = {}
+        compute: dict[tuple[str, ...], float] = {}
         for entry in usage:
             owner, card = entry.owner, entry.card
             labels: tuple[str, ...] = (
@@ -541,15 +593,25 @@ class Guard:
             )
             held = now.get(labels)
             now[labels] = (entry.used + (held[0] if held else 0), entry)
+            card_busy = busy.get(card.index)
+            if card_busy is not None:
+                share = sum(card_busy.get(p.pid, 0.0) for p in entry.processes)
+                compute[labels] = compute.get(labels, 0.0) + share
         metrics = self.metrics
         for labels, (used, entry) in now.items():
             metrics.share_memory_used.labels(*labels).set(used)
+            if labels in compute:
+                metrics.share_compute_used.labels(*labels).set(min(100.0, compute[labels]))
+            else:
+                with suppress(KeyError):
+                    metrics.share_compute_used.remove(*labels)
             metrics.share_memory_granted.labels(*labels).set(entry.owner.allowed(entry.card.uuid))
             metrics.share_compute_granted.labels(*labels).set(entry.owner.limits.compute_percent)
         for labels in self._exported - now.keys():
             for gauge in (
                 metrics.share_memory_used,
                 metrics.share_memory_granted,
+                metrics.share_compute_used,
                 metrics.share_compute_granted,
             ):
                 with suppress(KeyError):

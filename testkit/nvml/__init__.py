@@ -91,3 +91,11 @@ class FakeNvml:
 
     def fail_processes(self, count: int) -> None:
         self._append(f"fail_procs {count}")
+
+    def busy(self, card: int, pid: int, percent: int) -> None:
+        """``pid`` keeps ``percent`` % of ``card``'s SMs busy (-1: no samples, idle)."""
+        self._append(f"sm {card} {pid} {percent}")
+
+    def unsampled(self, card: int) -> None:
+        """``card`` does not sample per-process utilisation (NVML: NOT_SUPPORTED)."""
+        self._append(f"unsampled {card}")

@@ -19,6 +19,14 @@
  *                       graphics <index> <pid> <mib>  the same, in the graphics list
  *                       exit <index> <pid>            the process leaves both lists
  *                       fail_procs <n>          the next n process-list calls fail with UNKNOWN
+ *                       sm <index> <pid> <pct>  the process keeps <pct> % of the card's SMs
+ *                                               busy (-1: no samples, as an idle process)
+ *                       unsampled <index>       the card does not sample per-process
+ *                                               utilisation (NOT_SUPPORTED, as under MIG)
+ *
+ * nvmlDeviceGetProcessUtilization answers one sample per busy process, stamped with the time of
+ * the call (µs), when that is newer than lastSeenTimeStamp; NOT_FOUND when there is none, as
+ * the driver does for a card no process used.
  *
  * The process lists follow the real _v3 calls: nvmlProcessInfo_v2_t entries (pid, usedGpuMemory,
  * gpuInstanceId, computeInstanceId; the instance IDs are NOT_AVAILABLE without MIG), and a count
@@ -62,6 +70,7 @@ struct fake_proc {
     unsigned int pid;
     long long used_mib; /* -1: not available */
     int lists;          /* PROC_COMPUTE | PROC_GRAPHICS */
+    int sm;             /* percent of the SMs busy; -1: no samples */
 };
 
 struct fake_device {
@@ -72,6 +81,7 @@ struct fake_device {
     unsigned int minor;
     int numa;
     int lost;
+    int unsampled;
     struct fake_proc procs[MAX_PROCS];
     int proc_count;
 };
@@ -150,7 +160,16 @@ static void set_proc(int card, unsigned int pid, long long mib, int list) {
             return;
         }
     }
-    if (d->proc_count < MAX_PROCS) d->procs[d->proc_count++] = (struct fake_proc){pid, mib, list};
+    if (d->proc_count < MAX_PROCS)
+        d->procs[d->proc_count++] = (struct fake_proc){pid, mib, list, -1};
+}
+
+static void set_sm(int card, unsigned int pid, int percent) {
+    if (card < 0 || card >= device_count) return;
+    struct fake_device *d = &devices[card];
+    for (int i = 0; i < d->proc_count; i++) {
+        if (d->procs[i].pid == pid) d->procs[i].sm = percent;
+    }
 }
 
 static void drop_proc(int card, unsigned int pid) {
@@ -188,6 +207,10 @@ static void sync_events(void) {
             set_proc(card, pid, mib, PROC_GRAPHICS);
         } else if (sscanf(line, "exit %d %u", &card, &pid) == 2) {
             drop_proc(card, pid);
+        } else if (sscanf(line, "sm %d %u %lld", &card, &pid, &mib) == 3) {
+            set_sm(card, pid, (int)mib);
+        } else if (sscanf(line, "unsampled %d", &card) == 1 && card >= 0 && card < device_count) {
+            devices[card].unsampled = 1;
         } else if (sscanf(line, "fail_procs %d", &card) == 1) {
             fail_procs += card;
         } else if (sscanf(line, "xid %d %llu", &card, &code) == 2 && queue_len < MAX_QUEUE) {
@@ -441,4 +464,44 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
 nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
                                                       nvmlProcessInfo_v2_t *infos) {
     DEVICE_CALL(rc = list_procs(device, count, infos, PROC_GRAPHICS);)
+}
+
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil;
+    unsigned int memUtil;
+    unsigned int encUtil;
+    unsigned int decUtil;
+} nvmlProcessUtilizationSample_t;
+
+static nvmlReturn_t utilisation(nvmlDevice_t device, nvmlProcessUtilizationSample_t *samples,
+                                unsigned int *count, unsigned long long last_seen) {
+    if (!count) return NVML_ERROR_INVALID_ARGUMENT;
+    if (device->unsampled) return NVML_ERROR_NOT_SUPPORTED;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    unsigned long long now = (unsigned long long)ts.tv_sec * 1000000ULL + ts.tv_nsec / 1000;
+    unsigned int busy = 0;
+    for (int i = 0; i < device->proc_count; i++) busy += device->procs[i].sm >= 0;
+    if (busy == 0 || now <= last_seen) return NVML_ERROR_NOT_FOUND;
+    if (!samples || *count < busy) {
+        *count = busy;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    unsigned int n = 0;
+    for (int i = 0; i < device->proc_count; i++) {
+        const struct fake_proc *p = &device->procs[i];
+        if (p->sm < 0) continue;
+        samples[n++] = (nvmlProcessUtilizationSample_t){p->pid, now, (unsigned int)p->sm, 0, 0, 0};
+    }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t device,
+                                             nvmlProcessUtilizationSample_t *utilization,
+                                             unsigned int *processSamplesCount,
+                                             unsigned long long lastSeenTimeStamp) {
+    DEVICE_CALL(rc = utilisation(device, utilization, processSamplesCount, lastSeenTimeStamp);)
 }
