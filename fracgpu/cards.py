@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from core import dra
@@ -22,6 +22,7 @@ from core.kube import NODES, PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeEr
 from core.labels import FREE_ANNOTATION, FREE_VERSION, INVENTORY_ANNOTATION, INVENTORY_VERSION
 from core.quantity import QuantityError, parse_quantity
 from core.units import BLOCK_MIB, CORE, CORE_PER_CARD, MEMORY, MIB
+from fracgpu.usage import LiveUse
 
 Obj = Mapping[str, Any]
 DEVICE_PLUGIN, DRA = "device-plugin", "dra"
@@ -37,6 +38,10 @@ class Share:
     cores: int
     memory_mib: int
     cards: int = 0
+    # What the share's processes use now on this card (all cards, where it is not placed on
+    # one), as its node agent measures them (:mod:`fracgpu.usage`); None: not known.
+    used_mib: int | None = None
+    busy_percent: float | None = None
 
 
 @dataclass(slots=True)
@@ -49,6 +54,7 @@ class CardView:
     free_mib: int
     healthy: bool = True
     shares: list[Share] = field(default_factory=list)
+    uuid: str = ""
 
 
 @dataclass(slots=True)
@@ -99,6 +105,7 @@ def dra_cards(slices: Iterable[Obj], claims: Iterable[Obj], pods: Iterable[Obj])
                 free_cores=_number((capacity.get(dra.CORES) or {}).get("value")),
                 free_mib=memory,
                 healthy=not device.get("taints"),
+                uuid=str((attributes.get(dra.UUID_ATTRIBUTE) or {}).get("string") or ""),
             )
     for claim in claims:
         status = claim.get("status") or {}
@@ -177,6 +184,7 @@ def device_plugin_cards(
                     free_cores=int(left.get("cores", 0)),
                     free_mib=int(left.get("memoryMiB", 0)),
                     healthy=bool(card.get("healthy", True)),
+                    uuid=str(card.get("uuid") or ""),
                 )
             )
     unplaced: dict[str, list[Share]] = {}
@@ -206,6 +214,52 @@ def device_plugin_cards(
             )
         )
     return sorted(cards, key=lambda c: (c.node, c.device)), unplaced
+
+
+def _measured(uses: list[LiveUse]) -> tuple[int, float | None]:
+    busy = [u.busy_percent for u in uses if u.busy_percent is not None]
+    return sum(u.memory_mib for u in uses), (min(100.0, sum(busy)) if busy else None)
+
+
+def apply_live(view: ClusterCards, uses: Iterable[LiveUse]) -> ClusterCards:
+    """The view with each share's live use. In device-plugin mode the node agent's figures
+    also say which card holds a share (its series name the card): a share that has processes
+    on its cards is shown on them, one card's part on each; the others stay per node."""
+    by_share: dict[tuple[str, str], list[LiveUse]] = {}
+    for use in uses:
+        by_share.setdefault((use.namespace, use.pod), []).append(use)
+    for card in view.cards:
+        placed = []
+        for share in card.shares:
+            mine = by_share.get((share.namespace, share.pod), [])
+            here = [u for u in mine if u.card_uuid == card.uuid]
+            used, busy = _measured(here)
+            placed.append(replace(share, used_mib=used, busy_percent=busy) if here else share)
+        card.shares = placed
+    by_uuid = {card.uuid: card for card in view.cards if card.uuid}
+    unplaced: dict[str, list[Share]] = {}
+    for node, shares in view.unplaced.items():
+        for share in shares:
+            measured = [
+                u
+                for u in by_share.get((share.namespace, share.pod), ())
+                if u.card_uuid in by_uuid and by_uuid[u.card_uuid].node == node
+            ]
+            holding = sorted({u.card_uuid for u in measured})
+            if not holding:
+                unplaced.setdefault(node, []).append(share)
+                continue
+            for uuid in holding:
+                card = by_uuid[uuid]
+                used, busy = _measured([u for u in measured if u.card_uuid == uuid])
+                part = (
+                    replace(share, cores=CORE_PER_CARD, memory_mib=card.memory_mib, cards=1)
+                    if share.cards
+                    else share
+                )
+                card.shares.append(replace(part, used_mib=used, busy_percent=busy))
+    view.unplaced = unplaced
+    return view
 
 
 async def _items(api: Api, path: str) -> list[Obj]:
@@ -238,6 +292,7 @@ __all__ = [
     "CardView",
     "ClusterCards",
     "Share",
+    "apply_live",
     "device_plugin_cards",
     "dra_cards",
     "read",

@@ -107,10 +107,18 @@ def _add_top(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="each GPU: its shares (pod, container, grant) and what it has free",
         description="Per node and card: what is used and free, in cards and MiB, and each "
         "share on it with its grant (DRA mode: from the claims; device-plugin mode: a node's "
-        "shares, whose card only its node agent knows). Shares of -n NAMESPACE only, or all "
-        "with -A (the default).",
+        "shares, whose card only its node agent knows) and what its processes use now, as "
+        "the node agent measures it (card memory, percent of the card's SMs busy; read "
+        "through the API server's proxy to the node agents, which needs pods/proxy). Shares "
+        "of -n NAMESPACE only, or all with -A (the default).",
     )
     p.add_argument("--node", help="only this node's cards")
+    p.add_argument(
+        "--no-live",
+        dest="live",
+        action="store_false",
+        help="grants only: do not ask the node agents",
+    )
     scope = p.add_mutually_exclusive_group()
     scope.add_argument("-n", "--namespace", help="only this namespace's shares")
     scope.add_argument("-A", "--all-namespaces", action="store_true", help="every namespace")

@@ -24,7 +24,8 @@ import yaml
 from core.kube import KubeConfigError, KubeError, kube_client
 from core.units import BLOCK_MIB, CORE_PER_CARD, UnitError, cards_phrase, cards_text, parse_cards
 from core.units import parse_mib as parse_memory
-from fracgpu.cards import DEVICE_PLUGIN, CardView, ClusterCards, Share, read
+from fracgpu import usage
+from fracgpu.cards import DEVICE_PLUGIN, CardView, ClusterCards, Share, apply_live, read
 from webhook.waiting import Ask, FreeCard, explain
 
 
@@ -101,7 +102,11 @@ def _share_line(share: Share) -> str:
         else f"{cards_phrase(share.cores)}, {share.memory_mib} MiB"
     )
     containers = f" ({', '.join(share.containers)})" if share.containers else ""
-    return f"{share.namespace}/{share.pod}{containers}: {what}"
+    live = ""
+    if share.used_mib is not None:
+        busy = "" if share.busy_percent is None else f", {share.busy_percent:.0f}% of the SMs busy"
+        live = f"; using {share.used_mib} MiB{busy}"
+    return f"{share.namespace}/{share.pod}{containers}: {what}{live}"
 
 
 def render_top(view: ClusterCards, *, wide: bool) -> str:
@@ -146,21 +151,28 @@ def _dump(document: Any, output: str) -> str:
     return str(yaml.safe_dump(document, sort_keys=False))
 
 
-async def _view(args: argparse.Namespace) -> ClusterCards:
+async def _view(args: argparse.Namespace, *, live: bool) -> ClusterCards:
     async with kube_client(args.kubeconfig, args.context) as api:
-        return await read(api)
+        view = await read(api)
+        if live and view.mode:
+            nodes = {c.node for c in view.cards} | set(view.unplaced)
+            uses, problems = await usage.read(api, [args.node] if args.node else nodes)
+            for problem in problems:
+                sys.stderr.write(f"fracgpu top: live use not shown: {problem}\n")
+            view = apply_live(view, uses)
+        return view
 
 
-def _read(args: argparse.Namespace, command: str) -> ClusterCards | None:
+def _read(args: argparse.Namespace, command: str, *, live: bool = False) -> ClusterCards | None:
     try:
-        return asyncio.run(_view(args))
+        return asyncio.run(_view(args, live=live))
     except (KubeConfigError, KubeError, aiohttp.ClientError, OSError) as exc:
         sys.stderr.write(f"fracgpu {command}: cannot ask the API server: {exc}\n")
         return None
 
 
 def run_top(args: argparse.Namespace) -> int:
-    view = _read(args, "top")
+    view = _read(args, "top", live=args.live)
     if view is None:
         return 2
     view = _scoped(view, args)

@@ -11,12 +11,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from core import dra
 from core.labels import FREE_ANNOTATION, FREE_VERSION, INVENTORY_ANNOTATION, INVENTORY_VERSION
 from core.units import UnitError
-from fracgpu.cards import CardView, ClusterCards, Share, device_plugin_cards, dra_cards
+from deviceplugin.shared.guard import GuardMetrics
+from fracgpu.cards import (
+    CardView,
+    ClusterCards,
+    Share,
+    apply_live,
+    device_plugin_cards,
+    dra_cards,
+)
 from fracgpu.top import Shape, fitting, parse_shape, render_top, run_fit, run_top, why_none
+from fracgpu.usage import LiveUse, parse
 from testkit.apiserver import FakeApiServer
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -95,7 +105,10 @@ def dra_slice(node: str, cards: int) -> dict[str, Any]:
     devices = [
         {
             "name": f"gpu-{i}",
-            "attributes": {dra.PRODUCT_ATTRIBUTE: {"string": H100}},
+            "attributes": {
+                dra.PRODUCT_ATTRIBUTE: {"string": H100},
+                dra.UUID_ATTRIBUTE: {"string": f"GPU-{node}{i}"},
+            },
             "capacity": {dra.CORES: {"value": "100"}, dra.MEMORY: {"value": "81408Mi"}},
         }
         for i in range(cards)
@@ -160,7 +173,8 @@ def test_device_plugin_cards_and_their_nodes_shares() -> None:
 
 def _args(tmp_path: Path, fake: FakeApiServer, **values: Any) -> argparse.Namespace:
     base = {"kubeconfig": fake.kubeconfig(tmp_path / "kubeconfig"), "context": None,
-            "node": None, "namespace": None, "all_namespaces": False, "output": "json"}  # fmt: skip
+            "node": None, "namespace": None, "all_namespaces": False, "output": "json",
+            "live": True}  # fmt: skip
     return argparse.Namespace(**(base | values))
 
 
@@ -184,3 +198,93 @@ async def test_the_commands_against_the_api_server(
         answer = json.loads(capsys.readouterr().out)
         assert len(answer["fits"]) == fits
         assert bool(answer["why_not"]) == (fits == 0)
+
+
+# ---- live use, from the node agents' metrics ---------------------------------------------
+
+
+def agent_text() -> str:
+    """What two node agents serve on /metrics: their real metrics objects, exposed by
+    prometheus_client as Prometheus scrapes them."""
+    text = ""
+    for prefix, labels, used, busy in (
+        ("fracgpu_device_plugin", ("team-a", "nb", "main", "GPU-0", "H100"), 3 << 30, 42.5),
+        ("fracgpu_dra_plugin", ("team-a", "train", "side", "GPU-a1", 'H "x"'), 1 << 20, None),
+    ):
+        metrics = GuardMetrics(CollectorRegistry(), prefix)
+        metrics.share_memory_used.labels(*labels).set(used)
+        metrics.share_memory_granted.labels(*labels).set(8 << 30)
+        if busy is not None:
+            metrics.share_compute_used.labels(*labels).set(busy)
+        metrics.guard_kills.labels("0").inc()
+        text += generate_latest(metrics.registry).decode()
+    return text
+
+
+def test_the_agents_share_series_are_read() -> None:
+    """Memory used and compute used per container and card; granted and other series are not
+    live use; a card that does not sample has no compute figure (None, not 0)."""
+    assert parse(agent_text()) == [
+        LiveUse("team-a", "nb", "main", "GPU-0", 3072, 42.5),
+        LiveUse("team-a", "train", "side", "GPU-a1", 1, None),
+    ]
+
+
+def test_dra_shares_get_their_use_on_their_card() -> None:
+    view = ClusterCards("dra", dra_cards([dra_slice("a", 2)], [], []))
+    view.cards[1].shares = [Share("team-a", "train", ("main",), 30, 8192)]
+    uses = [
+        LiveUse("team-a", "train", "main", "GPU-a1", 3000, 40.0),
+        LiveUse("team-a", "train", "side", "GPU-a1", 100, 5.0),
+        LiveUse("team-a", "train", "main", "GPU-a0", 999, 1.0),  # another card: not this share
+    ]
+    apply_live(view, uses)
+    (share,) = view.cards[1].shares
+    assert (share.used_mib, share.busy_percent) == (3100, 45.0)
+    text = render_top(view, wide=False)
+    assert "team-a/train (main): 0.30 card, 8192 MiB; using 3100 MiB, 45% of the SMs busy" in text
+
+
+def test_device_plugin_shares_are_placed_on_the_card_their_agent_names() -> None:
+    """The node agent's series name the card: a measured share is shown on it; a share with
+    no processes yet stays among the node's shares."""
+    cards, unplaced = device_plugin_cards(
+        [dp_node("a")], [dp_pod("nb", "50", "32"), dp_pod("idle", "20", "8")]
+    )
+    view = apply_live(
+        ClusterCards("device-plugin", cards, unplaced),
+        [LiveUse("team-a", "nb", "main", "GPU-0", 2048, None)],
+    )
+    assert view.cards[0].shares == [
+        Share("team-a", "nb", ("main",), 50, 8192, used_mib=2048, busy_percent=None)
+    ]
+    assert view.unplaced == {"a": [Share("team-a", "idle", ("main",), 20, 2048)]}
+    assert "team-a/nb (main): 0.50 card, 8192 MiB; using 2048 MiB\n" in render_top(view, wide=False)
+
+
+async def test_top_says_why_live_use_is_missing_and_shows_the_grants(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A node agent whose metrics cannot be read through the API server (here the proxy
+    answers 404): top still answers, with the grants, and says on stderr what it could not
+    read; --no-live does not ask."""
+    agent = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "agent-a", "namespace": "fracgpu",
+                     "labels": {"app.kubernetes.io/name": "fracgpu-device-plugin"}},
+        "spec": {"nodeName": "a", "containers": [
+            {"name": "device-plugin", "image": "x",
+             "ports": [{"name": "metrics", "containerPort": 9402}]}]},
+        "status": {"phase": "Running"},
+    }  # fmt: skip
+    async with FakeApiServer(namespaces=("default", "team-a", "fracgpu")) as fake:
+        fake.put(dp_node("a"))
+        fake.put(dp_pod("nb", "50", "32"))
+        fake.put(agent)
+        assert await asyncio.to_thread(run_top, _args(tmp_path, fake)) == 0
+        captured = capsys.readouterr()
+        assert json.loads(captured.out)["unplaced"]["a"][0]["pod"] == "nb"
+        assert captured.err.startswith("fracgpu top: live use not shown: node agent pod ")
+        assert await asyncio.to_thread(run_top, _args(tmp_path, fake, live=False)) == 0
+        assert capsys.readouterr().err == ""

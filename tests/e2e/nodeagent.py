@@ -62,7 +62,7 @@ from tests.e2e.harness import (
     fracgpu_command,
     free_port,
 )
-from tests.e2e.scenarios import container, manifest
+from tests.e2e.scenarios import SHELL_IMAGE, container, manifest
 
 CARDS = 4
 # Devices that Allocate hands to a container besides the card itself (deviceplugin.classic.plugin).
@@ -435,3 +435,75 @@ async def unpublish(api: Any, node: str, before: dict[str, Any]) -> None:
             body={"metadata": patch},
             content_type="application/merge-patch+json",
         )
+
+
+def _agent_metrics(agent: NodeAgent) -> str:
+    url = f"http://127.0.0.1:{agent.health_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        return str(reply.read().decode())
+
+
+def top_shows_live_use(
+    agent: NodeAgent, kubectl: Kubectl, namespace: str, pod: str, *, card: int, label: str
+) -> None:
+    """`kubectl fracgpu top` shows what the pod's process uses, read through the API server's
+    proxy to a node agent pod. The suite's agent runs beside the cluster, not as a pod: a
+    stand-in pod (busybox httpd, the agent's name ``label``, port ``metrics``) serves what the
+    real agent exports at that moment for the pod's process (in the fake NVML: 1000 MiB, 37 %
+    of the SMs), and top must find it on the card, by the card's UUID."""
+    (pid,) = container_pids(kubectl, namespace, pod)
+    agent.nvml.process(card, pid, 1000)
+    agent.nvml.busy(card, pid, 37)
+    try:
+        series = f'pod="{pod}"'
+        wait_for(
+            lambda: (
+                series in _agent_metrics(agent) and "share_compute_used" in _agent_metrics(agent)
+            ),
+            15,
+            agent.log,
+        )
+        exported = _agent_metrics(agent)
+        kubectl.ok(
+            "create", "configmap", "agent-metrics", "-n", namespace,
+            f"--from-literal=metrics={exported}",
+        )  # fmt: skip
+        stand_in = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "stand-in-agent", "labels": {"app.kubernetes.io/name": label}},
+            "spec": {
+                "nodeName": agent.node,
+                "tolerations": [{"operator": "Exists"}],
+                "containers": [{
+                    "name": "metrics",
+                    "image": SHELL_IMAGE,
+                    "command": ["busybox", "httpd", "-f", "-p", "9402", "-h", "/www"],
+                    "ports": [{"name": "metrics", "containerPort": 9402}],
+                    "volumeMounts": [{"name": "www", "mountPath": "/www"}],
+                }],
+                "volumes": [{"name": "www", "configMap": {"name": "agent-metrics"}}],
+                "terminationGracePeriodSeconds": 0,
+            },
+        }  # fmt: skip
+        kubectl.ok("create", "-n", namespace, "-f", "-", stdin=manifest(stand_in))
+        wait_running(kubectl, namespace, "stand-in-agent", agent)
+
+        def shown() -> dict[str, Any] | None:
+            top = kubectl.fracgpu("top", "--node", agent.node, "-n", namespace, "-o", "json")
+            assert top.returncode == 0, top.stderr
+            for entry in json.loads(top.stdout)["cards"]:
+                for share in entry["shares"]:
+                    if share["pod"] == pod and share["used_mib"] is not None:
+                        return {"card": entry["uuid"], **share}
+            return None
+
+        wait_for(lambda: shown() is not None, 20, lambda: describe(kubectl, namespace, agent))
+        found = shown()
+        assert found is not None
+        assert found["card"] == agent.cards[card].uuid, found
+        assert (found["used_mib"], found["busy_percent"]) == (1000, 37), found
+    finally:
+        agent.nvml.exit(card, pid)
+        kubectl("delete", "pod", "stand-in-agent", "-n", namespace, "--force", "--grace-period=0")
+        kubectl("delete", "configmap", "agent-metrics", "-n", namespace)

@@ -51,6 +51,7 @@ from tests.e2e.nodeagent import (
     node_pod,
     pods,
     results,
+    top_shows_live_use,
     wait_for,
     wait_running,
 )
@@ -268,6 +269,18 @@ def test_the_guard_kills_a_process_over_its_claim(
     (device,) = cards_of(kubectl, dra_namespace, "greedy")
     card = int(device.split("-")[1])
     guard_kills_over_grant(agent, kubectl, dra_namespace, "greedy", card=card, grant_mib=1024)
+
+
+def test_top_shows_what_a_claim_uses_on_its_card(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """`kubectl fracgpu top` shows the share on its card (from the claim) with what its
+    process uses now (from the node agent's metrics, through the API server's pod proxy)."""
+    create(kubectl, dra_namespace, node_pod("busy", agent.node, share("0.3", "1Gi")))
+    wait_running(kubectl, dra_namespace, "busy", agent)
+    (device,) = cards_of(kubectl, dra_namespace, "busy")
+    top_shows_live_use(agent, kubectl, dra_namespace, "busy", card=int(device.split("-")[1]),
+                       label="fracgpu-dra-plugin")  # fmt: skip
 
 
 def test_whole_cards_are_exclusive(agent: DraAgent, kubectl: Kubectl, dra_namespace: str) -> None:

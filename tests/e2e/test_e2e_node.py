@@ -29,6 +29,7 @@ from tests.e2e.nodeagent import (
     node_metadata,
     node_pod,
     pods,
+    top_shows_live_use,
     unpublish,
     wait_for,
     wait_running,
@@ -141,6 +142,20 @@ def test_the_guard_kills_a_process_over_its_grant(
     (grant,) = agent.limits(before)
     (index,) = [i for i, card in enumerate(CARDS) if card.uuid in grant.devices]
     guard_kills_over_grant(agent, kubectl, node_namespace, "greedy", card=index, grant_mib=1024)
+
+
+def test_top_shows_what_a_share_uses_on_its_card(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    """Device-plugin mode: only the node agent knows which card holds a share; its metrics
+    say it, and `kubectl fracgpu top` shows the share on that card with its live use."""
+    before = agent.written()
+    create(kubectl, node_namespace, node_pod("busy", agent.node, {"fracgpu.io/gpu": "0.3"}))
+    wait_running(kubectl, node_namespace, "busy", agent)
+    (written,) = agent.limits(before)
+    card = next(i for i, c in enumerate(CARDS) if c.uuid == written.devices[0])
+    top_shows_live_use(agent, kubectl, node_namespace, "busy", card=card,
+                       label="fracgpu-device-plugin")  # fmt: skip
 
 
 def run_half_cards(agent: NodeAgent, kubectl: Kubectl, namespace: str) -> None:
