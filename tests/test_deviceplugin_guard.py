@@ -238,6 +238,17 @@ def make_guard(
     return Setup(guard, metrics, clock, listed, calls)
 
 
+def alice_share(card: Card) -> dict[str, str]:
+    """The labels of ALICE's share series on ``card``."""
+    return {
+        "namespace": ALICE.namespace,
+        "pod": ALICE.pod,
+        "container": ALICE.container,
+        "card_uuid": card.uuid,
+        "model": card.product,
+    }
+
+
 def sample(metrics: GuardMetrics, name: str, **labels: str) -> float:
     value = metrics.registry.get_sample_value(f"{PREFIX}_{name}", labels)
     return 0.0 if value is None else value
@@ -416,13 +427,7 @@ def test_each_share_is_exported_against_its_grant_until_it_leaves_the_card(
     fake.process(0, first.pid, 300)
     fake.process(0, second.pid, 200)
     setup.guard.scan_once()
-    share = {
-        "namespace": ALICE.namespace,
-        "pod": ALICE.pod,
-        "container": ALICE.container,
-        "card_uuid": cards[0].uuid,
-        "model": cards[0].product,
-    }
+    share = alice_share(cards[0])
     assert sample(setup.metrics, "share_memory_used_bytes", **share) == 500 * 2**20
     assert sample(setup.metrics, "share_memory_granted_bytes", **share) == 1024 * 2**20
     assert sample(setup.metrics, "share_compute_granted_percent", **share) == 30
@@ -459,13 +464,7 @@ def test_each_share_exports_the_compute_it_used(
         fake.process(0, child.pid, 100)
         fake.busy(0, child.pid, percent)
     setup.guard.scan_once()
-    share = {
-        "namespace": ALICE.namespace,
-        "pod": ALICE.pod,
-        "container": ALICE.container,
-        "card_uuid": cards[0].uuid,
-        "model": cards[0].product,
-    }
+    share = alice_share(cards[0])
     assert sample(setup.metrics, "share_compute_used_percent", **share) == expected
 
 
@@ -482,13 +481,7 @@ def test_a_card_that_does_not_sample_exports_no_compute_used(
     fake.busy(0, child.pid, 50)
     fake.unsampled(0)
     setup.guard.scan_once()
-    share = {
-        "namespace": ALICE.namespace,
-        "pod": ALICE.pod,
-        "container": ALICE.container,
-        "card_uuid": cards[0].uuid,
-        "model": cards[0].product,
-    }
+    share = alice_share(cards[0])
     name = f"{PREFIX}_share_compute_used_percent"
     assert setup.metrics.registry.get_sample_value(name, share) is None
     assert sample(setup.metrics, "share_memory_used_bytes", **share) == 100 * 2**20
