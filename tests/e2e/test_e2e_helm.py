@@ -119,6 +119,20 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
         assert config["admission"]["allocation"] == "dra"
         assert config["certs"]["namespace"] == namespace
 
+        # What the webhook writes at run time (certs mode "self"): its certificates into the
+        # Secret the chart created empty, its CA into the webhook configurations. An upgrade
+        # must leave both alone, or every replica would have to issue again.
+        secret_path = PATHS["Secret"].format(ns=namespace, name="fracgpu-webhook-tls")
+        issued = {"tls.crt": "Y2VydA==", "tls.key": "a2V5", "ca.crt": "Y2E="}
+        await call_json(
+            kube_api, "PATCH", secret_path, body={"data": issued},
+            content_type="application/merge-patch+json",
+        )  # fmt: skip
+        mutate_path = PATHS["MutatingWebhookConfiguration"].format(name="fracgpu-mutate")
+        mutate = await call_json(kube_api, "GET", mutate_path)
+        mutate["webhooks"][0]["clientConfig"]["caBundle"] = "Y2E="
+        await call_json(kube_api, "PUT", mutate_path, body=mutate)
+
         # Upgrade: another mode, two replicas, a setting of fracgpu serve.
         await asyncio.to_thread(
             run, "upgrade", release, str(CHART), "--reuse-values",
@@ -146,6 +160,9 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
         config = yaml.safe_load(live["data"]["config.yaml"])
         assert config["quota"]["require_quota"] is True
         assert "allocation" not in config["admission"]
+        assert (await call_json(kube_api, "GET", secret_path))["data"] == issued
+        mutate = await call_json(kube_api, "GET", mutate_path)
+        assert mutate["webhooks"][0]["clientConfig"]["caBundle"] == "Y2E="
         history = json.loads(await asyncio.to_thread(run, "history", release, "-o", "json"))
         assert [h["status"] for h in history] == ["superseded", "deployed"]
 
