@@ -98,25 +98,30 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
     # The run's own webhooks may be registered meanwhile; this release's are not called: no GPU
     # pod is created while it is installed.
     try:
+        # auto, at install, decides from what this API server serves: resource.k8s.io/v1 on
+        # 1.36 or newer, DRA mode (what `helm install` would do, without doing it).
+        dry_run = ("--create-namespace", "--dry-run=server", "-o", "json")
+        planned = json.loads(await asyncio.to_thread(run, "install", release, str(CHART), *dry_run))
+        plan = [doc for doc in yaml.safe_load_all(planned["manifest"]) if doc]
+        assert _names(plan, "DaemonSet") == {"fracgpu-dra-plugin"}
+        assert _names(plan, "DeviceClass") == {"gpu.fracgpu.io"}
+
         await asyncio.to_thread(
             run, "install", release, str(CHART), "--create-namespace",
-            *run.values('webhook={"replicas": 1}'),
+            *run.values('mode="device-plugin"', 'webhook={"replicas": 1}'),
         )  # fmt: skip
         installed = await asyncio.to_thread(run.manifest)
         kinds = {o["kind"] for o in installed}
         assert set(PATHS) >= kinds, f"kinds this test cannot read: {kinds - set(PATHS)}"
         for obj in installed:
             assert await _exists(kube_api, obj, namespace), f"{obj['kind']} {obj['metadata']}"
-        # auto: this API server serves resource.k8s.io/v1 and is 1.36 or newer
-        assert _names(installed, "DaemonSet") == {"fracgpu-dra-plugin"}
-        assert _names(installed, "DeviceClass") == {"gpu.fracgpu.io"}
+        assert _names(installed, "DaemonSet") == {"fracgpu-device-plugin"}
         assert "PodDisruptionBudget" not in kinds  # one replica
         config = yaml.safe_load(
             next(o for o in installed if o["metadata"]["name"] == "fracgpu-config")["data"][
                 "config.yaml"
             ]
         )
-        assert config["admission"]["allocation"] == "dra"
         assert config["certs"]["namespace"] == namespace
 
         # What the webhook writes at run time (certs mode "self"): its certificates into the
@@ -133,23 +138,20 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
         mutate["webhooks"][0]["clientConfig"]["caBundle"] = "Y2E="
         await call_json(kube_api, "PUT", mutate_path, body=mutate)
 
-        # Upgrade: another mode, two replicas, a setting of fracgpu serve.
+        # Upgrade with mode auto, two replicas, a setting of fracgpu serve: the release keeps
+        # its node agent (auto would pick DRA on this cluster, under running device-plugin
+        # shares), and takes the rest.
         await asyncio.to_thread(
             run, "upgrade", release, str(CHART), "--reuse-values",
             *run.values(
-                'mode="device-plugin"', 'webhook={"replicas": 2}',
+                'mode="auto"', 'webhook={"replicas": 2}',
                 'config={"quota": {"require_quota": true}}',
             ),
         )  # fmt: skip
         upgraded = await asyncio.to_thread(run.manifest)
         for obj in upgraded:
             assert await _exists(kube_api, obj, namespace), f"{obj['kind']} {obj['metadata']}"
-        for gone in [o for o in installed if o["kind"] in ("DaemonSet", "DeviceClass")]:
-            assert await _exists(kube_api, gone, namespace) is None, gone["metadata"]
-        daemonset = await call_json(
-            kube_api, "GET", PATHS["DaemonSet"].format(ns=namespace, name="fracgpu-device-plugin")
-        )
-        assert daemonset["spec"]["template"]["spec"]["containers"][0]["name"] == "device-plugin"
+        assert _names(upgraded, "DaemonSet") == {"fracgpu-device-plugin"}
         deployment = await call_json(
             kube_api, "GET", PATHS["Deployment"].format(ns=namespace, name="fracgpu-webhook")
         )
@@ -163,8 +165,24 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
         assert (await call_json(kube_api, "GET", secret_path))["data"] == issued
         mutate = await call_json(kube_api, "GET", mutate_path)
         assert mutate["webhooks"][0]["clientConfig"]["caBundle"] == "Y2E="
+
+        # Naming the mode switches it: the device plugin's objects go, DRA mode's come.
+        await asyncio.to_thread(
+            run, "upgrade", release, str(CHART), "--reuse-values", *run.values('mode="dra"')
+        )
+        switched = await asyncio.to_thread(run.manifest)
+        for obj in switched:
+            assert await _exists(kube_api, obj, namespace), f"{obj['kind']} {obj['metadata']}"
+        for gone in [o for o in upgraded if o["kind"] == "DaemonSet"]:
+            assert await _exists(kube_api, gone, namespace) is None, gone["metadata"]
+        assert _names(switched, "DaemonSet") == {"fracgpu-dra-plugin"}
+        live = await call_json(
+            kube_api, "GET", PATHS["ConfigMap"].format(ns=namespace, name="fracgpu-config")
+        )
+        assert yaml.safe_load(live["data"]["config.yaml"])["admission"]["allocation"] == "dra"
+        upgraded += switched
         history = json.loads(await asyncio.to_thread(run, "history", release, "-o", "json"))
-        assert [h["status"] for h in history] == ["superseded", "deployed"]
+        assert [h["status"] for h in history] == ["superseded", "superseded", "deployed"]
 
         await asyncio.to_thread(run, "uninstall", release, "--wait")
         # Nothing of the release is left, least of all a fail-closed webhook configuration

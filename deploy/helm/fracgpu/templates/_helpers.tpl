@@ -1,11 +1,20 @@
 {{/*
-The node mode this release installs: "dra" or "device-plugin". auto follows `fracgpu mode`: DRA
-where the API server serves resource.k8s.io/v1 DeviceClasses and is Kubernetes 1.36 or newer
-(DRA's consumable capacity, which many shares of one card need).
+The node mode this release installs: "dra" or "device-plugin". auto follows `fracgpu mode` at
+install: DRA where the API server serves resource.k8s.io/v1 DeviceClasses and is Kubernetes 1.36
+or newer (DRA's consumable capacity, which many shares of one card need). On an upgrade auto keeps
+the mode the release runs (its node agent's DaemonSet, looked up in the cluster): a cluster
+upgraded to 1.36 must not switch node agents under running shares, which the other agent does
+not know. Setting mode switches. (`helm template` has no cluster to look in: capabilities only.)
 */}}
 {{- define "fracgpu.mode" -}}
 {{- if eq .Values.mode "auto" -}}
-{{- if and (.Capabilities.APIVersions.Has "resource.k8s.io/v1/DeviceClass") (semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- $dra := lookup "apps/v1" "DaemonSet" .Release.Namespace "fracgpu-dra-plugin" -}}
+{{- $dp := lookup "apps/v1" "DaemonSet" .Release.Namespace "fracgpu-device-plugin" -}}
+{{- if and .Release.IsUpgrade $dra -}}
+dra
+{{- else if and .Release.IsUpgrade $dp -}}
+device-plugin
+{{- else if and (.Capabilities.APIVersions.Has "resource.k8s.io/v1/DeviceClass") (semverCompare ">=1.36.0-0" .Capabilities.KubeVersion.Version) -}}
 dra
 {{- else -}}
 device-plugin
