@@ -75,6 +75,15 @@ def parse_quantity(raw: object) -> Quantity:
     return _parse(raw)
 
 
+def quantity_int(raw: object) -> int | None:
+    """A quantity's whole part, or None where ``raw`` is not a quantity: how the readers of
+    objects the API server stored (claims, slices) take a capacity, which it has validated."""
+    try:
+        return int(parse_quantity(raw).value)
+    except QuantityError:
+        return None
+
+
 # Admission parses the same few spellings ("300m", "8Gi") over and over; ``typed`` keeps
 # 1 and 1.0 apart (their texts differ in what they may mean).
 @lru_cache(maxsize=4096, typed=True)

@@ -20,7 +20,7 @@ from typing import Any
 from core import dra
 from core.kube import NODES, PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, call_json
 from core.labels import FREE_ANNOTATION, FREE_VERSION, INVENTORY_ANNOTATION, INVENTORY_VERSION
-from core.quantity import QuantityError, parse_quantity
+from core.quantity import quantity_int
 from core.units import BLOCK_MIB, CORE, CORE_PER_CARD, MEMORY, MIB
 from fracgpu.usage import LiveUse
 
@@ -65,11 +65,8 @@ class ClusterCards:
     unplaced: dict[str, list[Share]] = field(default_factory=dict)
 
 
-def _number(raw: object) -> int:
-    try:
-        return int(parse_quantity(raw).value)
-    except QuantityError:
-        return 0
+def _whole(raw: object) -> int:
+    return quantity_int(raw) or 0
 
 
 def _pod_containers(pod: Obj, claim: str | None = None) -> tuple[str, ...]:
@@ -78,7 +75,7 @@ def _pod_containers(pod: Obj, claim: str | None = None) -> tuple[str, ...]:
     for container in (pod.get("spec") or {}).get("containers") or []:
         resources = container.get("resources") or {}
         if claim is None:
-            if _number((resources.get("limits") or {}).get(CORE)) > 0:
+            if _whole((resources.get("limits") or {}).get(CORE)) > 0:
                 found.append(str(container.get("name")))
         elif any(c.get("name") == claim for c in resources.get("claims") or []):
             found.append(str(container.get("name")))
@@ -96,13 +93,13 @@ def dra_cards(slices: Iterable[Obj], claims: Iterable[Obj], pods: Iterable[Obj])
         for device in spec.get("devices") or []:
             capacity = device.get("capacity") or {}
             attributes = device.get("attributes") or {}
-            memory = _number((capacity.get(dra.MEMORY) or {}).get("value")) // MIB
+            memory = _whole((capacity.get(dra.MEMORY) or {}).get("value")) // MIB
             cards[(pool, str(device.get("name")))] = CardView(
                 node=str(spec.get("nodeName") or pool),
                 device=str(device.get("name")),
                 product=str((attributes.get(dra.PRODUCT_ATTRIBUTE) or {}).get("string") or ""),
                 memory_mib=memory,
-                free_cores=_number((capacity.get(dra.CORES) or {}).get("value")),
+                free_cores=_whole((capacity.get(dra.CORES) or {}).get("value")),
                 free_mib=memory,
                 healthy=not device.get("taints"),
                 uuid=str((attributes.get(dra.UUID_ATTRIBUTE) or {}).get("string") or ""),
@@ -116,7 +113,7 @@ def dra_cards(slices: Iterable[Obj], claims: Iterable[Obj], pods: Iterable[Obj])
             if result.get("driver") != dra.DRIVER or card is None:
                 continue
             consumed = result.get("consumedCapacity") or {}
-            cores, memory = _number(consumed.get(dra.CORES)), _number(consumed.get(dra.MEMORY))
+            cores, memory = _whole(consumed.get(dra.CORES)), _whole(consumed.get(dra.MEMORY))
             if not consumed:  # a whole card: all of it
                 cores, memory = CORE_PER_CARD, card.memory_mib * MIB
             card.free_cores = max(card.free_cores - cores, 0)
@@ -198,8 +195,8 @@ def device_plugin_cards(
         cores = memory = 0
         for container in spec.get("containers") or []:
             limits = (container.get("resources") or {}).get("limits") or {}
-            cores += _number(limits.get(CORE))
-            memory += _number(limits.get(MEMORY)) * BLOCK_MIB
+            cores += _whole(limits.get(CORE))
+            memory += _whole(limits.get(MEMORY)) * BLOCK_MIB
         if cores <= 0:
             continue
         whole = cores // CORE_PER_CARD if cores % CORE_PER_CARD == 0 else 0

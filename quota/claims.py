@@ -29,7 +29,7 @@ from typing import Any
 from core import dra
 from core.contract import MAX_DEVICES
 from core.kube import RESOURCE_CLAIM_TEMPLATES, RESOURCE_CLAIMS, Api, KubeNotFound, call_json
-from core.quantity import QuantityError, parse_quantity
+from core.quantity import quantity_int
 from core.units import BLOCK_MIB, CORE_PER_CARD, MIB, card_blocks, ceil_div
 
 _CACHE_SIZE = 4096
@@ -83,13 +83,6 @@ def claim_refs(pod: Mapping[str, Any]) -> list[Ref]:
     return refs
 
 
-def _number(raw: object) -> int | None:
-    try:
-        return int(parse_quantity(raw).value)
-    except QuantityError:
-        return None
-
-
 def _option_charge(
     option: Mapping[str, Any], card_mib: int | None, most_cards: int | None
 ) -> tuple[int, int, int]:
@@ -103,8 +96,8 @@ def _option_charge(
         if card_mib is None:
             return count * CORE_PER_CARD, 0, count
         return count * CORE_PER_CARD, count * card_blocks(card_mib), 0
-    cores = _number(wanted.get(dra.CORES))
-    memory = _number(wanted.get(dra.MEMORY))
+    cores = quantity_int(wanted.get(dra.CORES))
+    memory = quantity_int(wanted.get(dra.MEMORY))
     core = CORE_PER_CARD if cores is None else min(max(cores, 1), CORE_PER_CARD)
     if memory is None:  # the slice's default: the whole card's memory
         if card_mib is None:

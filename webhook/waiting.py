@@ -23,7 +23,7 @@ from typing import Any
 
 from core import dra
 from core.labels import FREE_ANNOTATION, FREE_VERSION
-from core.quantity import QuantityError, parse_quantity
+from core.quantity import quantity_int
 from core.units import BLOCK_MIB, CORE, CORE_PER_CARD, MEMORY, MIB, cards_phrase
 
 NO_FIT_MESSAGE = "cannot allocate all claims"
@@ -63,13 +63,6 @@ class Ask:
         return f"{cards_phrase(self.cores)} and {self.memory_mib} MiB"
 
 
-def _number(raw: object) -> int | None:
-    try:
-        return int(parse_quantity(raw).value)
-    except QuantityError:
-        return None
-
-
 def free_cards(
     slices: Iterable[Mapping[str, Any]], claims: Iterable[Mapping[str, Any]]
 ) -> list[FreeCard]:
@@ -81,8 +74,8 @@ def free_cards(
             if result.get("driver") != dra.DRIVER:
                 continue
             consumed = result.get("consumedCapacity") or {}
-            cores = _number(consumed.get(dra.CORES)) or 0
-            memory = _number(consumed.get(dra.MEMORY)) or 0
+            cores = quantity_int(consumed.get(dra.CORES)) or 0
+            memory = quantity_int(consumed.get(dra.MEMORY)) or 0
             key = (str(result.get("pool")), str(result.get("device")))
             was = used.get(key, (0, 0))
             used[key] = (was[0] + cores, was[1] + memory)
@@ -95,8 +88,8 @@ def free_cards(
         node = str(spec.get("nodeName") or pool)
         for device in spec.get("devices") or []:
             capacity = device.get("capacity") or {}
-            cores = _number((capacity.get(dra.CORES) or {}).get("value")) or 0
-            memory = _number((capacity.get(dra.MEMORY) or {}).get("value")) or 0
+            cores = quantity_int((capacity.get(dra.CORES) or {}).get("value")) or 0
+            memory = quantity_int((capacity.get(dra.MEMORY) or {}).get("value")) or 0
             taken = used.get((pool, str(device.get("name"))), (0, 0))
             free.append(
                 FreeCard(
@@ -130,8 +123,8 @@ def _ask(option: Mapping[str, Any]) -> Ask:
     if not wanted:
         return Ask(cards=int(option.get("count") or 1))
     return Ask(
-        cores=_number(wanted.get(dra.CORES)) or CORE_PER_CARD,
-        memory_mib=(_number(wanted.get(dra.MEMORY)) or 0) // MIB,
+        cores=quantity_int(wanted.get(dra.CORES)) or CORE_PER_CARD,
+        memory_mib=(quantity_int(wanted.get(dra.MEMORY)) or 0) // MIB,
     )
 
 
@@ -220,10 +213,10 @@ def asks_of_pod(pod: Mapping[str, Any]) -> list[Ask]:
     asks: list[Ask] = []
     for container in (pod.get("spec") or {}).get("containers") or []:
         limits = (container.get("resources") or {}).get("limits") or {}
-        core = _number(limits.get(CORE)) or 0
+        core = quantity_int(limits.get(CORE)) or 0
         if core <= 0:
             continue
-        memory = _number(limits.get(MEMORY)) or 0
+        memory = quantity_int(limits.get(MEMORY)) or 0
         if core % CORE_PER_CARD == 0:
             asks.append(Ask(cards=core // CORE_PER_CARD))
         else:
