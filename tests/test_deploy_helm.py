@@ -229,6 +229,11 @@ def test_every_value_is_typed_and_its_default_stated() -> None:
             id="network-policy-without-cidrs",
         ),
         pytest.param(
+            {"webhook": {"timeoutSeconds": 3}},
+            "at '/webhook/timeoutSeconds'",
+            id="too-short-for-a-new-quota-count",
+        ),
+        pytest.param(
             {"networkPolicy": {"enabled": True, "apiServerCIDRs": ["10.0.0.1"]}},
             "at '/networkPolicy/apiServerCIDRs/0'",
             id="cidr-without-prefix",
@@ -247,6 +252,8 @@ def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
         pytest.param({}, "1.35.0", (), id="device-plugin"),
         pytest.param({}, "1.37.0", DRA_APIS, id="dra"),
         pytest.param({"certs": {"mode": "cert-manager"}}, "1.35.0", (), id="cert-manager"),
+        pytest.param({"webhook": {"timeoutSeconds": 4}}, "1.35.0", (), id="shortest-timeout"),
+        pytest.param({"webhook": {"timeoutSeconds": 30}}, "1.35.0", (), id="longest-timeout"),
         pytest.param(
             {"config": {"quota": {"require_quota": True}, "admission": {"scheduler_name": "x"}}},
             "1.35.0",
