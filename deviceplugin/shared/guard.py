@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import pynvml
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -392,13 +392,14 @@ class Observation:
     busy: dict[int, dict[int, float]] = field(default_factory=dict)
 
 
-def card_processes(card: Card) -> dict[int, int | None]:
+def card_processes(card: Card, handle: Any = None) -> dict[int, int | None]:
     """pid -> bytes (None: NVML cannot tell) on one card, compute and graphics lists together.
 
     A process in both lists (a graphics context that also computes) appears with the same
-    figure in each; it is counted once.
+    figure in each; it is counted once. ``handle``: the card's, when the caller has it.
     """
-    handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
+    if handle is None:
+        handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
     merged: dict[int, int | None] = {}
     for info in (
         *pynvml.nvmlDeviceGetComputeRunningProcesses(handle),
@@ -425,11 +426,10 @@ class Utilisation:
         self._seen: dict[str, int] = {}  # card UUID -> newest sample timestamp (µs)
         self._unsampled: set[str] = set()  # cards whose driver does not sample
 
-    def read(self, card: Card) -> dict[int, float] | None:
+    def read(self, card: Card, handle: Any) -> dict[int, float] | None:
         """pid -> percent busy since the previous read (None: this card is not sampled)."""
         if card.uuid in self._unsampled:
             return None
-        handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
         try:
             samples = pynvml.nvmlDeviceGetProcessUtilization(handle, self._seen.get(card.uuid, 0))
         except pynvml.NVMLError_NotFound:
@@ -539,7 +539,8 @@ class Guard:
         owners: dict[str, Owner] = {}
         for index, card in sorted(self.cards.items()):
             try:
-                processes = card_processes(card)
+                handle = pynvml.nvmlDeviceGetHandleByUUID(card.uuid)
+                processes = card_processes(card, handle)
             except pynvml.NVMLError as exc:
                 self._nvml_failed(card, exc)
                 observation.failed.add(index)
@@ -561,7 +562,7 @@ class Guard:
                 owners.setdefault(key, owner)
                 grouped.setdefault((key, index), []).append(Process(pid, used, start, ref))
             try:
-                busy = self.utilisation.read(card)
+                busy = self.utilisation.read(card, handle)
             except pynvml.NVMLError as exc:  # the figure is for metrics only: never fatal
                 log.debug("per-process utilisation unreadable", extra={"error": str(exc)})
                 busy = None
