@@ -43,6 +43,9 @@ DOMAIN = "fracgpu.io"
 GPU = f"{DOMAIN}/gpu"
 GPUMEM = f"{DOMAIN}/gpumem"
 GPUMEM_PERCENTAGE = f"{DOMAIN}/gpumem-percentage"
+# On how many cards the share in GPU (and its memory) is given: a share of several cards, which
+# only DRA mode can grant (one claim request with ``count`` and capacity per card).
+GPU_COUNT = f"{DOMAIN}/gpu-count"
 # The canonical form the cluster accounts (design §2).
 CORE = f"{DOMAIN}/core"
 MEMORY = f"{DOMAIN}/memory"
@@ -57,6 +60,8 @@ REQUEST_ANNOTATION = f"{DOMAIN}/request"
 # Environment variables that describe the grant to the application (design §3).
 ENV_GPU = "FRACGPU_GPU"
 ENV_MEMORY_MIB = "FRACGPU_MEMORY_MIB"
+ENV_GPU_COUNT = "FRACGPU_GPU_COUNT"
+"""The number of cards a container holds (DRA mode); FRACGPU_GPU is then the share of each."""
 SYSTEM_ENV_PREFIX = "FRACGPU_"
 """Variables with this prefix are set by fracgpu alone; pods may not set them."""
 

@@ -211,15 +211,27 @@ async def test_limits_are_what_the_claim_consumed(share: dict[str, Any], expecte
             {
                 "NVIDIA_VISIBLE_DEVICES": contract.DEVICE_LIST_MOUNT_ROOT,
                 "FRACGPU_GPU": "0.3",
+                "FRACGPU_GPU_COUNT": "1",
                 "FRACGPU_MEMORY_MIB": "8192",
             },
             id="share",
+        ),
+        pytest.param(
+            {"cores": 30, "memory": "8Gi", "count": 2},
+            {
+                "NVIDIA_VISIBLE_DEVICES": contract.DEVICE_LIST_MOUNT_ROOT,
+                "FRACGPU_GPU": "0.3",
+                "FRACGPU_GPU_COUNT": "2",
+                "FRACGPU_MEMORY_MIB": "8192",
+            },
+            id="share-of-two-cards",
         ),
         pytest.param(
             {"count": 2},
             {
                 "NVIDIA_VISIBLE_DEVICES": contract.DEVICE_LIST_MOUNT_ROOT,
                 "FRACGPU_GPU": "2",
+                "FRACGPU_GPU_COUNT": "2",
                 "FRACGPU_MEMORY_MIB": "81408",
             },
             id="two-whole-cards",

@@ -51,6 +51,13 @@ EXACT = [
         {"count": 1, "capacity": {"requests": {"cores": "5", "memory": "512Mi"}}},
         id="canonical blocks",
     ),
+    pytest.param(
+        Ask(core=30, memory_mib=8192, count=2),
+        {},
+        "fracgpu-c30-m8192-n2",
+        {"count": 2, "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}}},
+        id="a share of two cards: one request of two distinct cards, charged per card",
+    ),
 ]
 
 
@@ -103,6 +110,12 @@ def test_model_dependent_requests_offer_one_alternative_per_model(
         (dra.product_selector(card.product), {"cores": cores, "memory": memory})
         for card, cores, memory in alternatives
     ]
+
+
+def test_a_share_of_several_cards_sized_per_model_asks_for_that_many_of_the_model() -> None:
+    plan = plan_claim("c", Ask(core=50, count=2), MODELS, max_cards=16)
+    assert plan.name.startswith("fracgpu-c50-n2-h")
+    assert [alt["count"] for alt in _request(plan)["firstAvailable"]] == [2, 2]
 
 
 def test_a_template_name_changes_when_the_models_change() -> None:

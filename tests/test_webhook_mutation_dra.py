@@ -18,7 +18,7 @@ from webhook.claims import ClaimPlan, TemplateError
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
-from webhook.resources import Card
+from webhook.resources import Card, Dialect
 
 SLICE_MODELS = {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
 
@@ -79,6 +79,36 @@ def test_a_share_becomes_a_claim_from_a_shared_template() -> None:
     # The grant's variables come from the node (the claim's CDI spec), which knows the card.
     assert "env" not in container
     assert "fracgpu.io/request" in out["metadata"]["annotations"]
+
+
+@pytest.mark.parametrize(
+    ("limits", "template"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpu-count": "2"},
+            "fracgpu-c30-m8192-n2",
+            id="fracgpu.io/gpu-count",
+        ),
+        pytest.param(
+            {"nvidia.com/gpu": "2", "nvidia.com/gpucores": "30", "nvidia.com/gpumem": "8192"},
+            "fracgpu-c30-m8192-n2",
+            id="HAMi's nvidia.com/gpu: 2 with a share",
+        ),
+    ],
+)
+def test_a_share_of_two_cards_becomes_one_request_for_two_cards(
+    limits: dict[str, Any], template: str
+) -> None:
+    m = Mutator(
+        AdmissionConfig(allocation="dra", dialects=(Dialect.HAMI,)),
+        Inventory(),
+        claim_models=lambda: SLICE_MODELS,
+        templates=None,
+    )
+    out = apply(m, pod(limits))
+    assert out["spec"]["resourceClaims"] == [
+        {"name": "gpu-0", "resourceClaimTemplateName": template}
+    ]
 
 
 def test_the_device_class_extended_resource_becomes_whole_cards_in_a_claim() -> None:

@@ -15,6 +15,7 @@ from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
 from webhook.resources import (
     DEFAULT_MAX_CARDS,
+    Ask,
     Card,
     CardChoice,
     Dialect,
@@ -93,6 +94,11 @@ VALID = [
     ),
     pytest.param({"nvidia.com/gpu": "1"}, 100, 0, id="hami-one-card"),
     pytest.param({"nvidia.com/gpu": "2"}, 200, 0, id="hami-two-cards"),
+    pytest.param(
+        {"nvidia.com/gpu": "2", "nvidia.com/gpucores": "100"}, 200, 0, id="hami-two-full-cards"
+    ),
+    pytest.param({"fracgpu.io/gpu": "1", "fracgpu.io/gpu-count": "3"}, 300, 0, id="count-of-ones"),
+    pytest.param({"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "1"}, 30, 95, id="count-one"),
     pytest.param(
         {"nvidia.com/gpu": "1", "nvidia.com/gpumem-percentage": "50"}, 50, 159, id="hami-percent"
     ),
@@ -204,8 +210,40 @@ INVALID = [
     ),
     pytest.param(
         {"nvidia.com/gpu": "2", "nvidia.com/gpucores": "30"},
-        "share of one card or whole cards",
+        "asks for a share of each of 2 cards (nvidia.com/gpu: 2); in device-plugin mode a "
+        "container gets a share of one card or whole cards, and only DRA mode",
         id="hami-share-of-two-cards",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "2"},
+        "asks for a share of each of 2 cards (fracgpu.io/gpu-count: 2); in device-plugin mode",
+        id="share-of-two-cards-in-device-plugin-mode",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "2", "fracgpu.io/gpu-count": "2"},
+        "fracgpu.io/gpu 2 is whole cards, and fracgpu.io/gpu-count says on how many cards a "
+        "share is given",
+        id="count-with-whole-cards",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu-count": "2"},
+        "fracgpu.io/gpu-count is set without a share to give on each card",
+        id="count-alone",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "0"},
+        "fracgpu.io/gpu-count must be a whole number of cards, at least 1; got 0",
+        id="count-zero",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "1.5"},
+        "fracgpu.io/gpu-count must be a whole number of cards; got 1.5",
+        id="count-fraction",
+    ),
+    pytest.param(
+        {"fracgpu.io/gpu": "0", "fracgpu.io/gpu-count": "2"},
+        "fracgpu.io/gpu is 0 but fracgpu.io/gpu-count is requested",
+        id="count-of-nothing",
     ),
     pytest.param(
         {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "130"},
@@ -621,3 +659,49 @@ def test_invalid_gpu_values_are_denied(value: Any) -> None:
 def test_max_cards_configuration_is_bounded(value: int) -> None:
     with pytest.raises(ValueError, match="max_cards"):
         AdmissionConfig(max_cards=value)
+
+
+@pytest.mark.parametrize(
+    ("limits", "ask"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpu-count": "2"},
+            Ask(
+                30,
+                8192,
+                core_key="fracgpu.io/gpu",
+                core_shown="0.3",
+                count=2,
+                count_key="fracgpu.io/gpu-count",
+            ),
+            id="fracgpu",
+        ),
+        pytest.param(
+            {"fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpu-count": "2"},
+            Ask(memory_mib=8192, count=2, count_key="fracgpu.io/gpu-count"),
+            id="memory-only",
+        ),
+        pytest.param(
+            {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "8000"},
+            Ask(memory_mib=8000, count=2, count_key="nvidia.com/gpu"),
+            id="hami-memory-of-each",
+        ),
+        pytest.param(
+            {"nvidia.com/gpu": "4", "nvidia.com/gpucores": "25", "nvidia.com/gpumem": "8000"},
+            Ask(25, 8000, count=4, count_key="nvidia.com/gpu"),
+            id="hami-share-of-each",
+        ),
+    ],
+)
+def test_a_share_of_several_cards_is_asked_in_dra_mode(limits: dict[str, Any], ask: Ask) -> None:
+    result = normalise_container("train", {"limits": limits}, ALL, KNOWN, sized=False)
+    assert (result.errors, result.ask) == ([], ask)
+
+
+def test_a_share_of_more_cards_than_a_container_may_have_is_denied_in_dra_mode() -> None:
+    limits = {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "17"}
+    result = normalise_container("train", {"limits": limits}, ALL, KNOWN, sized=False)
+    assert result.errors == [
+        'container "train": fracgpu.io/gpu-count asks for a share of 17 cards; a container may '
+        "have at most 16 cards (admission.max_cards); ask for fewer"
+    ]

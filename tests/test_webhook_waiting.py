@@ -134,6 +134,23 @@ def test_another_drivers_devices_and_results_do_not_count() -> None:
             id="the smallest alternative",
         ),
         pytest.param(
+            {
+                "devices": {
+                    "requests": [
+                        {
+                            "exactly": {
+                                "deviceClassName": dra.DEVICE_CLASS,
+                                "count": 2,
+                                "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}},
+                            }
+                        }
+                    ]
+                }
+            },
+            [Ask(30, 8 * GIB, count=2)],
+            id="a share of two cards",
+        ),
+        pytest.param(
             {"devices": {"requests": [{"exactly": {"deviceClassName": "other", "count": 1}}]}},
             [],
             id="another class",
@@ -160,6 +177,25 @@ def test_what_a_claim_asks(spec: dict[str, Any], asks: list[Ask]) -> None:
             "whole cards free on the cluster: 2, at most 1 on one node; "
             "this pod asks 2 whole cards",
             id="whole cards spread over nodes",
+        ),
+        pytest.param(
+            [Ask(30, 8 * GIB, count=2)],
+            [
+                FreeCard(40, 12 * GIB, "node-a", "gpu-0"),
+                FreeCard(20, 12 * GIB, "node-a", "gpu-1"),
+                FreeCard(30, 8 * GIB, "node-b", "gpu-0"),
+                FreeCard(30, 4 * GIB, "node-b", "gpu-1"),
+            ],
+            "cards of one node that could each take 0.30 card and 8192 MiB: at most 1 "
+            "(on node-b); this pod asks 0.30 card and 8192 MiB on each of 2 cards",
+            id="a share of two cards: one card per node has room",
+        ),
+        pytest.param(
+            [Ask(30, 8 * GIB, count=2)],
+            [FreeCard(10, 12 * GIB, "node-a", "gpu-0")],
+            "cards of one node that could each take 0.30 card and 8192 MiB: at most 0; "
+            "this pod asks 0.30 card and 8192 MiB on each of 2 cards",
+            id="a share of two cards: no card has room",
         ),
         pytest.param(
             [Ask(50, 8 * GIB)],

@@ -24,6 +24,10 @@ How each request becomes a device request:
   ResourceSlices show, each selecting its model by CEL and sized for it with the same defaults
   as device-plugin mode (``webhook.resources``), so a percentage is of the card the pod really
   gets.
+* a share of several cards (``fracgpu.io/gpu: 0.3``, ``fracgpu.io/gpu-count: 2``; HAMi's
+  ``nvidia.com/gpu: 2`` with a share): the same request with ``count: 2``. The devices of one
+  request are always distinct cards, on the one node the pod runs on, and each is charged the
+  capacity; the node agent writes one limits file naming both cards with the share of each.
 """
 
 from __future__ import annotations
@@ -83,8 +87,8 @@ def plan_claim(
             request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
             return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, warnings)
         mib = grant.memory_blocks * BLOCK_MIB
-        request = _share_request(grant.core, grant.memory_blocks)
-        return _plan(f"c{grant.core}-m{mib}", {"exactly": request}, warnings)
+        request = _share_request(grant.core, grant.memory_blocks, ask.count)
+        return _plan(f"c{grant.core}-m{mib}{_cards_part(ask)}", {"exactly": request}, warnings)
     alternatives = _per_model(container, ask, every.cards)
     shape = "-".join(
         part
@@ -92,6 +96,7 @@ def plan_claim(
             f"c{core}" if core is not None else "",
             f"m{ask.memory_mib}" if ask.memory_mib is not None else "",
             f"p{ask.memory_percent}" if ask.memory_percent is not None else "",
+            _cards_part(ask)[1:],
         )
         if part
     )
@@ -116,7 +121,7 @@ def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict
         except RequestError:
             too_small.append(card)
             continue
-        request = _share_request(grant.core, grant.memory_blocks)
+        request = _share_request(grant.core, grant.memory_blocks, ask.count)
         request["selectors"] = [{"cel": {"expression": dra.product_selector(card.product)}}]
         alternatives.append({"name": f"m{len(alternatives)}", **request})
     if not alternatives:
@@ -135,10 +140,19 @@ def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict
     return alternatives
 
 
-def _share_request(core: int, blocks: int) -> dict[str, Any]:
+def _cards_part(ask: Ask) -> str:
+    """The shape's card count, for a share of several cards (``-n2``); one card says nothing,
+    so the names of one-card templates are what they always were."""
+    return f"-n{ask.count}" if ask.count > 1 else ""
+
+
+def _share_request(core: int, blocks: int, count: int) -> dict[str, Any]:
+    # ``count`` devices of one request are always distinct cards, each charged the capacity:
+    # a share of several cards is one request, never one request per card (two requests of
+    # one claim may land on the same card).
     return {
         "deviceClassName": dra.DEVICE_CLASS,
-        "count": 1,
+        "count": count,
         "capacity": {"requests": {dra.CORES: str(core), dra.MEMORY: dra.memory_quantity(blocks)}},
     }
 

@@ -6,6 +6,7 @@ Input, per container, in ``resources.limits``:
     ``fracgpu.io/gpu``                 0.01–1 with two decimals, or whole cards
     ``fracgpu.io/gpumem``              MiB per card (plain number) or bytes (binary suffix)
     ``fracgpu.io/gpumem-percentage``   1–100 percent of the card's memory
+    ``fracgpu.io/gpu-count``           on how many cards that share is given (DRA mode only)
     (and, when enabled, the HAMi and TKEStack dialects, normalised to the same request)
 
 Canonical output, integers with requests = limits:
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
 from typing import Any
@@ -44,6 +45,7 @@ from core.units import (
     CORE,
     CORE_PER_CARD,
     GPU,
+    GPU_COUNT,
     GPUMEM,
     GPUMEM_PERCENTAGE,
     MEMORY,
@@ -75,7 +77,7 @@ class Dialect(StrEnum):
 
 
 DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
-    Dialect.FRACGPU: (GPU, GPUMEM, GPUMEM_PERCENTAGE),
+    Dialect.FRACGPU: (GPU, GPUMEM, GPUMEM_PERCENTAGE, GPU_COUNT),
     Dialect.CANONICAL: CANONICAL,
     Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE),
     Dialect.TKESTACK: (TKE_CORE, TKE_MEMORY),
@@ -172,6 +174,11 @@ class Ask:
     exact: bool = False  # the canonical form: kept as written, never re-sized
     core_key: str = ""  # the resource that set ``core``, and its value as written
     core_shown: str = ""
+    # A share (core below a card) given on this many cards, the same share on each: one claim
+    # request with ``count`` in DRA mode; device-plugin mode cannot grant it. Whole cards say
+    # their number in ``core`` and keep 1 here.
+    count: int = 1
+    count_key: str = ""  # the resource that set ``count``, for messages
 
 
 def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
@@ -259,6 +266,10 @@ def normalise_container(
             result.zero = True
             return result
         result.ask = ask
+        if ask.count > 1 and not sized:
+            _check_count(name, ask, max_cards)
+        elif ask.count > 1:
+            raise RequestError(several_cards_need_dra(name, ask))
         if sized:
             result.grant = resolve(name, ask, card, max_cards, result.warnings)
     except RequestError as exc:
@@ -376,16 +387,46 @@ def _memory(name: str, asked: Mapping[str, Any], mib_key: str, pct_key: str) -> 
 
 def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> Ask | None:
     memory = _memory(name, asked, GPUMEM, GPUMEM_PERCENTAGE)
+    count = 1
+    if GPU_COUNT in asked:
+        count = _count(name, GPU_COUNT, asked[GPU_COUNT], "cards")
+        if count < 1:
+            raise RequestError(
+                f"{container_ref(name)}: {GPU_COUNT} must be a whole number of cards, at least "
+                f"1; got {_show(asked[GPU_COUNT])}; remove it for one card"
+            )
+        if GPU not in asked and memory == Ask():
+            raise RequestError(
+                f"{container_ref(name)}: {GPU_COUNT} is set without a share to give on each "
+                f"card; add {GPU} (for example 0.3) or {GPUMEM}"
+            )
     if GPU not in asked:
-        return memory
+        return replace(memory, count=count, count_key=GPU_COUNT) if count > 1 else memory
     core = _cards(name, GPU, asked[GPU])
     if core is None:
-        if memory != Ask():
+        if memory != Ask() or count > 1:
+            what = "GPU memory is" if memory != Ask() else f"{GPU_COUNT} is"
             raise RequestError(
-                f"{container_ref(name)}: {GPU} is 0 but GPU memory is requested; "
-                f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the memory request"
+                f"{container_ref(name)}: {GPU} is 0 but {what} requested; "
+                f"ask for a share of a card (e.g. {GPU}: 0.1) or remove the other resources"
             )
         return None
+    if count > 1 and core > CORE_PER_CARD:
+        raise RequestError(
+            f"{container_ref(name)}: {GPU} {_show(asked[GPU])} is whole cards, and "
+            f"{GPU_COUNT} says on how many cards a share is given; write {GPU}: "
+            f"{_show(asked[GPU])} alone for whole cards, or a share (0.01–1) with {GPU_COUNT}"
+        )
+    if count > 1 and core == CORE_PER_CARD:
+        # One whole card on each of N cards is N whole cards: the form that needs no DRA.
+        return Ask(
+            core * count,
+            memory.memory_mib,
+            None,
+            memory.memory_percent,
+            core_key=GPU_COUNT,
+            core_shown=str(count),
+        )
     return Ask(
         core,
         memory.memory_mib,
@@ -393,6 +434,8 @@ def _parse_fracgpu(name: str, asked: Mapping[str, Any]) -> Ask | None:
         memory.memory_percent,
         core_key=GPU,
         core_shown=_show(asked[GPU]),
+        count=count,
+        count_key=GPU_COUNT if count > 1 else "",
     )
 
 
@@ -446,14 +489,27 @@ def _parse_hami(name: str, asked: Mapping[str, Any]) -> Ask | None:
         )
     if count == 0:
         return None
+    whole = memory.memory_mib is None and memory.memory_percent in (None, 100)
+    if count > 1 and (cores == CORE_PER_CARD or (cores == 0 and whole)):
+        # All of each card's compute: whole cards (a memory limit is ignored with a warning).
+        return Ask(
+            count * CORE_PER_CARD,
+            memory.memory_mib,
+            None,
+            memory.memory_percent,
+            core_key=HAMI_GPU,
+            core_shown=str(count),
+        )
     if count > 1:
-        if (cores not in (0, 100)) or memory.memory_mib or memory.memory_percent not in (None, 100):
-            raise RequestError(
-                f"{container_ref(name)}: {HAMI_GPU}: {count} with a share of each card cannot be "
-                f"granted; fracgpu gives a container a share of one card or whole cards "
-                f"(use {HAMI_GPU}: 1 with a share, or drop {HAMI_CORES} and the memory limit)"
-            )
-        return Ask(core=count * CORE_PER_CARD, core_key=HAMI_GPU, core_shown=str(count))
+        # HAMi's N cards with a share of each: the same share on each of N cards.
+        return Ask(
+            cores or None,
+            memory.memory_mib,
+            None,
+            memory.memory_percent,
+            count=count,
+            count_key=HAMI_GPU,
+        )
     if cores == 0 and memory == Ask():
         return Ask(core=CORE_PER_CARD)  # HAMi's default: one whole card
     return Ask(cores or None, memory.memory_mib, None, memory.memory_percent)
@@ -499,6 +555,30 @@ _PARSERS = {
     Dialect.TKESTACK: _parse_tke,
     Dialect.DEVICE_CLASS: _parse_device_class,
 }
+
+
+def several_cards_need_dra(name: str, ask: Ask) -> str:
+    """Device-plugin mode's denial of a share of several cards, in the user's terms.
+
+    kubelet's device manager hands a container devices from one resource, summed: it cannot say
+    that 60 hundredths are 30 on each of two cards, and a plugin that guessed would fail pods
+    on the node. One DRA claim request with ``count`` and capacity per card says exactly that.
+    """
+    return (
+        f"{container_ref(name)}: asks for a share of each of {ask.count} cards "
+        f"({ask.count_key}: {ask.count}); in device-plugin mode a container gets a share of one "
+        f"card or whole cards, and only DRA mode (Kubernetes 1.36 and newer) can give a share "
+        f"of several; ask the operator for DRA mode (kubectl fracgpu mode), or ask for whole "
+        f"cards, or for one card's share"
+    )
+
+
+def _check_count(name: str, ask: Ask, max_cards: int) -> None:
+    if ask.count > max_cards:
+        raise RequestError(
+            f"{container_ref(name)}: {ask.count_key} asks for a share of {ask.count} cards; a "
+            f"container may have at most {max_cards} cards (admission.max_cards); ask for fewer"
+        )
 
 
 def _need_card(name: str, choice: CardChoice, why: str) -> Card:

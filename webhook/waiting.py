@@ -51,16 +51,22 @@ class FreeCard:
 
 @dataclass(frozen=True, slots=True)
 class Ask:
-    """What one device request of a claim needs from a card (``cards`` > 0: whole cards)."""
+    """What one device request of a claim needs from a card (``cards`` > 0: whole cards), on
+    ``count`` distinct cards of one node for a share of several cards."""
 
     cores: int = 0
     memory_mib: int = 0
     cards: int = 0
+    count: int = 1
 
     def phrase(self) -> str:
         if self.cards:
             return f"{self.cards} whole {'card' if self.cards == 1 else 'cards'}"
-        return f"{cards_phrase(self.cores)} and {self.memory_mib} MiB"
+        share = f"{cards_phrase(self.cores)} and {self.memory_mib} MiB"
+        return share if self.count == 1 else f"{share} on each of {self.count} cards"
+
+    def holds(self, card: FreeCard) -> bool:
+        return card.cores >= self.cores and card.memory_mib >= self.memory_mib
 
 
 def free_cards(
@@ -125,6 +131,7 @@ def _ask(option: Mapping[str, Any]) -> Ask:
     return Ask(
         cores=quantity_int(wanted.get(dra.CORES)) or CORE_PER_CARD,
         memory_mib=(quantity_int(wanted.get(dra.MEMORY)) or 0) // MIB,
+        count=int(option.get("count") or 1),
     )
 
 
@@ -147,6 +154,20 @@ def explain(asks: list[Ask], free: list[FreeCard], *, device_plugin: bool = Fals
         return (
             f"whole cards free on the cluster: {whole}, at most "
             f"{max(_whole_per_node(free).values(), default=0)} on one node; this pod asks {wanted}"
+        )
+    several = [ask for ask in asks if ask.count > 1]
+    if several:
+        # The cards must be on one node: say how many of one node's cards could each hold it.
+        ask = max(several, key=lambda a: a.count)
+        per_node: dict[str, int] = {}
+        for card in free:
+            if ask.holds(card):
+                per_node[card.node] = per_node.get(card.node, 0) + 1
+        most = max(per_node.items(), key=lambda item: (item[1], item[0]), default=("", 0))
+        where = f" (on {most[0]})" if most[1] else ""
+        return (
+            f"cards of one node that could each take {cards_phrase(ask.cores)} and "
+            f"{ask.memory_mib} MiB: at most {most[1]}{where}; this pod asks {wanted}"
         )
     best = max(free, key=lambda card: (card.cores, card.memory_mib))
     return f"largest free share on any node: {best.phrase()}; this pod asks {wanted}"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from core import contract
-from core.units import ENV_GPU, ENV_MEMORY_MIB, MIB, format_cards
+from core.units import CORE_PER_CARD, ENV_GPU, ENV_GPU_COUNT, ENV_MEMORY_MIB, MIB, format_cards
 from deviceplugin.dra.claims import Result
 from deviceplugin.shared.cdispec import CDI_VERSION, CONTROL_DEVICES
 
@@ -82,13 +82,17 @@ def spec(
                 },
             }
         )
-    total_cores = sum(r.cores for r in granted)
+    # Whole cards say how many (FRACGPU_GPU=2, as in device-plugin mode); a share says the share
+    # of each card, and FRACGPU_GPU_COUNT on how many cards it holds it.
+    cores = granted[0].cores
+    shown = sum(r.cores for r in granted) if cores >= CORE_PER_CARD else cores
     memory_mib = granted[0].memory_bytes // MIB
     # As in device-plugin mode, the NVIDIA toolkit is told the cards by device-list mounts only
     # the node agent makes; the variable names their directory and selects nothing by itself.
     env = [
         f"{contract.VISIBLE_DEVICES_ENV}={contract.DEVICE_LIST_MOUNT_ROOT}",
-        f"{ENV_GPU}={format_cards(total_cores)}",
+        f"{ENV_GPU}={format_cards(shown)}",
+        f"{ENV_GPU_COUNT}={len(cards)}",
         f"{ENV_MEMORY_MIB}={memory_mib}",
     ]
     mounts = [

@@ -289,6 +289,11 @@ def consumed(claim: Obj) -> tuple[int, int]:
     """(cores, memory bytes) the scheduler charged the claim's one share: what the limits file
     the plugin writes for it must hold."""
     (result,) = results(claim)
+    return consumed_of(result)
+
+
+def consumed_of(result: Obj) -> tuple[int, int]:
+    """(cores, memory bytes) the scheduler charged one allocation result."""
     capacity = result["consumedCapacity"]
     cores = int(parse_quantity(capacity[dra.CORES]).value)
     return cores, int(parse_quantity(capacity[dra.MEMORY]).value)

@@ -151,6 +151,10 @@ DENIED = [
     pytest.param({"fracgpu.io/gpu": "1.5"}, id="fraction-above-one"),
     pytest.param({"fracgpu.io/gpu": "0.333"}, id="three-decimals"),
     pytest.param({"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem-percentage": "150"}, id="pct-150"),
+    # Device-plugin mode cannot give a share of several cards: denied at once, saying DRA can.
+    pytest.param(
+        {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpu-count": "2"}, id="share-of-two-cards-needs-dra"
+    ),
 ]
 
 

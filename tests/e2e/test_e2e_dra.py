@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from core import contract, dra
-from core.units import ENV_GPU
+from core.units import ENV_GPU, ENV_GPU_COUNT, ENV_MEMORY_MIB
 from tests.e2e.harness import (
     ADMISSION_DRA,
     DEPLOY,
@@ -44,6 +44,7 @@ from tests.e2e.harness import (
 from tests.e2e.nodeagent import (
     DraAgent,
     consumed,
+    consumed_of,
     create,
     describe,
     fake_cards,
@@ -477,6 +478,55 @@ def test_a_share_reaches_its_container_through_cdi_and_nothing_else_does(
     env = dict(line.split("=", 1) for line in inside("env").splitlines() if "=" in line)
     assert env[contract.VISIBLE_DEVICES_ENV] == contract.DEVICE_LIST_MOUNT_ROOT
     assert env[ENV_GPU] == "0.3"
+
+
+def test_a_share_of_two_cards_reaches_its_container_on_two_cards(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """``fracgpu.io/gpu-count: 2``: the stock scheduler gives the claim's one request two
+    distinct cards, each charged the share; inside the container the limits file names both
+    cards with the share of each, both device nodes are there, and the variables say 0.3 on 2."""
+    limits = {**share("0.3", "4Gi"), "fracgpu.io/gpu-count": "2"}
+    obj = node_pod("pair", agent.node, limits)
+    obj["spec"]["containers"][0].update(image=SHELL_IMAGE, command=["sleep", "3600"])
+    create(kubectl, dra_namespace, obj)
+    wait_running(kubectl, dra_namespace, "pair", agent)
+    claim = claim_of(kubectl, dra_namespace, "pair")
+    (request,) = claim["spec"]["devices"]["requests"]
+    assert request["exactly"]["count"] == 2
+    devices = sorted(r["device"] for r in results(claim))
+    assert len(set(devices)) == 2, devices
+    cards = [CARDS[int(d.removeprefix("gpu-"))] for d in devices]
+    assert {consumed_of(r) for r in results(claim)} == {(30, 4 << 30)}
+
+    def inside(*command: str) -> str:
+        return kubectl.ok("exec", "-n", dra_namespace, "pair", "--", *command)
+
+    limits_file = contract.Limits.parse(
+        inside("cat", f"{contract.CONTAINER_LIMITS_DIR}/{contract.LIMITS_FILE}")
+    )
+    assert (sorted(limits_file.devices), limits_file.memory_bytes, limits_file.compute_percent) == (
+        sorted(c.uuid for c in cards), 4 << 30, 30)  # fmt: skip
+    seen = sorted(n for n in inside("ls", "/dev").split() if re.fullmatch(r"nvidia\d+", n))
+    assert seen == sorted(f"nvidia{c.minor}" for c in cards)
+    env = dict(line.split("=", 1) for line in inside("env").splitlines() if "=" in line)
+    assert (env[ENV_GPU], env[ENV_GPU_COUNT], env[ENV_MEMORY_MIB]) == ("0.3", "2", "4096")
+
+
+def test_a_share_of_two_cards_counts_twice_in_a_gpu_quota(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """0.3 of each of two cards is 0.6 card: a GPUQuota of 0.5 card refuses it, in cards."""
+    kubectl.ok("create", "-n", dra_namespace, "-f", "-",
+               stdin=manifest(gpu_quota("team", gpu="0.5")))  # fmt: skip
+    limits = {**share("0.3", "4Gi"), "fracgpu.io/gpu-count": "2"}
+    refused = kubectl(
+        "create", "-n", dra_namespace, "-f", "-",
+        stdin=manifest(node_pod("pair", agent.node, limits)),
+    )  # fmt: skip
+    assert refused.returncode != 0, "0.3 on each of two cards was admitted under 0.5 card"
+    assert "GPU quota exceeded" in refused.stderr, refused.stderr
+    assert "0.60" in refused.stderr, refused.stderr
 
 
 def test_a_hand_written_claim_for_every_card_is_counted_as_every_card(
