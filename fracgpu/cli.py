@@ -139,6 +139,12 @@ def _add_fit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("gpu", metavar="SHAPE")
     p.add_argument("--gpumem", help="GPU memory per card, e.g. 8Gi (fracgpu.io/gpumem)")
+    p.add_argument(
+        "--count",
+        type=int,
+        default=1,
+        help="the share on this many cards of one node (fracgpu.io/gpu-count; DRA mode)",
+    )
     p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     add_kube_flags(p)
     p.set_defaults(run=deferred("fracgpu.top", "run_fit"))

@@ -34,6 +34,7 @@ class Shape:
     cores: int  # hundredths of one card; 0 with ``cards``
     memory_mib: int | None  # None: the share's part of each card's memory
     cards: int = 0  # whole cards
+    count: int = 1  # a share on this many cards of one node (fracgpu.io/gpu-count; DRA mode)
 
     def need_mib(self, card: CardView) -> int:
         if self.memory_mib is not None:
@@ -48,24 +49,29 @@ class Shape:
             if self.memory_mib is None
             else (f"{self.memory_mib} MiB")
         )
-        return f"{cards_phrase(self.cores)} and {memory}"
+        share = f"{cards_phrase(self.cores)} and {memory}"
+        return share if self.count == 1 else f"{share} on each of {self.count} cards"
 
 
-def parse_shape(gpu: str, gpumem: str | None) -> Shape:
+def parse_shape(gpu: str, gpumem: str | None, count: int = 1) -> Shape:
     """The shape as the webhook reads it; UnitError with the rule when it is not one."""
     cores = parse_cards(gpu, source="pod")
     if cores <= 0:
         raise UnitError("fracgpu.io/gpu must be more than 0")
+    if count < 1:
+        raise UnitError("--count (fracgpu.io/gpu-count) must be at least 1")
     if cores >= CORE_PER_CARD:
         if gpumem is not None:
             raise UnitError("whole cards come with all their memory: leave --gpumem out")
-        return Shape(0, None, cores // CORE_PER_CARD)
+        if count > 1 and cores > CORE_PER_CARD:
+            raise UnitError("--count is for a share of each card: give whole cards as SHAPE alone")
+        return Shape(0, None, count * cores // CORE_PER_CARD)
     if gpumem is None:
-        return Shape(cores, None)
+        return Shape(cores, None, count=count)
     mib = parse_memory(gpumem, source="pod")
     if mib <= 0:
         raise UnitError("--gpumem must be at least 1 MiB")
-    return Shape(cores, -(-mib // BLOCK_MIB) * BLOCK_MIB)
+    return Shape(cores, -(-mib // BLOCK_MIB) * BLOCK_MIB, count=count)
 
 
 def fitting(shape: Shape, cards: list[CardView]) -> list[CardView]:
@@ -81,6 +87,12 @@ def fitting(shape: Shape, cards: list[CardView]) -> list[CardView]:
         for c in cards
         if c.healthy and c.free_cores >= shape.cores and c.free_mib >= shape.need_mib(c)
     ]
+    if shape.count > 1:
+        # The claim's cards are distinct cards of the one node the pod runs on.
+        on_node: dict[str, int] = {}
+        for card in fits:
+            on_node[card.node] = on_node.get(card.node, 0) + 1
+        fits = [c for c in fits if on_node[c.node] >= shape.count]
     return sorted(fits, key=lambda c: (c.free_cores, c.free_mib, c.node, c.device))
 
 
@@ -91,7 +103,11 @@ def why_none(shape: Shape, view: ClusterCards) -> str:
         for c in view.cards
     ]
     memory = shape.memory_mib if shape.memory_mib is not None else 0
-    ask = Ask(cards=shape.cards) if shape.cards else Ask(cores=shape.cores, memory_mib=memory)
+    ask = (
+        Ask(cards=shape.cards)
+        if shape.cards
+        else Ask(cores=shape.cores, memory_mib=memory, count=shape.count)
+    )
     return explain([ask], free, device_plugin=view.mode == DEVICE_PLUGIN)
 
 
@@ -185,20 +201,27 @@ def run_top(args: argparse.Namespace) -> int:
 
 def run_fit(args: argparse.Namespace) -> int:
     try:
-        shape = parse_shape(args.gpu, args.gpumem)
+        shape = parse_shape(args.gpu, args.gpumem, args.count)
     except UnitError as exc:
         sys.stderr.write(f"fracgpu fit: {args.gpu!r}: {exc}\n")
         return 2
     view = _read(args, "fit")
     if view is None:
         return 2
-    cards = fitting(shape, view.cards)
+    several_in_dp = shape.count > 1 and view.mode == DEVICE_PLUGIN
+    cards = [] if several_in_dp else fitting(shape, view.cards)
+    why = (
+        "this cluster runs fracgpu in device-plugin mode, which gives a container a share of "
+        "one card or whole cards; a share of several cards needs DRA mode"
+        if several_in_dp
+        else ("" if cards else why_none(shape, view))
+    )
     if args.output in ("json", "yaml"):
         document = {
             "shape": shape.phrase(),
             "mode": view.mode,
             "fits": [asdict(c) | {"shares": len(c.shares)} for c in cards],
-            "why_not": "" if cards else why_none(shape, view),
+            "why_not": why,
         }
         sys.stdout.write(_dump(document, args.output))
     elif cards:
@@ -216,7 +239,7 @@ def run_fit(args: argparse.Namespace) -> int:
             )
         sys.stdout.write("\n".join(lines) + "\n")
     else:
-        sys.stdout.write(f"{shape.phrase()} fits nowhere now: {why_none(shape, view)}\n")
+        sys.stdout.write(f"{shape.phrase()} fits nowhere now: {why}\n")
     return 0 if cards else 1
 
 

@@ -49,6 +49,28 @@ def test_a_shape_is_read_as_the_webhook_reads_it(
 
 
 @pytest.mark.parametrize(
+    ("gpu", "gpumem", "count", "expected"),
+    [
+        pytest.param("0.3", "8Gi", 2, Shape(30, 8192, count=2), id="a-share-of-two-cards"),
+        pytest.param("1", None, 3, Shape(0, None, 3), id="one-card-on-three-is-three-cards"),
+    ],
+)
+def test_a_count_of_cards_is_read_as_fracgpu_io_gpu_count(
+    gpu: str, gpumem: str | None, count: int, expected: Shape
+) -> None:
+    assert parse_shape(gpu, gpumem, count) == expected
+
+
+@pytest.mark.parametrize(
+    ("gpu", "count"),
+    [pytest.param("0.3", 0, id="no-cards"), pytest.param("2", 2, id="whole-cards-and-a-count")],
+)
+def test_a_count_that_is_no_shape_is_refused(gpu: str, count: int) -> None:
+    with pytest.raises(UnitError):
+        parse_shape(gpu, None, count)
+
+
+@pytest.mark.parametrize(
     ("gpu", "gpumem"),
     [
         pytest.param("1.5", None, id="more-than-one-card-not-whole"),
@@ -87,6 +109,10 @@ CARDS = [
                      id="memory-by-part-of-each-card"),
         pytest.param(Shape(0, None, 2), ["b/gpu-0", "b/gpu-1"], id="whole-cards-on-one-node"),
         pytest.param(Shape(0, None, 3), [], id="no-node-has-three"),
+        pytest.param(Shape(30, 8192, count=2), ["a/gpu-1", "a/gpu-0", "b/gpu-0", "b/gpu-1"],
+                     id="a-share-of-two-cards-on-nodes-with-two"),
+        pytest.param(Shape(50, None, count=2), ["b/gpu-0", "b/gpu-1"],
+                     id="a-share-of-two-cards-where-two-cards-of-one-node-have-room"),
     ],
 )  # fmt: skip
 def test_the_cards_that_fit_in_the_plugins_order(shape: Shape, expected: list[str]) -> None:
@@ -98,6 +124,14 @@ def test_why_none_is_the_waiting_pods_sentence() -> None:
     assert why_none(Shape(50, 8192), view) == (
         "largest free share on any node: 0.40 card and 20480 MiB on gpu-0 of a; this pod asks "
         "0.50 card and 8192 MiB"
+    )
+
+
+def test_why_a_share_of_two_cards_fits_nowhere() -> None:
+    view = ClusterCards("dra", [card("a", "gpu-0", 40, 20480), card("a", "gpu-1", 10, 20480)])
+    assert why_none(Shape(30, 8192, count=2), view) == (
+        "cards of one node that could each take 0.30 card and 8192 MiB: at most 1 (on a); "
+        "this pod asks 0.30 card and 8192 MiB on each of 2 cards"
     )
 
 
@@ -174,17 +208,22 @@ def test_device_plugin_cards_and_their_nodes_shares() -> None:
 def _args(tmp_path: Path, fake: FakeApiServer, **values: Any) -> argparse.Namespace:
     base = {"kubeconfig": fake.kubeconfig(tmp_path / "kubeconfig"), "context": None,
             "node": None, "namespace": None, "all_namespaces": False, "output": "json",
-            "live": True}  # fmt: skip
+            "live": True, "count": 1}  # fmt: skip
     return argparse.Namespace(**(base | values))
 
 
 @pytest.mark.parametrize(
-    ("gpu", "code", "fits"),
-    [pytest.param("0.5", 0, 1, id="fits"), pytest.param("0.6", 1, 0, id="fits-nowhere")],
+    ("gpu", "count", "code", "fits"),
+    [
+        pytest.param("0.5", 1, 0, 1, id="fits"),
+        pytest.param("0.6", 1, 1, 0, id="fits-nowhere"),
+        pytest.param("0.1", 2, 1, 0, id="a-share-of-two-cards-needs-dra-mode"),
+    ],
 )
 async def test_the_commands_against_the_api_server(
-    gpu: str, code: int, fits: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+    *, gpu: str, count: int, code: int, fits: int, tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:  # fmt: skip
     async with FakeApiServer() as fake:
         fake.put({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "team-a"}})
         fake.put(dp_node("a"))
@@ -193,7 +232,7 @@ async def test_the_commands_against_the_api_server(
         assert await asyncio.to_thread(run_top, top) == 0
         shown = json.loads(capsys.readouterr().out)
         assert (shown["mode"], len(shown["cards"])) == ("device-plugin", 2)
-        fit = _args(tmp_path, fake, gpu=gpu, gpumem="8Gi")
+        fit = _args(tmp_path, fake, gpu=gpu, gpumem="8Gi", count=count)
         assert await asyncio.to_thread(run_fit, fit) == code
         answer = json.loads(capsys.readouterr().out)
         assert len(answer["fits"]) == fits
