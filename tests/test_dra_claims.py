@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 
 from core.contract import Limits
-from deviceplugin.dra.claims import ClaimError, ClaimRef, limits, results
+from core.policy import HARD_CAP, OPAQUE_API_VERSION, OPAQUE_KIND, Priority, SharePolicy
+from deviceplugin.dra.claims import ClaimError, ClaimRef, limits, policy, results
 from deviceplugin.shared.inventory import Card
 
 DRIVER = "gpu.fracgpu.io"
@@ -139,3 +140,71 @@ def test_limits_refuse_the_same_card_twice() -> None:
     twice = [result(), result(request="other", shareID="share-2")]
     with pytest.raises(ClaimError, match="more than once"):
         limits(REF, read(claim(*twice)))
+
+
+def _configured(*parameters: object, driver: str = DRIVER) -> dict[str, Any]:
+    obj = claim(result())
+    obj["spec"] = {
+        "devices": {
+            "config": [
+                {"requests": ["gpu"], "opaque": {"driver": driver, "parameters": p}}
+                for p in parameters
+            ]
+        }
+    }
+    return obj
+
+
+OPAQUE = {"apiVersion": OPAQUE_API_VERSION, "kind": OPAQUE_KIND}
+
+
+@pytest.mark.parametrize(
+    ("obj", "expected"),
+    [
+        pytest.param(claim(result()), HARD_CAP, id="no-configuration-a-hard-cap"),
+        pytest.param(
+            _configured({**OPAQUE, "ceiling": 100, "priority": "high"}),
+            SharePolicy(100, Priority.HIGH),
+            id="admissions-policy",
+        ),
+        pytest.param(
+            _configured({"anything": 1}, driver="gpu.nvidia.com"),
+            HARD_CAP,
+            id="another-drivers-configuration-is-not-ours",
+        ),
+    ],
+)
+def test_the_claims_compute_policy(obj: dict[str, Any], expected: SharePolicy) -> None:
+    assert policy(REF, obj, driver=DRIVER) == expected
+
+
+@pytest.mark.parametrize(
+    ("obj", "words"),
+    [
+        pytest.param(
+            _configured({**OPAQUE, "ceiling": 100}, {**OPAQUE, "ceiling": 50}),
+            "has 2 configurations for driver gpu.fracgpu.io",
+            id="two-configurations",
+        ),
+        pytest.param(
+            _configured({"apiVersion": "v9", "kind": "Other"}),
+            "is not a compute policy: not a gpu.fracgpu.io/v1 SharePolicy",
+            id="another-kind",
+        ),
+        pytest.param(
+            _configured({**OPAQUE, "ceiling": 300}),
+            "ceiling must be 0 (a hard cap) to 100, got 300",
+            id="ceiling-over-a-card",
+        ),
+        pytest.param(
+            _configured({**OPAQUE, "priority": "urgent"}),
+            "priority must be high or low, got 'urgent'",
+            id="unknown-priority",
+        ),
+    ],
+)
+def test_a_configuration_that_is_no_policy_is_refused(obj: dict[str, Any], words: str) -> None:
+    with pytest.raises(ClaimError) as caught:
+        policy(REF, obj, driver=DRIVER)
+    assert str(caught.value).startswith(str(REF))
+    assert words in str(caught.value)

@@ -112,3 +112,14 @@ def test_out_of_range_is_refused(guarantee: int, used: float) -> None:
 def test_keys_must_be_distinct() -> None:
     with pytest.raises(ValueError):
         ceilings([share("a", 10, 0), share("a", 20, 0)])
+
+
+def test_a_share_bursts_only_to_its_own_limit_and_the_rest_goes_to_the_others() -> None:
+    capped = ShareState("a", 30, L, True, 30, True, cap=60)
+    other = ShareState("b", 20, L, True, 20, True)
+    assert ceilings([capped, other]) == {"a": 60, "b": 40}
+
+
+def test_a_cap_below_the_guarantee_is_refused() -> None:
+    with pytest.raises(ValueError):
+        ShareState("a", 30, L, True, 30, True, cap=20)

@@ -18,6 +18,7 @@ from types import FrameType
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.node import AllocatableMirror, NodePublisher
 from deviceplugin.classic.plugin import DevicePlugin
+from deviceplugin.classic.policies import PodPolicies
 from deviceplugin.classic.service import Supervisor
 from deviceplugin.shared import inventory
 from deviceplugin.shared.apiloop import ApiLoop
@@ -106,6 +107,8 @@ class Daemon:
             limits_dir=plugin.grant_dir,
             metrics=plugin.metrics.guard,
             reporter=self.events,
+            # Without an API server no pod can be read: every share is then a hard cap.
+            policy_of=PodPolicies(self.api.spawn) if self.api is not None else None,
         )
 
     def _health_changed(self, card: int, healthy: bool, reason: str) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.contract import Limits, LimitsError
+from core.policy import HARD_CAP, OPAQUE_API_VERSION, OPAQUE_KIND, PolicyError, SharePolicy
 from core.quantity import QuantityError, parse_quantity
 from core.units import CORE_PER_CARD, MIB
 from deviceplugin.dra.slices import CORES, MEMORY, card_index
@@ -129,6 +130,32 @@ def results(
     if not out:
         raise ClaimError(f"{ref}: its allocation has no device of driver {driver}")
     return out
+
+
+def policy(ref: ClaimRef, claim: dict[str, Any], *, driver: str) -> SharePolicy:
+    """The claim's compute policy: admission puts it in the claim's opaque configuration for
+    this driver (core/policy.py); a claim without one is a hard cap. ClaimError for a
+    configuration of this driver that is not a policy, or more than one."""
+    found: list[object] = []
+    for entry in ((claim.get("spec") or {}).get("devices") or {}).get("config") or []:
+        opaque = entry.get("opaque") if isinstance(entry, dict) else None
+        if isinstance(opaque, dict) and opaque.get("driver") == driver:
+            found.append(opaque.get("parameters"))
+    if not found:
+        return HARD_CAP
+    if len(found) > 1:
+        raise ClaimError(
+            f"{ref}: it has {len(found)} configurations for driver {driver}; a fracgpu claim has "
+            "at most one (its share's compute policy)"
+        )
+    try:
+        return SharePolicy.from_opaque(found[0])
+    except PolicyError as exc:
+        raise ClaimError(
+            f"{ref}: its configuration for driver {driver} is not a compute policy: {exc}; "
+            f"write apiVersion {OPAQUE_API_VERSION}, kind {OPAQUE_KIND}, and ceiling (percent "
+            "of a card) and priority (high or low)"
+        ) from None
 
 
 def limits(ref: ClaimRef, granted: list[Result]) -> Limits:

@@ -17,6 +17,7 @@ import logging
 import signal
 from contextlib import AsyncExitStack, suppress
 from http.server import ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -34,6 +35,7 @@ from deviceplugin.shared.apiloop import spawner_on
 from deviceplugin.shared.guard import Guard, build_guard
 from deviceplugin.shared.guardevents import EventReporter
 from deviceplugin.shared.health import HealthMonitor
+from deviceplugin.shared.hostfiles import read_policy
 from deviceplugin.shared.http import serve
 from deviceplugin.shared.podresources import PodResourcesClient
 
@@ -144,6 +146,8 @@ class DraDaemon:
                 list_containers=lambda: podresources.list(set(), config.driver_name),
                 limits_dir=driver.grant_dir,
                 metrics=self.metrics.guard,
+                # The policy the claim's configuration gave, kept beside its limits at prepare.
+                policy_of=lambda owner: read_policy(Path(owner.grant).parent),
                 reporter=EventReporter(
                     config.node_name, spawner_on(loop, api), kill=config.guard.kill
                 ),

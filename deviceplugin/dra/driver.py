@@ -34,14 +34,21 @@ import aiohttp
 from pydantic import Field
 
 from core.kube import KubeError, KubeNotFound
+from core.policy import SharePolicy
 from deviceplugin.dra import cdi
-from deviceplugin.dra.claims import ClaimError, ClaimRef, Result, limits, results
+from deviceplugin.dra.claims import ClaimError, ClaimRef, Result, limits, policy, results
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.shared import cdispec
 from deviceplugin.shared import checkpoint as versioned
 from deviceplugin.shared.checkpoint import CheckpointError
 from deviceplugin.shared.guard import GrantError
-from deviceplugin.shared.hostfiles import boot_id, install_preload, make_grant_dirs, write_limits
+from deviceplugin.shared.hostfiles import (
+    boot_id,
+    install_preload,
+    make_grant_dirs,
+    write_limits,
+    write_policy,
+)
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices
 
@@ -125,7 +132,12 @@ class DraDriver:
         return base / "limits", base / "shared"
 
     def _write_files(
-        self, ref: ClaimRef, granted: list[Result], *, fresh: bool = False
+        self,
+        ref: ClaimRef,
+        granted: list[Result],
+        *,
+        fresh: bool = False,
+        share_policy: SharePolicy | None = None,
     ) -> tuple[str, ...]:
         """The claim's limits file and CDI spec; its CDI IDs.
 
@@ -138,6 +150,8 @@ class DraDriver:
         if fresh:
             limits_dir.parent.mkdir(exist_ok=True)
         make_grant_dirs(limits_dir, shared_dir)
+        if share_policy is not None:  # read with the claim; a re-prepare keeps what was written
+            write_policy(limits_dir.parent, share_policy)
         if write_limits(limits_dir, claim_limits, fresh=fresh):
             log.info(
                 "limits written",
@@ -334,6 +348,7 @@ class DraDriver:
     async def _prepare_one(self, ref: ClaimRef) -> tuple[Outcome, bool]:
         """The claim's outcome, and whether it was prepared just now (not before)."""
         known = self.prepared.get(ref.uid)
+        share_policy: SharePolicy | None = None
         if known is not None:
             # Already prepared (a retry, or the same claim in a new sandbox): the files are
             # written again in case a reboot or a person removed them.
@@ -350,11 +365,14 @@ class DraDriver:
                     pool=self.config.pool_name,
                     cards=self.cards,
                 )
+                share_policy = policy(ref, claim, driver=self.config.driver_name)
             except ClaimError as exc:
                 return Outcome(None, str(exc)), True
             fresh = True
         try:
-            ids = await asyncio.to_thread(self._write_files, ref, granted, fresh=fresh)
+            ids = await asyncio.to_thread(
+                self._write_files, ref, granted, fresh=fresh, share_policy=share_policy
+            )
         except ClaimError as exc:
             return Outcome(None, str(exc)), fresh
         except OSError as exc:

@@ -46,7 +46,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,6 +61,7 @@ from deviceplugin.shared.flags import GuardSettings
 from deviceplugin.shared.hostfiles import read_limits
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
+from deviceplugin.shared.sharing import PolicyOf, ShareMeter
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,18 @@ class GuardMetrics:
             f"{prefix}_share_compute_granted_percent",
             "Percent of the card's compute the share was granted (100: unthrottled)",
             share,
+            registry=registry,
+        )
+        self.share_compute_ceiling = Gauge(
+            f"{prefix}_share_compute_ceiling_percent",
+            "Percent of the card's compute the share may use now: its grant, or more while "
+            "idle compute is lent to it (the usage file its hook reads)",
+            share,
+            registry=registry,
+        )
+        self.usage_files_written = Counter(
+            f"{prefix}_usage_files_written",
+            "Usage files written for the shares' hooks (each share's own use and its ceiling)",
             registry=registry,
         )
         self.guard_scan_seconds = Histogram(
@@ -483,9 +496,11 @@ class Guard:
         kill: bool = True,
         process_overhead_mib: int = 512,
         reporter: Reporter | None = None,
+        meter: ShareMeter | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cards = {c.index: c for c in cards}
+        self.meter = meter
         self.owners = owners
         self.proc = proc
         self.metrics = metrics
@@ -576,10 +591,20 @@ class Guard:
             Usage(owners[key], self.cards[index], tuple(processes))
             for (key, index), processes in grouped.items()
         ]
-        self._export(observation.usage, observation.busy)
+        given: dict[str, int] = {}
+        if self.meter is not None:
+            written = self.meter.written
+            given = self.meter.update(observation.usage, observation.busy)
+            self.metrics.usage_files_written.inc(self.meter.written - written)
+        self._export(observation.usage, observation.busy, given)
         return observation
 
-    def _export(self, usage: list[Usage], busy: dict[int, dict[int, float]]) -> None:
+    def _export(
+        self,
+        usage: list[Usage],
+        busy: dict[int, dict[int, float]],
+        ceilings: Mapping[str, int] | None = None,
+    ) -> None:
         """Each share's use and grant per card; series of shares no longer seen are removed."""
         now: dict[tuple[str, ...], tuple[int, Usage]] = {}
         compute: dict[tuple[str, ...], float] = {}
@@ -608,12 +633,19 @@ class Guard:
                     metrics.share_compute_used.remove(*labels)
             metrics.share_memory_granted.labels(*labels).set(entry.owner.allowed(entry.card.uuid))
             metrics.share_compute_granted.labels(*labels).set(entry.owner.limits.compute_percent)
+            ceiling = (ceilings or {}).get(entry.owner.grant)
+            if ceiling is not None:
+                metrics.share_compute_ceiling.labels(*labels).set(ceiling)
+            else:
+                with suppress(KeyError):
+                    metrics.share_compute_ceiling.remove(*labels)
         for labels in self._exported - now.keys():
             for gauge in (
                 metrics.share_memory_used,
                 metrics.share_memory_granted,
                 metrics.share_compute_used,
                 metrics.share_compute_granted,
+                metrics.share_compute_ceiling,
             ):
                 with suppress(KeyError):
                     gauge.remove(*labels)
@@ -746,6 +778,7 @@ def build_guard(
     limits_dir: LimitsDir,
     metrics: GuardMetrics,
     reporter: Reporter | None,
+    policy_of: PolicyOf | None = None,
 ) -> Guard:
     """The guard as either agent runs it: ``list_containers`` and ``limits_dir`` are the agent's
     view of who holds what and where its grants live."""
@@ -760,6 +793,7 @@ def build_guard(
         kill=settings.kill,
         process_overhead_mib=settings.process_overhead_mib,
         reporter=reporter,
+        meter=ShareMeter(policy_of),
     )
 
 

@@ -5,8 +5,11 @@ Host layout under ``host_root`` (default ``/var/lib/fracgpu``), the part both mo
 
     lib/libfracgpu.so     the hook, installed by the DaemonSet; mounted read-only
     ld.so.preload         names the hook's container path; mounted read-only
-    <grant>/limits/       a grant's limits file; mounted read-only
+    <grant>/limits/       a grant's limits file (and the usage file the guard keeps fresh);
+                          mounted read-only
     <grant>/shared/       the hook's accounting region of the grant; mounted read-write
+    <grant>/policy        the grant's compute policy (core/policy.py) when it is not a hard
+                          cap: the agent's own, never mounted
 
 A grant is a container in device-plugin mode (``containers/<dir>``) and a claim in DRA mode
 (``claims/<uid>``).
@@ -14,11 +17,18 @@ A grant is a container in device-plugin mode (``containers/<dir>``) and a claim 
 
 from __future__ import annotations
 
+import json
+import logging
 import os
+import tempfile
 from pathlib import Path
 
 from core import contract
 from core.contract import Limits
+from core.policy import HARD_CAP, PolicyError, SharePolicy
+
+log = logging.getLogger(__name__)
+POLICY_FILE = "policy"
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -79,6 +89,39 @@ def read_limits(limits_dir: Path) -> Limits:
     return Limits.parse((limits_dir / contract.LIMITS_FILE).read_text(encoding="ascii"))
 
 
+def write_policy(grant_dir: Path, policy: SharePolicy) -> None:
+    """Keep the grant's policy beside its limits directory; a hard cap is the absence of one."""
+    target = grant_dir / POLICY_FILE
+    if policy == HARD_CAP:
+        target.unlink(missing_ok=True)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=".policy.", dir=grant_dir)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            json.dump(policy.to_json(), fh, sort_keys=True)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_policy(grant_dir: Path) -> SharePolicy:
+    """The grant's policy; a hard cap when it has none or it cannot be read (the safe side:
+    a share that cannot be shown to burst is held to its guarantee)."""
+    try:
+        raw = (grant_dir / POLICY_FILE).read_text(encoding="ascii")
+    except FileNotFoundError:
+        return HARD_CAP
+    except (OSError, UnicodeDecodeError) as exc:
+        log.warning("policy file unreadable", extra={"grant": str(grant_dir), "error": str(exc)})
+        return HARD_CAP
+    try:
+        return SharePolicy.from_json(json.loads(raw))
+    except (ValueError, PolicyError) as exc:
+        log.warning("policy file malformed", extra={"grant": str(grant_dir), "error": str(exc)})
+        return HARD_CAP
+
+
 def boot_id() -> str:
     """This boot of the node ("" when unknown): a checkpoint from another boot has stale CDI
     specs and device files behind it."""
@@ -96,5 +139,7 @@ __all__ = [
     "ld_so_preload",
     "make_grant_dirs",
     "read_limits",
+    "read_policy",
     "write_limits",
+    "write_policy",
 ]

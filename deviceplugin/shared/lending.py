@@ -19,7 +19,8 @@ Rules, per card:
   guarantees and the unassigned rest of the card);
 - it goes to the shares that want more (they ran at their ceiling, less a margin: the hook held
   them back) and may burst: high priority first, then low; within a priority in proportion to
-  guarantees, each capped so its ceiling is at most 100, what a cap leaves going to the others;
+  guarantees, each capped at its own limit (the most it asked to burst to, at most 100), what
+  a cap leaves going to the others;
 - a share that may not burst, or does not want more, keeps ceiling = guarantee;
 - an owner that becomes active again takes its guarantee out of the lendable compute at once,
   so the borrowers' ceilings drop at the same period.
@@ -32,15 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
+
+from core.policy import Priority
 
 ACTIVE_PERCENT = 1.0  # used at least this over the window: the share's owner is running work
 WANT_MARGIN = 5.0  # used within this of its ceiling: the share is held back and wants more
-
-
-class Priority(Enum):
-    HIGH = "high"
-    LOW = "low"
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,12 +50,15 @@ class ShareState:
     may_burst: bool
     used: float  # its own SM use over the last window, all of its processes, 0-100
     wants_more: bool  # see :func:`wants_more`
+    cap: int = 100  # the most it may burst to (its limit), guarantee to 100
 
     def __post_init__(self) -> None:
         if not 1 <= self.guarantee <= 100:
             raise ValueError(f"guarantee must be 1-100, got {self.guarantee}")
         if not 0 <= self.used <= 100:
             raise ValueError(f"used must be 0-100, got {self.used}")
+        if not self.guarantee <= self.cap <= 100:
+            raise ValueError(f"cap must be the guarantee to 100, got {self.cap}")
 
 
 def wants_more(used: float, ceiling: int, margin: float = WANT_MARGIN) -> bool:
@@ -76,33 +76,37 @@ def ceilings(shares: Sequence[ShareState]) -> dict[Hashable, int]:
     lendable = max(0, 100 - active_guaranteed)
     for priority in (Priority.HIGH, Priority.LOW):
         borrowers = [s for s in shares if s.priority is priority and s.may_burst and s.wants_more]
-        given = _split(lendable, {s.key: s.guarantee for s in borrowers})
+        given = _split(
+            lendable, {s.key: s.guarantee for s in borrowers}, {s.key: s.cap for s in borrowers}
+        )
         for key, extra in given.items():
             result[key] += extra
             lendable -= extra
     return result
 
 
-def _split(amount: int, weights: Mapping[Hashable, int]) -> dict[Hashable, int]:
-    """Split amount in proportion to weights (guarantees), each capped at 100 - weight; what a
+def _split(
+    amount: int, weights: Mapping[Hashable, int], caps: Mapping[Hashable, int]
+) -> dict[Hashable, int]:
+    """Split amount in proportion to weights (guarantees), each capped at cap - weight; what a
     cap leaves goes round again to the uncapped, until nothing more can be placed."""
     given: dict[Hashable, int] = dict.fromkeys(weights, 0)
-    open_keys = [k for k in weights if weights[k] < 100]
+    open_keys = [k for k in weights if weights[k] < caps[k]]
     while amount > 0 and open_keys:
         total = sum(weights[k] for k in open_keys)
         placed = 0
         for k in open_keys:
-            room = 100 - weights[k] - given[k]
+            room = caps[k] - weights[k] - given[k]
             share = min(room, amount * weights[k] // total)
             given[k] += share
             placed += share
         if placed == 0:  # rounding left less than one point per share: give it out one by one
             for k in sorted(open_keys, key=lambda key: -weights[key]):
-                if placed < amount and given[k] < 100 - weights[k]:
+                if placed < amount and given[k] < caps[k] - weights[k]:
                     given[k] += 1
                     placed += 1
         amount -= placed
-        open_keys = [k for k in open_keys if given[k] < 100 - weights[k]]
+        open_keys = [k for k in open_keys if given[k] < caps[k] - weights[k]]
         if placed == 0:
             break
     return given
