@@ -24,6 +24,11 @@ How each request becomes a device request:
   ResourceSlices show, each selecting its model by CEL and sized for it with the same defaults
   as device-plugin mode (``webhook.resources``), so a percentage is of the card the pod really
   gets.
+
+A pod that chose its GPU models (``fracgpu.io/gpu-model``, ``-exclude``) gets alternatives only
+for those models, and ``exactly`` requests select them by CEL on the card's ``productName``. The
+choice is part of the template's name (a digest), so pods with different choices never share a
+template.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from core import dra
+from core.labels import ModelSet
 from core.quantity import QuantityError, parse_quantity
 from core.units import (
     BLOCK_MIB,
@@ -64,15 +70,26 @@ class ClaimPlan:
 
 
 def plan_claim(
-    container: str, ask: Ask, models: Mapping[str, Card], *, max_cards: int
+    container: str,
+    ask: Ask,
+    models: Mapping[str, Card],
+    *,
+    max_cards: int,
+    chosen: ModelSet | None = None,
 ) -> ClaimPlan:
     """The claim template for one container's request; RequestError names what is wrong.
 
     Whole cards and shares whose memory is given go through the same rules as device-plugin
     mode (``webhook.resources``: the bound on whole cards, memory rounded up to blocks with a
-    warning, memory no known card has refused); the rest is sized once per model.
+    warning, memory no known card has refused); the rest is sized once per model. ``models``
+    are those the pod may get; ``chosen``, the pod's own choice, if it made one.
     """
     warnings: list[str] = []
+    selector = dra.products_selector(chosen.only, chosen.excluded) if chosen else None
+    # The choice names the template too: a short digest of the selector, after the shape.
+    mark = ""
+    if selector is not None:
+        mark = "-g" + hashlib.sha256(selector.encode()).hexdigest()[:10]
     every = CardChoice(tuple(sorted(models.values(), key=lambda c: (c.memory_mib, c.product))))
     core = ask.core
     if core is not None and (
@@ -81,10 +98,14 @@ def plan_claim(
         grant = resolve(container, ask, every, max_cards, warnings)
         if grant.whole_cards:
             request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
-            return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, warnings)
-        mib = grant.memory_blocks * BLOCK_MIB
-        request = _share_request(grant.core, grant.memory_blocks)
-        return _plan(f"c{grant.core}-m{mib}", {"exactly": request}, warnings)
+            shape = f"cards-{grant.whole_cards}{mark}"
+        else:
+            mib = grant.memory_blocks * BLOCK_MIB
+            request = _share_request(grant.core, grant.memory_blocks)
+            shape = f"c{grant.core}-m{mib}{mark}"
+        if selector is not None:
+            request["selectors"] = [{"cel": {"expression": selector}}]
+        return _plan(shape, {"exactly": request}, warnings)
     alternatives = _per_model(container, ask, every.cards)
     shape = "-".join(
         part
@@ -95,7 +116,8 @@ def plan_claim(
         )
         if part
     )
-    digest = hashlib.sha256(json.dumps(alternatives, sort_keys=True).encode()).hexdigest()[:10]
+    hashed: object = alternatives if selector is None else [alternatives, selector]
+    digest = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:10]
     # "h" marks the digest: the name says which part is the shape and which part is not.
     return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, warnings)
 
@@ -209,7 +231,7 @@ class SliceModels:
             per_node[node] = per_node.get(node, 0) + count
         return max(per_node.values(), default=None) or None
 
-    def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
+    def largest_card_mib(self, products: Container[str] | None) -> int | None:
         """Memory of the largest card of these models (None: any), for quota's whole cards."""
         sizes = [
             mib
