@@ -137,6 +137,7 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     gpu: bool = False
     templates: list[ClaimPlan] = field(default_factory=list)  # DRA mode: what the patch names
+    models: ModelSet | None = None  # the GPU models the pod chose, as admission honours them
 
     @property
     def allowed(self) -> bool:
@@ -306,6 +307,7 @@ class Mutator:
             self._claim_ops(ops, root, spec, plans)
             outcome.templates = list({plan.name: plan for plan in plans.values()}.values())
         if outcome.gpu:
+            outcome.models = models.chosen
             view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results, models)
             if models.chosen is not None and not plans:
                 _affinity_op(ops, root, spec, model_expressions(models.chosen))
