@@ -185,11 +185,17 @@ def choose_models(
     model, and a choice that leaves no known model, are refused. Otherwise (our own earlier
     output, or no model known at all, e.g. a pool scaled to zero) an exact entry that matches
     nothing is kept as written and a part of a name (HAMi's) is dropped, so a Deployment's
-    pods are still created while the models it chose have no node.
+    pods are still created while the models it chose have no node; HAMi's lists are then read
+    only where fracgpu's, which admission wrote from them, are absent.
     """
     only, never = tuple(only), tuple(never)
     if not only and not never:
         return None
+    if not strict and any(not lst.substring for lst in only + never):
+        # Admitted already: fracgpu's annotations hold HAMi's choice as it was resolved then,
+        # which parts of names, matched against the models known now, may no longer agree with.
+        only = tuple(lst for lst in only if not lst.substring)
+        never = tuple(lst for lst in never if not lst.substring)
     models = sorted(set(known))
     allowed: frozenset[str] | None = None
     for lst in only:

@@ -1050,6 +1050,12 @@ def test_model_choice_on_a_pod_without_gpu_is_left_alone() -> None:
         pytest.param({GPU_MODEL: "NVIDIA-L4"}, ["l4"], [], id="no-model-known-later"),
         pytest.param({GPU_MODEL: "NVIDIA-L4"}, [], [], id="no-model-known-ever"),
         pytest.param({GPU_MODEL_EXCLUDE: "NVIDIA-L4"}, ["l4", "h100"], ["h100"], id="exclude"),
+        pytest.param(
+            {"nvidia.com/use-gputype": "nvidia"},
+            ["l4"],
+            ["h100"],
+            id="hami-part-of-name-matches-another-model-now",
+        ),
     ],
 )
 def test_model_choice_chain_is_admitted_unchanged(
@@ -1058,7 +1064,7 @@ def test_model_choice_chain_is_admitted_unchanged(
     """A Deployment's ReplicaSet and pods carry the affinity written on the Deployment: admitting
     them again adds no second expression, even when the known models changed."""
     inv = Inventory()
-    m = Mutator(AdmissionConfig(), inv)
+    m = Mutator(AdmissionConfig(dialects=[Dialect.HAMI]), inv)
     inv.replace_nodes((n, NODES[n]) for n in before)
     deploy = deployment("Deployment", "apps", {"fracgpu.io/gpu": "1"})
     deploy["spec"]["template"]["metadata"]["annotations"] = dict(annotations)
