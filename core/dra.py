@@ -9,6 +9,8 @@ them; quota adds up what claims of the class request. This module is their one d
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from core.units import BLOCK_MIB, DOMAIN
 
 DRIVER = f"gpu.{DOMAIN}"
@@ -42,7 +44,26 @@ def memory_quantity(blocks: int) -> str:
     return f"{blocks * BLOCK_MIB}Mi"
 
 
+def _cel_string(text: str) -> str:
+    quoted = text.replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{quoted}"'
+
+
+_PRODUCT = f'device.attributes["{DRIVER}"].{PRODUCT_ATTRIBUTE}'
+
+
 def product_selector(product: str) -> str:
     """CEL that selects the cards of one model."""
-    quoted = product.replace("\\", "\\\\").replace('"', '\\"')
-    return f'device.attributes["{DRIVER}"].{PRODUCT_ATTRIBUTE} == "{quoted}"'
+    return f"{_PRODUCT} == {_cel_string(product)}"
+
+
+def products_selector(only: Iterable[str] | None, excluded: Iterable[str] = ()) -> str | None:
+    """CEL that selects the cards of these models (None: any) and of none of ``excluded``;
+    None when it would select every card. Names are compared as the slice spells them."""
+    parts: list[str] = []
+    if only is not None:
+        parts.append(f"{_PRODUCT} in [{', '.join(_cel_string(p) for p in sorted(only))}]")
+    never = sorted(excluded)
+    if never:
+        parts.append(f"!({_PRODUCT} in [{', '.join(_cel_string(p) for p in never)}])")
+    return " && ".join(parts) or None

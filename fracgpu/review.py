@@ -17,6 +17,7 @@ from typing import Any, TextIO
 import jsonpatch
 import yaml
 
+from core.labels import ModelSet
 from webhook.inventory import Inventory
 from webhook.mutation import TEMPLATE_PATHS, Mutator
 
@@ -35,6 +36,7 @@ class Decision:
     warnings: list[str] = field(default_factory=list)
     object: dict[str, Any] | None = None
     mutated: bool = False
+    models: str = ""  # the GPU models the pod chose, as admission honours them
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -44,6 +46,7 @@ class Decision:
             "allowed": self.allowed,
             "message": self.message,
             "warnings": self.warnings,
+            "models": self.models or None,
             "object": self.object,
         }
 
@@ -95,8 +98,25 @@ def review_object(mutator: Mutator, source: str, obj: Any) -> Decision:
         return Decision(source, kind, name, False, outcome.message, outcome.warnings)
     mutated = jsonpatch.apply_patch(obj, outcome.patch) if outcome.patch else obj
     return Decision(
-        source, kind, name, True, "", outcome.warnings, mutated, mutated=bool(outcome.patch)
+        source,
+        kind,
+        name,
+        True,
+        "",
+        outcome.warnings,
+        mutated,
+        mutated=bool(outcome.patch),
+        models=describe_models(outcome.models),
     )
+
+
+def describe_models(models: ModelSet | None) -> str:
+    """The GPU models a pod may get, as a person reads them."""
+    if models is None:
+        return ""
+    if models.only is not None:
+        return f"only {', '.join(sorted(models.only))}"
+    return f"any but {', '.join(sorted(models.excluded))}"
 
 
 def apply_quota(decisions: list[Decision], quota_file: Path, inventory: Inventory) -> None:
@@ -134,6 +154,8 @@ def render_text(decisions: list[Decision], out: TextIO) -> None:
             continue
         out.write(head + ("allowed, mutated" if d.mutated else "allowed, unchanged"))
         out.write(f"; {d.message}\n" if d.message else "\n")
+        if d.models:
+            out.write(f"#   GPU models: {d.models}\n")
         for w in d.warnings:
             out.write(f"#   warning: {w}\n")
         out.write("---\n")

@@ -17,28 +17,35 @@ whole 256 MiB blocks as the device plugin advertises a card: never less than the
 Where no such card is known (a GPU node pool scaled to zero), ``unsized_cards`` says how many
 cards could not be sized, and a quota that limits ``gpumem`` refuses the pod rather than
 count it at zero.
+
+A pod chooses its GPU models by a pin (nodeSelector or required node affinity on the product
+label) or by its annotations ``fracgpu.io/gpu-model`` and ``fracgpu.io/gpu-model-exclude``
+(``core.labels``; the webhook writes HAMi's choice into them): both count alike, against the
+per-model limits of the models the pod may land on, and whole cards are charged the largest
+card among those models.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from core.labels import pinned_products
+from core.labels import ModelChoiceError, ModelSet, model_key, model_lists, pinned_products
 from core.units import BLOCK_MIB, Grant, card_blocks
 from quota.claims import ClaimSpecs
 
-CardMemory = Callable[[frozenset[str] | None], int | None]
-"""MiB of the largest card a pod pinned to these models (None: unpinned) may land on, if known."""
+CardMemory = Callable[[Container[str] | None], int | None]
+"""MiB of the largest card among these models (None: any) a pod may land on, if known."""
 
 
 @dataclass(frozen=True, slots=True)
 class Demand:
     """A pod's GPU charge: hundredths of a card, MiB, and the GPU models it may land on.
 
-    ``models`` is None when the pod is not pinned to a GPU model (it may land on any).
+    ``models`` is None when the pod is not pinned to a GPU model (it may land on any);
+    ``excluded`` are models it never lands on (``fracgpu.io/gpu-model-exclude``).
     """
 
     core: int
@@ -47,10 +54,12 @@ class Demand:
     pods: int = 1
     unsized_cards: int = 0  # whole cards whose memory no known card could size
     missing_claims: tuple[str, ...] = ()  # DRA claims the pod names that could not be read
+    excluded: frozenset[str] = frozenset()
 
     def on(self, model: str) -> bool:
-        """Whether this demand counts against a per-model limit of ``model``."""
-        return self.models is None or model in self.models
+        """Whether this demand counts against a per-model limit of ``model`` (either spelling
+        of a product, as ``core.labels.model_key`` compares them)."""
+        return model in ModelSet(self.models, self.excluded)
 
 
 def _grant(container: object) -> Grant | None:
@@ -87,9 +96,9 @@ def pod_demand(
     spec = pod.get("spec")
     if not isinstance(spec, Mapping):
         return None
-    pinned = pinned_products(spec)
-    models = None if pinned is None else pinned[1]
-    card_mib = card_memory(models) if card_memory is not None else None
+    models, excluded = pod_models(pod)
+    restricted = ModelSet(models, excluded) if models is not None or excluded else None
+    card_mib = card_memory(restricted) if card_memory is not None else None
     unsized = 0
 
     def sized(grant: Grant | None) -> Grant:
@@ -132,7 +141,37 @@ def pod_demand(
         unsized, missing = unsized + charge.unsized_cards, charge.missing
     if core == 0 and blocks == 0 and not missing:
         return None
-    return Demand(core, blocks * BLOCK_MIB, models, unsized_cards=unsized, missing_claims=missing)
+    return Demand(
+        core,
+        blocks * BLOCK_MIB,
+        models,
+        unsized_cards=unsized,
+        missing_claims=missing,
+        excluded=excluded,
+    )
+
+
+def pod_models(pod: Mapping[str, Any]) -> tuple[frozenset[str] | None, frozenset[str]]:
+    """The models a pod may land on (None: any) and those it never does, by its pin and its
+    model annotations; a pin and an annotation both apply (the webhook denied a pod where
+    they contradict). An annotation the webhook would deny counts as absent."""
+    spec = pod.get("spec")
+    pinned = pinned_products(spec) if isinstance(spec, Mapping) else None
+    models = None if pinned is None else pinned[1]
+    meta = pod.get("metadata")
+    try:
+        only, never = model_lists(meta.get("annotations") if isinstance(meta, Mapping) else None)
+    except ModelChoiceError:
+        return models, frozenset()
+    for lst in only:
+        chosen = frozenset(lst.entries)
+        if models is None:
+            models = chosen
+        else:
+            keys = {model_key(p) for p in chosen}
+            models = frozenset(p for p in models if model_key(p) in keys)
+    excluded = frozenset(e for lst in never for e in lst.entries)
+    return models, excluded
 
 
 def is_terminal(pod: Mapping[str, Any], at: datetime | None = None) -> bool:

@@ -45,6 +45,7 @@ class DemandWire(TypedDict):
     core: int
     memoryMiB: int
     models: list[str] | None
+    excludedModels: list[str]
     unsizedCards: int
 
 
@@ -72,6 +73,7 @@ def encode(namespace: str, uid: str, pod: str, demand: Demand) -> DecideRequest:
             "core": demand.core,
             "memoryMiB": demand.memory_mib,
             "models": sorted(demand.models) if demand.models is not None else None,
+            "excludedModels": sorted(demand.excluded),
             "unsizedCards": demand.unsized_cards,
         },
     }
@@ -101,11 +103,16 @@ def decode(body: object) -> tuple[str, str, str, Demand]:
         not isinstance(models, list) or not all(isinstance(m, str) for m in models)
     ):
         raise ValueError("'demand.models' must be null or a list of strings")
+    # Absent from a replica of an earlier version: it forwarded no exclusion.
+    excluded = wire.get("excludedModels", [])
+    if not isinstance(excluded, list) or not all(isinstance(m, str) for m in excluded):
+        raise ValueError("'demand.excludedModels' must be a list of strings")
     demand = Demand(
         numbers["core"],
         numbers["memoryMiB"],
         frozenset(models) if models is not None else None,
         unsized_cards=numbers["unsizedCards"],
+        excluded=frozenset(excluded),
     )
     return fields["namespace"], fields["uid"], fields["pod"], demand
 

@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from core.kube import GPUQUOTAS
-from core.labels import PRODUCT_LABEL
+from core.labels import MODEL_ANNOTATION, PRODUCT_LABEL
 from core.units import cards_phrase, cards_text
 from quota.demand import Demand
 from quota.ledger import Violation
@@ -49,7 +49,8 @@ def exceeded(violation: Violation) -> str:
     if violation.model is not None and demand.models is None:
         message += (
             f"; the pod is not pinned to a GPU model, so it counts against every per-model "
-            f"limit (pin it with nodeSelector {PRODUCT_LABEL} to count it against one model)"
+            f"limit (pin it with nodeSelector {PRODUCT_LABEL}, or choose it with the annotation "
+            f"{MODEL_ANNOTATION}, to count it against one model)"
         )
     return message
 

@@ -96,3 +96,58 @@ def test_whole_cards_are_charged_the_memory_of_their_card(
     pod: dict[str, Any], card_memory: CardMemory | None, demand: Demand
 ) -> None:
     assert pod_demand(pod, card_memory) == demand
+
+
+def chose(pod: dict[str, Any], **annotations: str) -> dict[str, Any]:
+    """The pod with model annotations (``only=`` and ``exclude=``)."""
+    names = {"only": "fracgpu.io/gpu-model", "exclude": "fracgpu.io/gpu-model-exclude"}
+    pod["metadata"]["annotations"] = {names[k]: v for k, v in annotations.items()}
+    return pod
+
+
+@pytest.mark.parametrize(
+    ("pod", "model", "counted"),
+    [
+        pytest.param(chose(gpu_pod("p"), only="A100"), "A100", True, id="chosen-model"),
+        pytest.param(chose(gpu_pod("p"), only="A100"), "T4", False, id="other-model"),
+        pytest.param(chose(gpu_pod("p"), only="a100"), "A100", True, id="chosen-in-other-case"),
+        pytest.param(
+            chose(gpu_pod("p"), only="NVIDIA A100-SXM4-40GB"),
+            "NVIDIA-A100-SXM4-40GB",
+            True,
+            id="chosen-in-the-slice-spelling",
+        ),
+        pytest.param(chose(gpu_pod("p"), only="A100,T4"), "T4", True, id="one-of-two"),
+        pytest.param(chose(gpu_pod("p"), exclude="T4"), "T4", False, id="excluded-model"),
+        pytest.param(chose(gpu_pod("p"), exclude="T4"), "A100", True, id="not-excluded-model"),
+        pytest.param(
+            chose(gpu_pod("p", node_selector={PRODUCT_LABEL: "A100"}), only="A100,T4"),
+            "T4",
+            False,
+            id="pin-and-annotation-both-apply",
+        ),
+        pytest.param(chose(gpu_pod("p"), only="A100,,"), "T4", True, id="invalid-counts-as-absent"),
+    ],
+)
+def test_a_model_chosen_by_annotation_counts_like_a_pin(
+    pod: dict[str, Any], model: str, counted: bool
+) -> None:
+    demand = pod_demand(pod)
+    assert demand is not None
+    assert demand.on(model) is counted
+
+
+@pytest.mark.parametrize(
+    ("pod", "blocks"),
+    [
+        pytest.param(chose(gpu_pod("p", 100, 0), only="T4"), 60, id="only-the-small-card"),
+        pytest.param(chose(gpu_pod("p", 100, 0), exclude="A100"), 60, id="large-card-excluded"),
+        pytest.param(chose(gpu_pod("p", 100, 0), exclude="T4"), 320, id="small-card-excluded"),
+    ],
+)
+def test_whole_cards_are_charged_the_largest_card_among_the_chosen_models(
+    pod: dict[str, Any], blocks: int
+) -> None:
+    demand = pod_demand(pod, _card_memory)
+    assert demand is not None
+    assert demand.memory_mib == blocks * 256

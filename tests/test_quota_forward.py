@@ -94,6 +94,21 @@ def test_encode_decode_round_trip() -> None:
     assert decode(encode("n", "u", "p", Demand(100, 0)))[3] == Demand(100, 0)
 
 
+def test_an_excluded_model_is_forwarded() -> None:
+    demand = Demand(30, 8192, excluded=frozenset({"NVIDIA-L4"}))
+    assert decode(encode("n", "u", "p", demand))[3] == demand
+
+
+def test_a_replica_of_an_earlier_version_forwards_no_exclusion() -> None:
+    wire: dict[str, object] = dict(encode("n", "u", "p", Demand(30, 8192)))
+    wire["demand"] = {
+        k: v
+        for k, v in encode("n", "u", "p", Demand(30, 8192))["demand"].items()
+        if k != "excludedModels"
+    }
+    assert decode(wire)[3] == Demand(30, 8192)
+
+
 @pytest.mark.parametrize(
     ("body", "error"),
     [
@@ -125,6 +140,16 @@ def test_encode_decode_round_trip() -> None:
             },
             "'demand.models' must be null or a list of strings",
             id="models-not-a-list",
+        ),
+        pytest.param(
+            {
+                "namespace": "n",
+                "uid": "u",
+                "pod": "p",
+                "demand": {"core": 1, "memoryMiB": 0, "unsizedCards": 0, "excludedModels": 1},
+            },
+            "'demand.excludedModels' must be a list of strings",
+            id="excluded-models-not-a-list",
         ),
     ],
 )

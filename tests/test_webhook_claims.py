@@ -14,6 +14,7 @@ import pytest
 
 from core import dra
 from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json
+from core.labels import ModelSet
 from webhook.claims import ClaimPlan, SliceModels, TemplateError, plan_claim
 from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore, referenced_templates
 from webhook.resources import Ask, Card, RequestError
@@ -166,6 +167,78 @@ def test_requests_that_cannot_be_sized_are_denied(
 )
 def test_templates_are_valid_kubernetes_1_36_objects(ask: Ask) -> None:
     template = dict(plan_claim("c", ask, MODELS, max_cards=16).template)
+    template["metadata"] = {**template["metadata"], "namespace": "team-a"}
+    kubernetes_validate.validate(template, "1.36.0", strict=True)
+
+
+# --- a pod's choice of GPU model (fracgpu.io/gpu-model, -exclude) ------------------------------
+
+ONLY_SMALL = ModelSet(frozenset({SMALL.product}))
+NOT_SMALL = ModelSet(excluded=frozenset({SMALL.product}))
+PRODUCT = f'device.attributes["{dra.DRIVER}"].productName'
+
+
+@pytest.mark.parametrize(
+    ("ask", "chosen", "expression"),
+    [
+        pytest.param(Ask(core=100), ONLY_SMALL, f'{PRODUCT} in ["NVIDIA-L4"]', id="whole-card-in"),
+        pytest.param(
+            Ask(core=200), NOT_SMALL, f'!({PRODUCT} in ["NVIDIA-L4"])', id="whole-cards-not-in"
+        ),
+        pytest.param(
+            Ask(core=30, memory_mib=8192),
+            ModelSet(frozenset({SMALL.product, LARGE.product})),
+            f'{PRODUCT} in ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]',
+            id="share-with-memory-two-models",
+        ),
+    ],
+)
+def test_exact_requests_select_the_chosen_models_by_cel(
+    ask: Ask, chosen: ModelSet, expression: str
+) -> None:
+    plan = plan_claim("c", ask, MODELS, max_cards=16, chosen=chosen)
+    assert _request(plan)["exactly"]["selectors"] == [{"cel": {"expression": expression}}]
+
+
+@pytest.mark.parametrize(
+    ("ask", "chosen"),
+    [
+        pytest.param(Ask(core=100), ONLY_SMALL, id="whole-card-only"),
+        pytest.param(Ask(core=100), NOT_SMALL, id="whole-card-exclude"),
+        pytest.param(Ask(core=30, memory_mib=8192), ONLY_SMALL, id="share-with-memory"),
+        pytest.param(Ask(core=50), ONLY_SMALL, id="first-available"),
+    ],
+)
+def test_a_model_choice_changes_the_template_name(ask: Ask, chosen: ModelSet) -> None:
+    models = {SMALL.product: SMALL} if chosen is ONLY_SMALL else MODELS
+    plain = plan_claim("c", ask, models, max_cards=16)
+    assert plan_claim("c", ask, models, max_cards=16, chosen=chosen).name != plain.name
+
+
+def test_two_choices_never_share_a_template() -> None:
+    one = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
+    other = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=NOT_SMALL)
+    assert one.name != other.name
+
+
+def test_a_template_name_with_a_choice_keeps_its_shape_readable() -> None:
+    plan = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
+    assert plan.name.startswith("fracgpu-cards-1-g")
+
+
+def test_the_largest_model_choice_fits_the_cel_limit() -> None:
+    names = frozenset(f"{'N' * 120} {i}" for i in range(32))
+    expression = dra.products_selector(names, names)
+    assert expression is not None
+    assert len(expression) <= 10 * 1024
+
+
+@pytest.mark.parametrize(
+    "chosen",
+    [pytest.param(ONLY_SMALL, id="only"), pytest.param(NOT_SMALL, id="exclude")],
+)
+def test_templates_with_a_choice_are_valid_kubernetes_1_36_objects(chosen: ModelSet) -> None:
+    template = dict(plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=chosen).template)
     template["metadata"] = {**template["metadata"], "namespace": "team-a"}
     kubernetes_validate.validate(template, "1.36.0", strict=True)
 

@@ -174,3 +174,62 @@ def test_review_of_absurd_quantities_answers_without_a_traceback(
     got, out, err = run(capsys, "review", str(manifest))
     assert expected in out + err
     assert got == status
+
+
+MIXED = [
+    "--gpu-model",
+    "NVIDIA A100-SXM4-40GB=40960",
+    "--gpu-model",
+    "NVIDIA A100-SXM4-80GB=81920",
+    "--gpu-model",
+    "NVIDIA H100 80GB HBM3=81559",
+]
+
+
+def test_review_shows_the_gpu_models_a_pod_chose(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "review", *MIXED, str(EXAMPLES / "pod-gpu-model.yaml"))
+    assert status == 0
+    assert "#   GPU models: only NVIDIA A100-SXM4-40GB, NVIDIA A100-SXM4-80GB" in out
+
+
+def test_review_sizes_the_example_for_the_chosen_models(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, out, _ = run(capsys, "review", "-o", "json", *MIXED, str(EXAMPLES / "pod-gpu-model.yaml"))
+    [entry] = json.loads(out)
+    limits = entry["object"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["fracgpu.io/memory"] == "80"  # half of the 40 GB A100, the smallest chosen
+
+
+@pytest.mark.parametrize(
+    ("annotation", "expected"),
+    [
+        pytest.param(
+            "fracgpu.io/gpu-model: H1000",
+            "fracgpu.io/gpu-model 'H1000' matches no GPU model in this cluster",
+            id="unknown-model",
+        ),
+        pytest.param(
+            "fracgpu.io/gpu-model-exclude: 'NVIDIA A100-SXM4-40GB,NVIDIA A100-SXM4-80GB,"
+            "NVIDIA H100 80GB HBM3'",
+            "no GPU model of this cluster is left",
+            id="excludes-every-model",
+        ),
+        pytest.param("fracgpu.io/gpu-model: 12", "must be a string", id="a-number"),
+    ],
+)
+def test_review_denies_a_model_choice_without_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    annotation: str,
+    expected: str,
+) -> None:
+    manifest = (
+        f"apiVersion: v1\nkind: Pod\nmetadata:\n  name: a\n  annotations: {{{annotation}}}\n"
+        "spec:\n  containers:\n  - name: c\n    resources: {limits: {fracgpu.io/gpu: '1'}}\n"
+    )
+    monkeypatch.setattr("sys.stdin", io.StringIO(manifest))
+    status, out, err = run(capsys, "review", *MIXED, "-")
+    assert status == 1
+    assert expected in out
+    assert "Traceback" not in err

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from core.labels import pinned_products
+from core.labels import ModelSet, pinned_products
 from webhook.inventory import Inventory
 from webhook.resources import Card
 
@@ -201,3 +201,45 @@ def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
 def test_largest_card_for_quota(products: frozenset[str] | None, mib: int | None) -> None:
     inventory = Inventory({"T4": 15360, "A100": 81920})
     assert inventory.largest_card_mib(products) == mib
+
+
+@pytest.mark.parametrize(
+    ("spec", "chosen", "products"),
+    [
+        pytest.param(
+            {},
+            ModelSet(frozenset({"nvidia-l4"})),
+            ["NVIDIA-L4"],
+            id="chosen-by-annotation",
+        ),
+        pytest.param(
+            {},
+            ModelSet(excluded=frozenset({"Static-GPU"})),
+            ["NVIDIA-L4", "NVIDIA-H100-80GB-HBM3"],
+            id="all-but-the-excluded",
+        ),
+        pytest.param(
+            {"nodeSelector": {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3"}},
+            ModelSet(frozenset({"NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"})),
+            ["NVIDIA-H100-80GB-HBM3"],
+            id="pin-and-annotation-both-apply",
+        ),
+        pytest.param({}, ModelSet(frozenset({"NVIDIA B200"})), [], id="nothing-known-chosen"),
+    ],
+)
+def test_a_model_choice_narrows_the_candidates(
+    spec: dict[str, Any], chosen: ModelSet, products: list[str]
+) -> None:
+    choice = inventory().choose(spec, chosen)
+    assert [c.product for c in choice.cards] == products
+
+
+@pytest.mark.parametrize(
+    ("chosen", "mib"),
+    [
+        pytest.param(ModelSet(frozenset({"t4"})), 15360, id="only-the-small-model"),
+        pytest.param(ModelSet(excluded=frozenset({"A100"})), 15360, id="large-model-excluded"),
+    ],
+)
+def test_largest_card_for_quota_among_chosen_models(chosen: ModelSet, mib: int) -> None:
+    assert Inventory({"T4": 15360, "A100": 81920}).largest_card_mib(chosen) == mib

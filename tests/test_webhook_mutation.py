@@ -817,3 +817,265 @@ async def test_hostile_ephemeral_container_updates_get_an_answer(obj: Any) -> No
     )
     response = await mutator()(request)
     assert response.allowed or (response.status is not None and response.status.code == 422)
+
+
+# Choosing the GPU model in pod annotations (issue #28 item 4) ------------------------------
+
+GPU_MODEL = "fracgpu.io/gpu-model"
+GPU_MODEL_EXCLUDE = "fracgpu.io/gpu-model-exclude"
+PRODUCT_KEY = "fracgpu.io/gpu.product"
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
+
+
+def mixed_mutator(*dialects: Dialect) -> Mutator:
+    inv = Inventory()
+    inv.replace_nodes(NODES.items())
+    return Mutator(AdmissionConfig(dialects=list(dialects)), inv)
+
+
+def chosen_pod(annotations: dict[str, Any], limits: dict[str, Any], **spec: Any) -> Any:
+    obj = pod(container("c", limits), **spec)
+    obj["metadata"]["annotations"] = dict(annotations)
+    return obj
+
+
+def terms(obj: dict[str, Any]) -> Any:
+    return obj["spec"]["affinity"]["nodeAffinity"][REQUIRED]["nodeSelectorTerms"]
+
+
+def expr(operator: str, *values: str) -> dict[str, Any]:
+    return {"key": PRODUCT_KEY, "operator": operator, "values": list(values)}
+
+
+ZONE_A = {"key": "zone", "operator": "In", "values": ["a"]}
+ZONE_B = {"key": "zone", "operator": "In", "values": ["b"]}
+TWO_TERMS = {
+    "nodeAffinity": {
+        REQUIRED: {
+            "nodeSelectorTerms": [{"matchExpressions": [ZONE_A]}, {"matchExpressions": [ZONE_B]}]
+        }
+    }
+}
+
+
+@pytest.mark.parametrize(
+    ("annotations", "spec", "dialects", "expected"),
+    [
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4"},
+            {},
+            (),
+            [{"matchExpressions": [expr("In", "NVIDIA-L4")]}],
+            id="one-model",
+        ),
+        pytest.param(
+            {GPU_MODEL: "nvidia l4"},
+            {},
+            (),
+            [{"matchExpressions": [expr("In", "NVIDIA-L4")]}],
+            id="written-with-space-and-lower-case",
+        ),
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4,NVIDIA-H100-80GB-HBM3"},
+            {},
+            (),
+            [{"matchExpressions": [expr("In", "NVIDIA-H100-80GB-HBM3", "NVIDIA-L4")]}],
+            id="two-models",
+        ),
+        pytest.param(
+            {GPU_MODEL_EXCLUDE: "NVIDIA-L4"},
+            {},
+            (),
+            [{"matchExpressions": [expr("NotIn", "NVIDIA-L4")]}],
+            id="exclude",
+        ),
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4"},
+            {"affinity": TWO_TERMS},
+            (),
+            [
+                {"matchExpressions": [ZONE_A, expr("In", "NVIDIA-L4")]},
+                {"matchExpressions": [ZONE_B, expr("In", "NVIDIA-L4")]},
+            ],
+            id="each-term-gets-it",
+        ),
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4"},
+            {
+                "affinity": {
+                    "nodeAffinity": {REQUIRED: {"nodeSelectorTerms": [{"matchFields": []}]}}
+                }
+            },
+            (),
+            [{"matchFields": [], "matchExpressions": [expr("In", "NVIDIA-L4")]}],
+            id="term-of-fields-only",
+        ),
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4"},
+            {"nodeSelector": {PRODUCT_KEY: "NVIDIA-L4"}},
+            (),
+            [{"matchExpressions": [expr("In", "NVIDIA-L4")]}],
+            id="agrees-with-node-selector",
+        ),
+        pytest.param(
+            {"nvidia.com/use-gputype": "l4"},
+            {},
+            (Dialect.HAMI,),
+            [{"matchExpressions": [expr("In", "NVIDIA-L4")]}],
+            id="hami-part-of-name",
+        ),
+        pytest.param(
+            {"nvidia.com/nouse-gputype": "H100"},
+            {},
+            (Dialect.HAMI,),
+            [{"matchExpressions": [expr("NotIn", "NVIDIA-H100-80GB-HBM3")]}],
+            id="hami-exclude",
+        ),
+    ],
+)
+def test_model_choice_becomes_required_node_affinity(
+    annotations: dict[str, Any],
+    spec: dict[str, Any],
+    dialects: tuple[Dialect, ...],
+    expected: list[dict[str, Any]],
+) -> None:
+    out = apply(mixed_mutator(*dialects), chosen_pod(annotations, {"fracgpu.io/gpu": "1"}, **spec))
+    assert terms(out) == expected
+
+
+def test_preferred_node_affinity_is_kept_beside_the_written_requirement() -> None:
+    preferred = [{"weight": 1, "preference": {"matchExpressions": [ZONE_A]}}]
+    spec = {
+        "affinity": {"nodeAffinity": {"preferredDuringSchedulingIgnoredDuringExecution": preferred}}
+    }
+    out = apply(
+        mixed_mutator(), chosen_pod({GPU_MODEL: "NVIDIA-L4"}, {"fracgpu.io/gpu": "1"}, **spec)
+    )
+    assert (
+        out["spec"]["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+        == preferred
+    )
+
+
+@pytest.mark.parametrize(
+    ("annotations", "memory"),
+    [
+        pytest.param({GPU_MODEL: "NVIDIA-H100-80GB-HBM3"}, "159", id="h100-chosen"),
+        pytest.param({GPU_MODEL_EXCLUDE: "NVIDIA-L4"}, "159", id="l4-excluded"),
+        pytest.param({GPU_MODEL: "NVIDIA-L4"}, "44", id="l4-chosen"),
+        pytest.param({}, "44", id="no-choice-smallest"),
+    ],
+)
+def test_a_fraction_is_sized_for_the_chosen_models(
+    annotations: dict[str, Any], memory: str
+) -> None:
+    out = apply(mixed_mutator(), chosen_pod(annotations, {"fracgpu.io/gpu": "0.5"}))
+    assert blocks(out) == memory
+
+
+def test_hami_choice_is_written_in_fracgpu_annotations_for_quota() -> None:
+    annotations = {"nvidia.com/use-gputype": "NVIDIA"}
+    annotations["nvidia.com/nouse-gputype"] = "L4"
+    out = apply(mixed_mutator(Dialect.HAMI), chosen_pod(annotations, {"fracgpu.io/gpu": "1"}))
+    assert out["metadata"]["annotations"][GPU_MODEL] == "NVIDIA-H100-80GB-HBM3"
+
+
+def test_hami_annotations_are_left_alone_when_the_dialect_is_off() -> None:
+    obj = chosen_pod({"nvidia.com/use-gputype": "B200"}, {"fracgpu.io/gpu": "1"})
+    out = apply(mixed_mutator(), obj)
+    assert "affinity" not in out["spec"]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "spec", "expected"),
+    [
+        pytest.param(
+            {GPU_MODEL: "H1000"},
+            {},
+            "fracgpu.io/gpu-model 'H1000' matches no GPU model in this cluster",
+            id="unknown-model",
+        ),
+        pytest.param(
+            {GPU_MODEL: "H1000"},
+            {},
+            "known: NVIDIA-H100-80GB-HBM3, NVIDIA-L4; write one of them, comma-separated",
+            id="unknown-model-lists-known",
+        ),
+        pytest.param(
+            {GPU_MODEL_EXCLUDE: "NVIDIA-L4,NVIDIA-H100-80GB-HBM3"},
+            {},
+            "no GPU model of this cluster is left",
+            id="excludes-every-model",
+        ),
+        pytest.param({GPU_MODEL: ""}, {}, "annotation fracgpu.io/gpu-model is empty", id="empty"),
+        pytest.param({GPU_MODEL: "NVIDIA-L4,,"}, {}, "has an empty entry", id="double-comma"),
+        pytest.param({GPU_MODEL: "NVIDIA-L4,nvidia-l4"}, {}, "twice", id="duplicate"),
+        pytest.param({GPU_MODEL: 3}, {}, "must be a string", id="not-a-string"),
+        pytest.param({GPU_MODEL: {"a": 1}}, {}, "must be a string", id="a-map"),
+        pytest.param(
+            {GPU_MODEL: "NVIDIA-L4"},
+            {"nodeSelector": {PRODUCT_KEY: "NVIDIA-H100-80GB-HBM3"}},
+            "choose the model in one place",
+            id="contradicts-node-selector",
+        ),
+        pytest.param(
+            {GPU_MODEL_EXCLUDE: "NVIDIA-L4"},
+            {"nodeSelector": {"nvidia.com/gpu.product": "NVIDIA-L4"}},
+            "pins nvidia.com/gpu.product to NVIDIA-L4",
+            id="excludes-the-pinned-model",
+        ),
+    ],
+)
+def test_model_choice_denials_say_how_to_fix(
+    annotations: dict[str, Any], spec: dict[str, Any], expected: str
+) -> None:
+    outcome = mixed_mutator().mutate(
+        chosen_pod(annotations, {"fracgpu.io/gpu": "0.5"}, **spec), "", "Pod"
+    )
+    assert expected in outcome.message
+
+
+def test_model_choice_on_a_pod_without_gpu_is_left_alone() -> None:
+    obj = chosen_pod({GPU_MODEL: "H1000"}, {"cpu": "1"})
+    assert mixed_mutator().mutate(obj, "", "Pod").patch == []
+
+
+@pytest.mark.parametrize(
+    ("annotations", "before", "after"),
+    [
+        pytest.param({GPU_MODEL: "nvidia-l4"}, ["l4", "h100"], ["l4", "h100"], id="same-models"),
+        pytest.param(
+            {GPU_MODEL: "nvidia-l4"}, ["l4", "h100"], ["h100"], id="l4-pool-scaled-to-zero"
+        ),
+        pytest.param({GPU_MODEL: "NVIDIA-L4"}, ["l4"], [], id="no-model-known-later"),
+        pytest.param({GPU_MODEL: "NVIDIA-L4"}, [], [], id="no-model-known-ever"),
+        pytest.param({GPU_MODEL_EXCLUDE: "NVIDIA-L4"}, ["l4", "h100"], ["h100"], id="exclude"),
+        pytest.param(
+            {"nvidia.com/use-gputype": "nvidia"},
+            ["l4"],
+            ["h100"],
+            id="hami-part-of-name-matches-another-model-now",
+        ),
+    ],
+)
+def test_model_choice_chain_is_admitted_unchanged(
+    annotations: dict[str, Any], before: list[str], after: list[str]
+) -> None:
+    """A Deployment's ReplicaSet and pods carry the affinity written on the Deployment: admitting
+    them again adds no second expression, even when the known models changed."""
+    inv = Inventory()
+    m = Mutator(AdmissionConfig(dialects=[Dialect.HAMI]), inv)
+    inv.replace_nodes((n, NODES[n]) for n in before)
+    deploy = deployment("Deployment", "apps", {"fracgpu.io/gpu": "1"})
+    deploy["spec"]["template"]["metadata"]["annotations"] = dict(annotations)
+    deploy = admitted(m, deploy, "apps", "Deployment")
+    inv.replace_nodes((n, NODES[n]) for n in after)
+    made = pod_from(replicaset_from(deploy))
+    assert m.mutate(made, "", "Pod").patch == []
+    assert m.mutate(made, "", "Pod").errors == []
+
+
+def test_a_model_unknown_without_any_model_known_is_written_as_a_label_value() -> None:
+    m = Mutator(AdmissionConfig(), Inventory())
+    out = apply(m, chosen_pod({GPU_MODEL: "NVIDIA B200"}, {"fracgpu.io/gpu": "1"}))
+    assert terms(out) == [{"matchExpressions": [expr("In", "NVIDIA-B200")]}]

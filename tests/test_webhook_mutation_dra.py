@@ -220,3 +220,108 @@ async def test_a_template_that_cannot_be_made_denies_the_pod() -> None:
     assert not reply.allowed
     assert reply.status is not None
     assert reply.status.message == "ResourceClaimTemplate fracgpu-cards-1: forbidden"
+
+
+# Choosing the GPU model in pod annotations (issue #28 item 4) ------------------------------
+
+TWO_MODELS = {
+    "NVIDIA-L4": Card("NVIDIA-L4", 23034),
+    "NVIDIA H100 80GB HBM3": Card("NVIDIA H100 80GB HBM3", 81559),
+}
+PRODUCT = f'device.attributes["{dra.DRIVER}"].productName'
+
+
+def chosen(annotations: dict[str, Any], limits: dict[str, Any]) -> dict[str, Any]:
+    obj = pod(limits)
+    obj["metadata"]["annotations"] = annotations
+    return obj
+
+
+def _gpu_request(outcome: Any) -> dict[str, Any]:
+    [plan] = outcome.templates
+    request: dict[str, Any] = plan.template["spec"]["spec"]["devices"]["requests"][0]
+    return request
+
+
+@pytest.mark.parametrize(
+    ("annotations", "limits", "selector"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu-model": "nvidia h100 80gb hbm3"},
+            {"fracgpu.io/gpu": "1"},
+            f'{PRODUCT} in ["NVIDIA H100 80GB HBM3"]',
+            id="whole-card-in-the-slice-spelling",
+        ),
+        pytest.param(
+            {"fracgpu.io/gpu-model-exclude": "NVIDIA-L4"},
+            {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "4Gi"},
+            f'!({PRODUCT} in ["NVIDIA-L4"])',
+            id="share-with-memory-excluded",
+        ),
+    ],
+)
+def test_model_choice_is_a_cel_selector_in_the_claim(
+    annotations: dict[str, Any], limits: dict[str, Any], selector: str
+) -> None:
+    outcome = mutator(TWO_MODELS).mutate(chosen(annotations, limits), "", "Pod")
+    assert _gpu_request(outcome)["exactly"]["selectors"] == [{"cel": {"expression": selector}}]
+
+
+@pytest.mark.parametrize(
+    "annotations",
+    [
+        pytest.param({"fracgpu.io/gpu-model": "NVIDIA-H100-80GB-HBM3"}, id="only"),
+        pytest.param({"fracgpu.io/gpu-model-exclude": "NVIDIA-L4"}, id="exclude"),
+    ],
+)
+def test_first_available_offers_only_the_chosen_models(annotations: dict[str, Any]) -> None:
+    outcome = mutator(TWO_MODELS).mutate(chosen(annotations, {"fracgpu.io/gpu": "0.5"}), "", "Pod")
+    offered = [
+        alt["selectors"][0]["cel"]["expression"] for alt in _gpu_request(outcome)["firstAvailable"]
+    ]
+    assert offered == [dra.product_selector("NVIDIA H100 80GB HBM3")]
+
+
+def test_model_choice_writes_no_node_affinity_in_dra_mode() -> None:
+    obj = chosen({"fracgpu.io/gpu-model": "NVIDIA-L4"}, {"fracgpu.io/gpu": "1"})
+    out = apply(mutator(TWO_MODELS), obj)
+    assert "affinity" not in out["spec"]
+
+
+def test_the_mutated_pod_with_a_model_choice_is_a_valid_kubernetes_1_36_pod() -> None:
+    obj = chosen({"fracgpu.io/gpu-model": "NVIDIA-L4"}, {"fracgpu.io/gpu": "0.5"})
+    kubernetes_validate.validate(apply(mutator(TWO_MODELS), obj), "1.36.0", strict=True)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [
+        pytest.param(
+            {"fracgpu.io/gpu-model": "H1000"},
+            "fracgpu.io/gpu-model 'H1000' matches no GPU model in this cluster",
+            id="unknown-model",
+        ),
+        pytest.param(
+            {"fracgpu.io/gpu-model-exclude": "NVIDIA-L4"},
+            "no GPU model of this cluster is left (known: NVIDIA-L4)",
+            id="excludes-the-only-model",
+        ),
+    ],
+)
+def test_model_choice_denials_in_dra_mode(annotations: dict[str, Any], expected: str) -> None:
+    outcome = mutator().mutate(chosen(annotations, {"fracgpu.io/gpu": "1"}), "", "Pod")
+    assert expected in outcome.message
+
+
+def test_a_pod_with_a_model_choice_made_from_a_mutated_deployment_passes_as_it_is() -> None:
+    template = chosen({"fracgpu.io/gpu-model": "NVIDIA-L4"}, {"fracgpu.io/gpu": "1"})
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "team-a"},
+        "spec": {"template": template},
+    }
+    mutated = apply(mutator(TWO_MODELS), deployment, "apps", "Deployment")
+    made = copy.deepcopy(mutated["spec"]["template"])
+    outcome = mutator({}).mutate(made, "", "Pod")  # the L4 pool scaled to zero since
+    assert (outcome.errors, outcome.patch) == ([], [])

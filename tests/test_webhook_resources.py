@@ -10,6 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from core import dra
+from core.labels import (
+    HAMI_EXCLUDE_ANNOTATION,
+    HAMI_MODEL_ANNOTATION,
+    MODEL_ANNOTATION,
+    MODEL_EXCLUDE_ANNOTATION,
+    ModelChoiceError,
+    ModelSet,
+    choose_models,
+    model_lists,
+)
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
@@ -705,3 +715,166 @@ def test_a_share_of_more_cards_than_a_container_may_have_is_denied_in_dra_mode()
         'container "train": fracgpu.io/gpu-count asks for a share of 17 cards; a container may '
         "have at most 16 cards (admission.max_cards); ask for fewer"
     ]
+
+
+# Choosing the GPU model in pod annotations (core.labels; issue #28 item 4).
+A100 = "NVIDIA A100-SXM4-40GB"
+H100_NAME = "NVIDIA H100 80GB HBM3"
+CLUSTER = [A100, H100_NAME]
+
+
+@pytest.mark.parametrize(
+    ("annotations", "hami", "only", "excluded"),
+    [
+        pytest.param({MODEL_ANNOTATION: A100}, False, {A100}, set(), id="exact"),
+        pytest.param(
+            {MODEL_ANNOTATION: "nvidia a100-sxm4-40gb"}, False, {A100}, set(), id="any-case"
+        ),
+        pytest.param(
+            {MODEL_ANNOTATION: "NVIDIA-H100-80GB-HBM3"},
+            False,
+            {H100_NAME},
+            set(),
+            id="label-spelling",
+        ),
+        pytest.param(
+            {MODEL_ANNOTATION: f" {A100} , {H100_NAME} "},
+            False,
+            {A100, H100_NAME},
+            set(),
+            id="two-with-spaces",
+        ),
+        pytest.param({MODEL_EXCLUDE_ANNOTATION: A100}, False, None, {A100}, id="exclude"),
+        pytest.param(
+            {MODEL_ANNOTATION: f"{A100},{H100_NAME}", MODEL_EXCLUDE_ANNOTATION: H100_NAME},
+            False,
+            {A100},
+            set(),
+            id="exclude-narrows-the-list",
+        ),
+        pytest.param({HAMI_MODEL_ANNOTATION: "a100"}, True, {A100}, set(), id="hami-part-of-name"),
+        pytest.param({HAMI_EXCLUDE_ANNOTATION: "H100"}, True, None, {H100_NAME}, id="hami-exclude"),
+        pytest.param(
+            {HAMI_MODEL_ANNOTATION: "NVIDIA", MODEL_ANNOTATION: H100_NAME},
+            True,
+            {H100_NAME},
+            set(),
+            id="fracgpu-and-hami-combine",
+        ),
+        pytest.param({HAMI_MODEL_ANNOTATION: "A100"}, False, None, None, id="hami-off-ignored"),
+        pytest.param({"other": "x"}, False, None, None, id="no-choice"),
+    ],
+)
+def test_model_choice_is_matched_against_known_models(
+    annotations: dict[str, Any],
+    hami: bool,
+    only: set[str] | None,
+    excluded: set[str] | None,
+) -> None:
+    chosen = choose_models(*model_lists(annotations, hami=hami), CLUSTER, strict=True)
+    if excluded is None:
+        assert chosen is None
+        return
+    assert chosen is not None
+    assert chosen.only == (None if only is None else frozenset(only))
+    assert chosen.excluded == frozenset(excluded)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "expected"),
+    [
+        pytest.param(
+            {MODEL_ANNOTATION: "H1000"},
+            f"{MODEL_ANNOTATION} 'H1000' matches no GPU model in this cluster",
+            id="unknown",
+        ),
+        pytest.param(
+            {MODEL_ANNOTATION: "H1000"},
+            f"known: {A100}, {H100_NAME}; write one of them, comma-separated",
+            id="unknown-lists-the-known",
+        ),
+        pytest.param(
+            {MODEL_EXCLUDE_ANNOTATION: "T4"},
+            f"{MODEL_EXCLUDE_ANNOTATION} 'T4' matches no GPU model",
+            id="unknown-excluded",
+        ),
+        pytest.param(
+            {MODEL_EXCLUDE_ANNOTATION: f"{A100},{H100_NAME}"},
+            "no GPU model of this cluster is left",
+            id="excludes-every-model",
+        ),
+        pytest.param(
+            {MODEL_ANNOTATION: A100, MODEL_EXCLUDE_ANNOTATION: A100},
+            "allow at least one of them, or exclude fewer",
+            id="excludes-what-it-chose",
+        ),
+        pytest.param({MODEL_ANNOTATION: ""}, "is empty", id="empty"),
+        pytest.param({MODEL_ANNOTATION: " "}, "is empty", id="blank"),
+        pytest.param({MODEL_ANNOTATION: f"{A100},,{H100_NAME}"}, "empty entry", id="double-comma"),
+        pytest.param({MODEL_ANNOTATION: f"{A100},"}, "empty entry", id="trailing-comma"),
+        pytest.param({MODEL_ANNOTATION: f"{A100},{A100.lower()}"}, "twice", id="duplicate"),
+        pytest.param({MODEL_ANNOTATION: 7}, "must be a string", id="not-a-string"),
+        pytest.param({MODEL_ANNOTATION: ["A"]}, "must be a string", id="a-list"),
+        pytest.param({MODEL_ANNOTATION: "x" * 200}, "at most 128", id="entry-too-long"),
+        pytest.param(
+            {MODEL_ANNOTATION: ",".join(f"m{i}" for i in range(40))}, "40 models", id="many"
+        ),
+        pytest.param(
+            {HAMI_MODEL_ANNOTATION: "B200"},
+            f"{HAMI_MODEL_ANNOTATION} 'B200' matches no GPU model",
+            id="hami-unknown",
+        ),
+        pytest.param(
+            {HAMI_MODEL_ANNOTATION: "B200"}, "parts of a GPU product name", id="hami-says-its-rule"
+        ),
+    ],
+)
+def test_model_choice_errors_name_the_annotation_value_and_fix(
+    annotations: dict[str, Any], expected: str
+) -> None:
+    with pytest.raises(ModelChoiceError) as caught:
+        choose_models(*model_lists(annotations, hami=True), CLUSTER, strict=True)
+    assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "only"),
+    [
+        pytest.param({MODEL_ANNOTATION: "NVIDIA B200"}, {"NVIDIA B200"}, id="kept-as-written"),
+        pytest.param(
+            {MODEL_ANNOTATION: f"{A100.lower()},NVIDIA B200"},
+            {A100, "NVIDIA B200"},
+            id="known-ones-take-the-cluster-spelling",
+        ),
+    ],
+)
+def test_model_choice_of_an_admitted_pod_is_not_held_to_the_models_known_now(
+    annotations: dict[str, Any], only: set[str]
+) -> None:
+    chosen = choose_models(*model_lists(annotations), CLUSTER, strict=False)
+    assert chosen is not None
+    assert chosen.only == frozenset(only)
+
+
+def test_model_choice_with_no_known_model_is_kept_as_written() -> None:
+    chosen = choose_models(*model_lists({MODEL_ANNOTATION: "NVIDIA B200"}), [], strict=True)
+    assert chosen == ModelSet(frozenset({"NVIDIA B200"}))
+
+
+def test_hami_model_choice_cannot_be_matched_with_no_known_model() -> None:
+    with pytest.raises(ModelChoiceError, match="write the exact product name in"):
+        choose_models(*model_lists({HAMI_MODEL_ANNOTATION: "A100"}, hami=True), [], strict=True)
+
+
+@pytest.mark.parametrize(
+    ("product", "inside"),
+    [
+        pytest.param(A100, True, id="same"),
+        pytest.param("NVIDIA-A100-SXM4-40GB", True, id="label-spelling"),
+        pytest.param("nvidia a100-sxm4-40gb", True, id="other-case"),
+        pytest.param("NVIDIA A100-SXM4-80GB", False, id="other-model"),
+        pytest.param(7, False, id="not-a-string"),
+    ],
+)
+def test_model_set_membership_compares_spellings(product: object, inside: bool) -> None:
+    assert (product in ModelSet(frozenset({A100}))) is inside

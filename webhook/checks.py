@@ -21,6 +21,7 @@ from core.contract import (
     RESERVED_CONTAINER_PATHS,
     VISIBLE_DEVICES_ENV,
 )
+from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
 from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
 from webhook.config import AdmissionConfig
 from webhook.resources import ContainerResult, container_ref, quote
@@ -252,12 +253,16 @@ def no_cdi_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
             )
 
 
+USER_ANNOTATIONS = frozenset({REQUEST_ANNOTATION, MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION})
+
+
 def no_reserved_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
-    """Annotations under fracgpu.io/ are fracgpu's, except the record of the request."""
+    """Annotations under fracgpu.io/ are fracgpu's, except the record of the request and the
+    pod's choice of GPU model."""
     if not pod.gpu:
         return
     for key in pod.annotations:
-        if key.startswith(f"{DOMAIN}/") and key != REQUEST_ANNOTATION:
+        if key.startswith(f"{DOMAIN}/") and key not in USER_ANNOTATIONS:
             yield (
                 f"annotation {key} is reserved for fracgpu and cannot be set on a GPU pod; "
                 f"remove it"

@@ -28,6 +28,11 @@ How each request becomes a device request:
   ``nvidia.com/gpu: 2`` with a share): the same request with ``count: 2``. The devices of one
   request are always distinct cards, on the one node the pod runs on, and each is charged the
   capacity; the node agent writes one limits file naming both cards with the share of each.
+
+A pod that chose its GPU models (``fracgpu.io/gpu-model``, ``-exclude``) gets alternatives only
+for those models, and ``exactly`` requests select them by CEL on the card's ``productName``. The
+choice is part of the template's name (a digest), so pods with different choices never share a
+template.
 """
 
 from __future__ import annotations
@@ -35,11 +40,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from core import dra
+from core.labels import ModelSet
 from core.quantity import QuantityError, parse_quantity
 from core.units import (
     BLOCK_MIB,
@@ -68,15 +74,26 @@ class ClaimPlan:
 
 
 def plan_claim(
-    container: str, ask: Ask, models: Mapping[str, Card], *, max_cards: int
+    container: str,
+    ask: Ask,
+    models: Mapping[str, Card],
+    *,
+    max_cards: int,
+    chosen: ModelSet | None = None,
 ) -> ClaimPlan:
     """The claim template for one container's request; RequestError names what is wrong.
 
     Whole cards and shares whose memory is given go through the same rules as device-plugin
     mode (``webhook.resources``: the bound on whole cards, memory rounded up to blocks with a
-    warning, memory no known card has refused); the rest is sized once per model.
+    warning, memory no known card has refused); the rest is sized once per model. ``models``
+    are those the pod may get; ``chosen``, the pod's own choice, if it made one.
     """
     warnings: list[str] = []
+    selector = dra.products_selector(chosen.only, chosen.excluded) if chosen else None
+    # The choice names the template too: a short digest of the selector, after the shape.
+    mark = ""
+    if selector is not None:
+        mark = "-g" + hashlib.sha256(selector.encode()).hexdigest()[:10]
     every = CardChoice(tuple(sorted(models.values(), key=lambda c: (c.memory_mib, c.product))))
     core = ask.core
     if core is not None and (
@@ -85,10 +102,14 @@ def plan_claim(
         grant = resolve(container, ask, every, max_cards, warnings)
         if grant.whole_cards:
             request = {"deviceClassName": dra.DEVICE_CLASS, "count": grant.whole_cards}
-            return _plan(f"cards-{grant.whole_cards}", {"exactly": request}, warnings)
-        mib = grant.memory_blocks * BLOCK_MIB
-        request = _share_request(grant.core, grant.memory_blocks, ask.count)
-        return _plan(f"c{grant.core}-m{mib}{_cards_part(ask)}", {"exactly": request}, warnings)
+            shape = f"cards-{grant.whole_cards}{mark}"
+        else:
+            mib = grant.memory_blocks * BLOCK_MIB
+            request = _share_request(grant.core, grant.memory_blocks, ask.count)
+            shape = f"c{grant.core}-m{mib}{_cards_part(ask)}{mark}"
+        if selector is not None:
+            request["selectors"] = [{"cel": {"expression": selector}}]
+        return _plan(shape, {"exactly": request}, warnings)
     alternatives = _per_model(container, ask, every.cards)
     shape = "-".join(
         part
@@ -100,7 +121,8 @@ def plan_claim(
         )
         if part
     )
-    digest = hashlib.sha256(json.dumps(alternatives, sort_keys=True).encode()).hexdigest()[:10]
+    hashed: object = alternatives if selector is None else [alternatives, selector]
+    digest = hashlib.sha256(json.dumps(hashed, sort_keys=True).encode()).hexdigest()[:10]
     # "h" marks the digest: the name says which part is the shape and which part is not.
     return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, warnings)
 
@@ -223,7 +245,7 @@ class SliceModels:
             per_node[node] = per_node.get(node, 0) + count
         return max(per_node.values(), default=None) or None
 
-    def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
+    def largest_card_mib(self, products: Container[str] | None) -> int | None:
         """Memory of the largest card of these models (None: any), for quota's whole cards."""
         sizes = [
             mib

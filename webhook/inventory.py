@@ -7,9 +7,9 @@ GPU Feature Discovery's ``nvidia.com/gpu.product`` and ``nvidia.com/gpu.memory``
 Without a cluster, models come from configuration.
 
 A pod is sized for the model it is pinned to (``nodeSelector``, required node affinity, or
-``nodeName``); an unpinned pod in a mixed cluster is sized for the *smallest* candidate, so the
-grant fits wherever the scheduler puts it (a memory-only request, for the smallest candidate
-that holds it).
+``nodeName``) or chooses in its annotations (``fracgpu.io/gpu-model``, ``-exclude``); an
+unpinned pod in a mixed cluster is sized for the *smallest* candidate, so the grant fits
+wherever the scheduler puts it (a memory-only request, for the smallest candidate that holds it).
 
 Every admission asks for a choice, and a fleet has hundreds of nodes but a handful of models:
 choices are computed once per placement (unpinned, or the products a pod pins) and kept until a
@@ -19,11 +19,11 @@ other labels) keep the cache.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from core.labels import LABEL_PAIRS, PRODUCT_LABEL, PRODUCT_LABELS, pinned_products
+from core.labels import LABEL_PAIRS, PRODUCT_LABEL, PRODUCT_LABELS, ModelSet, pinned_products
 from webhook.resources import Card, CardChoice
 
 _MAX_CHOICES = 256
@@ -56,8 +56,10 @@ class Inventory:
     def __init__(self, static: Mapping[str, int] | None = None) -> None:
         self._static = {name: Card(name, mib) for name, mib in (static or {}).items()}
         self._nodes: dict[str, NodeCards] = {}
-        # placement (None: unpinned; else the pinned label key and products) → choice
-        self._choices: dict[tuple[str, frozenset[str]] | None, CardChoice] = {}
+        # placement (the pinned label key and products, or None; the models the pod chose, or
+        # None) → choice
+        self._choices: dict[tuple[tuple[str, frozenset[str]] | None, ModelSet | None], CardChoice]
+        self._choices = {}
 
     def set_node(self, name: str, labels: Mapping[str, Any]) -> None:
         cards = node_cards(labels)
@@ -79,7 +81,7 @@ class Inventory:
         for name, labels in nodes:
             self.set_node(name, labels)
 
-    def largest_card_mib(self, products: frozenset[str] | None) -> int | None:
+    def largest_card_mib(self, products: Container[str] | None) -> int | None:
         """Memory of the largest card a pod pinned to ``products`` (None: unpinned) may land
         on, or None when no such model is known: what whole cards are charged to a quota."""
         sizes = [
@@ -104,23 +106,34 @@ class Inventory:
                     found[product] = Card(product, cards.memory_mib)
         return found
 
-    def choose(self, pod_spec: Mapping[str, Any]) -> CardChoice:
+    def choose(self, pod_spec: Mapping[str, Any], chosen: ModelSet | None = None) -> CardChoice:
+        """The cards a pod may be sized against: its node's, else its pinned and chosen models."""
         node_name = pod_spec.get("nodeName")
         if isinstance(node_name, str) and node_name in self._nodes:
             cards = self._nodes[node_name]
             card = Card(next(iter(cards.products.values())), cards.memory_mib)
             return CardChoice((card,))
         pinned = pinned_products(pod_spec)
-        choice = self._choices.get(pinned)
+        choice = self._choices.get((pinned, chosen))
         if choice is None:
             if len(self._choices) >= _MAX_CHOICES:  # pins are user input: keep the cache bounded
                 self._choices.clear()
-            choice = self._choices[pinned] = self._choose(pinned)
+            choice = self._choices[pinned, chosen] = self._choose(pinned, chosen)
         return choice
 
-    def _choose(self, pinned: tuple[str, frozenset[str]] | None) -> CardChoice:
+    def _choose(
+        self, pinned: tuple[str, frozenset[str]] | None, chosen: ModelSet | None
+    ) -> CardChoice:
         if pinned is None:
-            return self._among(self.models(), None)
+            models = self.models()
+            if chosen is None:
+                return self._among(models, None)
+            allowed = {p: card for p, card in models.items() if p in chosen}
+            if not allowed:
+                return CardChoice(
+                    unknown="no GPU model the pod chooses in its annotations is known to fracgpu"
+                )
+            return self._among(allowed, None)
         key, products = pinned
         known = self.models(key)
         missing = sorted(p for p in products if p not in known)
@@ -129,7 +142,10 @@ class Inventory:
                 unknown=f"the GPU model the pod selects ({key}={', '.join(missing)}) "
                 f"is not known to fracgpu",
             )
-        return self._among({p: known[p] for p in products if p in known}, key)
+        return self._among(
+            {p: known[p] for p in products if p in known and (chosen is None or p in chosen)},
+            key,
+        )
 
     @staticmethod
     def _among(candidates: Mapping[str, Card], key: str | None) -> CardChoice:

@@ -2,13 +2,15 @@
 
 For each object the webhook either denies with every problem named, or returns a JSON patch
 built against the exact JSON the apiserver sent: the request rewritten into the canonical form,
-the original recorded in an annotation, scheduler, tolerations and environment added. Applying
+the original recorded in an annotation, scheduler, tolerations and environment added, and a
+GPU model the pod chose in its annotations honoured (``_Models``). Applying
 the mutation to its own output changes nothing (reinvocation is a no-op), and objects that ask
 for no GPU pass untouched.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -16,6 +18,18 @@ from typing import Any, Protocol
 from pydantic_core import to_json
 
 from core.admission import AdmissionRequest, AdmissionResponse
+from core.labels import (
+    MODEL_ANNOTATION,
+    MODEL_EXCLUDE_ANNOTATION,
+    PRODUCT_LABEL,
+    ModelChoiceError,
+    ModelSet,
+    choose_models,
+    label_value,
+    model_key,
+    model_lists,
+    pinned_products,
+)
 from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
 from webhook.checks import Container, PodView, forbidden
 from webhook.claims import (
@@ -31,6 +45,7 @@ from webhook.resources import (
     Card,
     CardChoice,
     ContainerResult,
+    Dialect,
     RequestError,
     container_ref,
     enabled,
@@ -68,8 +83,21 @@ def pointer(*tokens: str | int) -> str:
     return "/" + "/".join(escape(t) if isinstance(t, str) else str(t) for t in tokens)
 
 
-_ANNOTATION_TOKEN = escape(REQUEST_ANNOTATION)
 Located = tuple[str, int, Mapping[str, Any], ContainerResult]  # list, index, container, result
+
+
+@dataclass(frozen=True)
+class _Models:
+    """The GPU models a pod chose in its annotations, and what admission must say or write.
+
+    ``chosen`` is None when the pod chose nothing. ``write`` holds fracgpu's model annotations
+    as they must read when the choice came (also) from HAMi's: quota, ``fracgpu review`` and a
+    later admission then read one vocabulary.
+    """
+
+    chosen: ModelSet | None = None
+    errors: tuple[str, ...] = ()
+    write: Mapping[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -81,6 +109,10 @@ class _Pod:
     meta: Mapping[str, Any]
     has_meta: bool
     results: list[Located]
+    models: _Models = field(default_factory=_Models)
+
+
+REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
 
 
 class SchedulerCheck(Protocol):
@@ -105,6 +137,7 @@ class Outcome:
     errors: list[str] = field(default_factory=list)
     gpu: bool = False
     templates: list[ClaimPlan] = field(default_factory=list)  # DRA mode: what the patch names
+    models: ModelSet | None = None  # the GPU models the pod chose, as admission honours them
 
     @property
     def allowed(self) -> bool:
@@ -138,6 +171,7 @@ class Mutator:
         self.templates = templates
         self.dialects = enabled(config.dialects)
         self.inputs = input_resources(self.dialects)
+        self.hami = Dialect.HAMI in self.dialects
         self._memo: dict[tuple[Any, ...], tuple[CardChoice, ContainerResult]] = {}
         self._env: dict[Grant, dict[str, str]] = {}
 
@@ -223,7 +257,8 @@ class Mutator:
             return outcome
         raw_meta = pod.get("metadata")
         meta: Mapping[str, Any] = raw_meta if isinstance(raw_meta, dict) else {}
-        choice = self.inventory.choose(spec)
+        models = self._models(spec, meta)
+        choice = self.inventory.choose(spec, models.chosen)
         results: list[Located] = []
         for list_name in CONTAINER_LISTS:
             containers = spec.get(list_name)
@@ -239,8 +274,10 @@ class Mutator:
                     if warning not in outcome.warnings:
                         outcome.warnings.append(warning)
                 results.append((list_name, index, container, result))
-        plans = self._plan_claims(results, outcome) if self.dra else {}
         claimed = _claimed_env(spec)
+        if any(r.mentions_gpu for *_, r in results) or claimed:
+            outcome.errors.extend(models.errors)  # a pod with no GPU gets no model either
+        plans = self._plan_claims(results, outcome, models.chosen) if self.dra else {}
         outcome.gpu = any(r.grant is not None for *_, r in results) or bool(plans)
         checked = results + self._ephemeral_containers(spec, outcome.errors)
         envs = {
@@ -270,11 +307,62 @@ class Mutator:
             self._claim_ops(ops, root, spec, plans)
             outcome.templates = list({plan.name: plan for plan in plans.values()}.values())
         if outcome.gpu:
-            view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results)
+            outcome.models = models.chosen
+            view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results, models)
+            if models.chosen is not None and not plans:
+                _affinity_op(ops, root, spec, model_expressions(models.chosen))
             self._pod_ops(ops, view)
             if not base:
                 self._scheduler_op(outcome, spec)
         return outcome
+
+    def _models(self, spec: Mapping[str, Any], meta: Mapping[str, Any]) -> _Models:
+        """The pod's model choice, checked against the models the cluster knows.
+
+        Entries are held to the known models only while a request is being sized (first
+        admission): the canonical form, and a pod holding claims from our templates, were
+        checked when their workload was admitted, and must pass while those models' pools are
+        scaled to zero (like the canonical form's memory, see ``webhook.resources``).
+        """
+        annotations = meta.get("annotations")
+        try:
+            only, never = model_lists(annotations, hami=self.hami)
+            if not only and not never:
+                return _Models()
+            known = self.claim_models() if self.dra else self.inventory.models()
+            chosen = choose_models(only, never, known, strict=self._sizes(spec))
+        except ModelChoiceError as exc:
+            return _Models(errors=(str(exc),))
+        assert chosen is not None and isinstance(annotations, dict)
+        errors: list[str] = []
+        pinned = pinned_products(spec)
+        if pinned is not None and not any(p in chosen for p in pinned[1]):
+            key, products = pinned
+            said = " and ".join(lst.annotation for lst in only + never)
+            errors.append(
+                f"the pod pins {key} to {', '.join(sorted(products))} (nodeSelector or required "
+                f"node affinity), which {said} does not allow; choose the model in one place: "
+                f"remove the pin, or make the annotation name the pinned model"
+            )
+        write: dict[str, str] = {}
+        if any(lst.substring for lst in only + never) and self._sizes(spec):
+            if chosen.only is not None:
+                write[MODEL_ANNOTATION] = ",".join(sorted(chosen.only))
+            if chosen.excluded:
+                write[MODEL_EXCLUDE_ANNOTATION] = ",".join(sorted(chosen.excluded))
+        return _Models(chosen, tuple(errors), write)
+
+    def _sizes(self, spec: Mapping[str, Any]) -> bool:
+        """Whether a container asks in a request language rather than the canonical form."""
+        for list_name in CONTAINER_LISTS:
+            containers = spec.get(list_name)
+            for container in containers if isinstance(containers, list) else ():
+                resources = container.get("resources") if isinstance(container, dict) else None
+                for part in ("limits", "requests"):
+                    section = resources.get(part) if isinstance(resources, dict) else None
+                    if any(k in self.inputs and k not in _CANONICAL for k in _keys(section)):
+                        return True
+        return False
 
     def _ephemeral_containers(self, spec: Mapping[str, Any], errors: list[str]) -> list[Located]:
         """Ephemeral containers hold no resources; they are only checked, never rewritten."""
@@ -300,16 +388,27 @@ class Mutator:
         return found
 
     def _plan_claims(
-        self, results: list[Located], outcome: Outcome
+        self, results: list[Located], outcome: Outcome, chosen: ModelSet | None
     ) -> dict[tuple[str, int], ClaimPlan]:
-        """DRA mode: the claim template each GPU container's claim is made from."""
-        models = self.claim_models()
+        """DRA mode: the claim template each GPU container's claim is made from (only the
+        models the pod chose, if it did)."""
+        models = {
+            product: card
+            for product, card in self.claim_models().items()
+            if chosen is None or product in chosen
+        }
         plans: dict[tuple[str, int], ClaimPlan] = {}
         for list_name, index, _, result in results:
             if result.ask is None:
                 continue
             try:
-                plan = plan_claim(result.name, result.ask, models, max_cards=self.config.max_cards)
+                plan = plan_claim(
+                    result.name,
+                    result.ask,
+                    models,
+                    max_cards=self.config.max_cards,
+                    chosen=chosen,
+                )
             except RequestError as exc:
                 outcome.errors.append(str(exc))
                 continue
@@ -460,26 +559,85 @@ class Mutator:
     def _annotation_op(ops: list[dict[str, Any]], pod: _Pod) -> None:
         root = pod.root
         annotations = pod.meta.get("annotations")
-        existing = annotations.get(REQUEST_ANNOTATION) if isinstance(annotations, dict) else None
+        present = annotations if isinstance(annotations, dict) else {}
+        wanted = dict(pod.models.write)
+        existing = present.get(REQUEST_ANNOTATION)
         asked = {
             r.name: r.request for *_, r in pod.results if r.grant is not None or r.ask is not None
         }
         already_canonical = all(req.keys() <= _CANONICAL for req in asked.values())
-        if existing is not None and already_canonical:
-            return  # our own earlier output (reinvocation, or a pod made from a mutated template)
-        # Sorted, compact JSON: the same request always gives the same annotation.
-        value = to_json(
-            {name: dict(sorted(asked[name].items())) for name in sorted(asked)}
-        ).decode()
-        if existing == value:
+        # Not when it is our own earlier output (reinvocation, or a pod made from a mutated
+        # template).
+        if existing is None or not already_canonical:
+            # Sorted, compact JSON: the same request always gives the same annotation.
+            wanted[REQUEST_ANNOTATION] = to_json(
+                {name: dict(sorted(asked[name].items())) for name in sorted(asked)}
+            ).decode()
+        changed = {k: v for k, v in wanted.items() if present.get(k) != v}
+        if not changed:
             return
         if not pod.has_meta:
             ops.append({"op": "add", "path": f"{root}/metadata", "value": {}})
         if not isinstance(annotations, dict):
             ops.append({"op": "add", "path": f"{root}/metadata/annotations", "value": {}})
-        op = "replace" if existing is not None else "add"
-        path = f"{root}/metadata/annotations/{_ANNOTATION_TOKEN}"
-        ops.append({"op": op, "path": path, "value": value})
+        for key, value in changed.items():
+            op = "replace" if key in present else "add"
+            path = f"{root}/metadata/annotations/{escape(key)}"
+            ops.append({"op": op, "path": path, "value": value})
+
+
+def model_expressions(chosen: ModelSet) -> list[dict[str, Any]]:
+    """The node affinity expressions that keep a pod on the models it chose (device-plugin
+    mode): the node label spells a product without spaces, so values are label-safe."""
+    exprs: list[dict[str, Any]] = []
+    if chosen.only:
+        values = sorted({label_value(p) for p in chosen.only})
+        exprs.append({"key": PRODUCT_LABEL, "operator": "In", "values": values})
+    if chosen.excluded:
+        values = sorted({label_value(p) for p in chosen.excluded})
+        exprs.append({"key": PRODUCT_LABEL, "operator": "NotIn", "values": values})
+    return exprs
+
+
+def _same_expression(a: Mapping[str, Any], b: object) -> bool:
+    if not isinstance(b, dict) or (a["key"], a["operator"]) != (b.get("key"), b.get("operator")):
+        return False
+    values = b.get("values")
+    if not isinstance(values, list):
+        return False
+    return {model_key(v) for v in a["values"]} == {model_key(str(v)) for v in values}
+
+
+def _affinity_op(
+    ops: list[dict[str, Any]], root: str, spec: Mapping[str, Any], exprs: list[dict[str, Any]]
+) -> None:
+    """AND the expressions with the pod's required node affinity: selector terms are ORed and
+    a term's expressions ANDed, so each term gets them (or one term is made). An expression a
+    term already has (our earlier output) is not added again."""
+    if not exprs:
+        return
+    affinity = spec.get("affinity")
+    new: dict[str, Any] = copy.deepcopy(affinity) if isinstance(affinity, dict) else {}
+    node = new.get("nodeAffinity")
+    if not isinstance(node, dict):
+        node = new["nodeAffinity"] = {}
+    required = node.get(REQUIRED)
+    if not isinstance(required, dict):
+        required = node[REQUIRED] = {}
+    terms = required.get("nodeSelectorTerms")
+    if not isinstance(terms, list) or not terms:
+        required["nodeSelectorTerms"] = [{"matchExpressions": list(exprs)}]
+    else:
+        for term in terms:
+            if not isinstance(term, dict):
+                continue  # the API server refuses the pod for it
+            have = term.get("matchExpressions")
+            if not isinstance(have, list):
+                have = term["matchExpressions"] = []
+            missing = [e for e in exprs if not any(_same_expression(e, h) for h in have)]
+            have.extend(copy.deepcopy(missing))  # each term its own: the patch is JSON
+    if new != affinity:
+        ops.append({"op": "add", "path": f"{root}/spec/affinity", "value": new})
 
 
 def _memo_key(

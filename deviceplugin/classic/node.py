@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -43,6 +42,7 @@ from core.labels import (
     INVENTORY_VERSION,
     MEMORY_LABEL,
     PRODUCT_LABEL,
+    label_value,
 )
 from core.units import BLOCK_MIB, CORE_PER_CARD
 from deviceplugin.classic.allocator import Allocator, CardUsage
@@ -59,9 +59,7 @@ WRITE_TIMEOUT_S = 10.0  # one PATCH; a writer retries after a failure
 
 def label_safe(text: str) -> str:
     """A label value (≤ 63 chars of [A-Za-z0-9._-], alphanumeric at both ends)."""
-    value = re.sub(r"[^A-Za-z0-9._-]+", "-", text.strip())[:63]
-    value = re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", value)
-    return value or "unknown"
+    return label_value(text)
 
 
 def free_annotation(usage: Iterable[CardUsage]) -> str:

@@ -26,9 +26,11 @@ from typing import Any
 import pytest
 
 from core import contract, dra
+from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
 from core.units import ENV_GPU, ENV_GPU_COUNT, ENV_MEMORY_MIB
 from tests.e2e.harness import (
     ADMISSION_DRA,
+    CARD_PRODUCT,
     DEPLOY,
     ENV_DRA_NODE,
     HarnessError,
@@ -783,3 +785,63 @@ def test_churn_leaves_no_pod_failed_and_every_limits_file_its_claims(
         gone = rng.sample(alive, len(alive) // 2)
         kubectl.ok("delete", "pods", "-n", dra_namespace, *gone, "--wait=false")
         alive = [n for n in alive if n not in gone]
+
+
+# Choosing the GPU model in the pod's annotations (issue #28 item 4): the fake cards publish
+# productName CARD_PRODUCT; admission selects them by CEL in the claim's template.
+
+
+def _model_pod(name: str, node: str, annotations: dict[str, str]) -> Obj:
+    obj = node_pod(name, node, share("1"))
+    obj["metadata"]["annotations"] = annotations
+    return obj
+
+
+def test_a_pod_that_chooses_the_cards_model_gets_a_selector_and_is_allocated(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    annotations = {MODEL_ANNOTATION: CARD_PRODUCT.lower()}  # any case: the slice's spelling
+    create(kubectl, dra_namespace, _model_pod("chosen", agent.node, annotations))
+    wait_running(kubectl, dra_namespace, "chosen", agent)
+    (request,) = claim_of(kubectl, dra_namespace, "chosen")["spec"]["devices"]["requests"]
+    expression = dra.products_selector([CARD_PRODUCT])
+    assert request["exactly"]["selectors"] == [{"cel": {"expression": expression}}], request
+    assert len(cards_of(kubectl, dra_namespace, "chosen")) == 1
+
+
+@pytest.mark.parametrize(
+    ("annotations", "said"),
+    [
+        pytest.param(
+            {MODEL_ANNOTATION: "NVIDIA H1000"},
+            f"{MODEL_ANNOTATION} 'NVIDIA H1000' matches no GPU model in this cluster",
+            id="a-model-the-cluster-has-not",
+        ),
+        pytest.param(
+            {MODEL_EXCLUDE_ANNOTATION: CARD_PRODUCT},
+            "no GPU model of this cluster is left",
+            id="the-only-model-excluded",
+        ),
+    ],
+)
+def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create_in_dra_mode(
+    agent: DraAgent,
+    kubectl: Kubectl,
+    dra_namespace: str,
+    annotations: dict[str, str],
+    said: str,
+) -> None:
+    """The models are the slices' (the agent's): a dry run waits until the webhook has seen them,
+    then the create is refused with the message."""
+    stdin = manifest(_model_pod("denied", agent.node, annotations))
+
+    def refused() -> bool:
+        proc = kubectl("create", "--dry-run=server", "-n", dra_namespace, "-f", "-", stdin=stdin)
+        return proc.returncode != 0 and said in proc.stderr
+
+    wait_for(refused, 15, lambda: describe(kubectl, dra_namespace, agent))
+    proc = kubectl("create", "-n", dra_namespace, "-f", "-", stdin=stdin)
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+    assert f"known: {CARD_PRODUCT}" in proc.stderr, proc.stderr
+    assert kubectl("get", "pod", "denied", "-n", dra_namespace).returncode != 0

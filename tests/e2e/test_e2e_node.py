@@ -17,9 +17,18 @@ from typing import Any
 
 import pytest
 
+from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION, PRODUCT_LABEL, label_value
 from core.units import BLOCK_MIB, CORE, MEMORY
 from deviceplugin.classic.allocator import SETTLE_S
-from tests.e2e.harness import ENV_NODE, HarnessError, Kubectl, Run, Settings, delete_namespace
+from tests.e2e.harness import (
+    CARD_PRODUCT,
+    ENV_NODE,
+    HarnessError,
+    Kubectl,
+    Run,
+    Settings,
+    delete_namespace,
+)
 from tests.e2e.nodeagent import (
     NodeAgent,
     create,
@@ -34,6 +43,7 @@ from tests.e2e.nodeagent import (
     wait_for,
     wait_running,
 )
+from tests.e2e.scenarios import manifest
 
 Obj = dict[str, Any]
 MIB = 1024 * 1024
@@ -373,3 +383,54 @@ def test_a_share_no_card_can_host_waits_pending_and_is_told_why(
     status = kubectl.get("pod", "late", node_namespace)["status"]
     assert status["phase"] == "Pending"
     assert not _condition(kubectl.get("pod", "late", node_namespace), "PodScheduled")
+
+
+# Choosing the GPU model in the pod's annotations (issue #28 item 4). The fake cards are
+# CARD_PRODUCT, which the run's webhook knows (its inventory) and the node label spells
+# label-safe; admission writes the node affinity that keeps the pod on them.
+
+
+def _model_pod(name: str, node: str, annotations: dict[str, str]) -> Obj:
+    obj = node_pod(name, node, {"fracgpu.io/gpu": "0.5"})
+    obj["metadata"]["annotations"] = annotations
+    return obj
+
+
+def test_a_pod_that_chooses_the_cards_model_gets_its_affinity_and_runs(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    annotations = {MODEL_ANNOTATION: CARD_PRODUCT.lower()}  # any case: the cluster's spelling
+    stored = create(kubectl, node_namespace, _model_pod("chosen", agent.node, annotations))
+    (term,) = stored["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    wanted = {"key": PRODUCT_LABEL, "operator": "In", "values": [label_value(CARD_PRODUCT)]}
+    assert term["matchExpressions"] == [wanted], term  # ANDed with the pod's own node term
+    assert term["matchFields"][0]["values"] == [agent.node], term
+    wait_running(kubectl, node_namespace, "chosen", agent)
+
+
+@pytest.mark.parametrize(
+    ("annotations", "said"),
+    [
+        pytest.param(
+            {MODEL_ANNOTATION: "NVIDIA H1000"},
+            f"{MODEL_ANNOTATION} 'NVIDIA H1000' matches no GPU model in this cluster",
+            id="a-model-the-cluster-has-not",
+        ),
+        pytest.param(
+            {MODEL_EXCLUDE_ANNOTATION: CARD_PRODUCT},
+            "no GPU model of this cluster is left",
+            id="the-only-model-excluded",
+        ),
+    ],
+)
+def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create(
+    kubectl: Kubectl, node_namespace: str, annotations: dict[str, str], said: str
+) -> None:
+    obj = _model_pod("denied", "any-node", annotations)
+    proc = kubectl("create", "-n", node_namespace, "-f", "-", stdin=manifest(obj))
+    assert proc.returncode != 0
+    assert said in proc.stderr, proc.stderr
+    assert f"known: {CARD_PRODUCT}" in proc.stderr, proc.stderr
+    assert kubectl("get", "pod", "denied", "-n", node_namespace).returncode != 0
