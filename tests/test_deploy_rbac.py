@@ -92,14 +92,18 @@ def test_webhook_configuration_grants_name_the_deployed_configurations() -> None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_device_plugin_may_only_read_and_patch_nodes_and_post_events(overlay: str) -> None:
+def test_device_plugin_may_only_read_and_patch_nodes_post_events_and_get_pods(
+    overlay: str,
+) -> None:
     grants, builtin = grants_of(render(overlay), SA_PLUGIN)
     # nodes/status: the allocatable GPU resources (node.AllocatableMirror); events: the node
-    # guard's reports on pods over their memory grant (guardevents.py)
+    # guard's reports on pods over their memory grant (guardevents.py); pods, get alone (no
+    # list, no watch): a bursting share's compute policy (classic/policies.py)
     assert grants == (
         _all("cluster", "", "nodes", "get patch")
         | _all("cluster", "", "nodes/status", "patch")
         | _all("cluster", "", "events", "create")
+        | _all("cluster", "", "pods", "get")
     )
     assert builtin == set()
 

@@ -1079,3 +1079,87 @@ def test_a_model_unknown_without_any_model_known_is_written_as_a_label_value() -
     m = Mutator(AdmissionConfig(), Inventory())
     out = apply(m, chosen_pod({GPU_MODEL: "NVIDIA B200"}, {"fracgpu.io/gpu": "1"}))
     assert terms(out) == [{"matchExpressions": [expr("In", "NVIDIA-B200")]}]
+
+
+# ---- burst and priority: the policy written where the device plugin reads it -----------------
+
+
+POLICY = "fracgpu.io/compute-policy"
+
+
+def bursting(name: str = "main", request: str = "0.3", limit: str = "1") -> dict[str, Any]:
+    c = container(name)
+    c["resources"] = {
+        "requests": {"fracgpu.io/gpu": request},
+        "limits": {"fracgpu.io/gpu": limit, "fracgpu.io/gpumem": "8Gi"},
+    }
+    return c
+
+
+def annotations(obj: dict[str, Any]) -> dict[str, str]:
+    found: dict[str, str] = obj["metadata"].get("annotations", {})
+    return found
+
+
+@pytest.mark.parametrize(
+    ("obj", "policy"),
+    [
+        pytest.param(pod(bursting()), '{"main":{"ceiling":100,"priority":"low"}}',
+                     id="guaranteed-0.3-bursting-to-the-card"),
+        pytest.param(
+            {**pod(bursting(limit="0.6")),
+             "metadata": {"annotations": {"fracgpu.io/gpu-priority": "high"}}},
+            '{"main":{"ceiling":60,"priority":"high"}}',
+            id="high-priority-bursting-to-0.6",
+        ),
+        pytest.param(pod(container("main", {"fracgpu.io/gpu": "0.3"})), None,
+                     id="a-hard-cap-writes-none"),
+        pytest.param(
+            {**pod(container("main", {"fracgpu.io/gpu": "0.3"})),
+             "metadata": {"annotations": {POLICY: '{"main":{"ceiling":100}}'}}},
+            None,
+            id="a-users-own-policy-on-a-hard-cap-is-removed",
+        ),
+    ],
+)  # fmt: skip
+def test_a_bursting_share_is_canonical_at_its_guarantee_with_its_policy_beside(
+    obj: dict[str, Any], policy: str | None
+) -> None:
+    out = apply(mutator(), obj)
+    resources = out["spec"]["containers"][0]["resources"]
+    assert (
+        resources["limits"]["fracgpu.io/core"] == resources["requests"]["fracgpu.io/core"] == "30"
+    )
+    assert annotations(out).get("fracgpu.io/compute-policy") == policy
+
+
+def test_a_template_made_pod_keeps_the_policy_its_workload_was_given() -> None:
+    """Deployment → pod: the pod arrives canonical with the annotation and passes as it is."""
+    obj = deployment("Deployment", "apps", {})
+    obj["spec"]["template"]["spec"]["containers"] = [bursting("c")]
+    out = apply(mutator(), obj, "apps", "Deployment")
+    template = out["spec"]["template"]
+    assert annotations(template)["fracgpu.io/compute-policy"] == (
+        '{"c":{"ceiling":100,"priority":"low"}}'
+    )
+    made = {"apiVersion": "v1", "kind": "Pod", **template}
+    assert apply(mutator(), made) == made
+
+
+def test_a_priority_that_is_no_priority_is_denied() -> None:
+    obj = {**pod(bursting()), "metadata": {"annotations": {"fracgpu.io/gpu-priority": "urgent"}}}
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert outcome.errors == [
+        'annotation fracgpu.io/gpu-priority must be high or low (the default); got "urgent"; '
+        "high-priority shares borrow idle compute before low ones"
+    ]
+
+
+def test_a_priority_without_a_bursting_share_warns_it_has_no_effect() -> None:
+    obj = {
+        **pod(container("main", {"fracgpu.io/gpu": "0.3"})),
+        "metadata": {"annotations": {"fracgpu.io/gpu-priority": "high"}},
+    }
+    outcome = mutator().mutate(obj, "", "Pod")
+    assert outcome.allowed
+    assert any("has no effect" in w for w in outcome.warnings)

@@ -325,3 +325,34 @@ def test_a_pod_with_a_model_choice_made_from_a_mutated_deployment_passes_as_it_i
     made = copy.deepcopy(mutated["spec"]["template"])
     outcome = mutator({}).mutate(made, "", "Pod")  # the L4 pool scaled to zero since
     assert (outcome.errors, outcome.patch) == ([], [])
+
+
+def test_a_bursting_share_carries_its_policy_in_its_claim() -> None:
+    """The claim asks the guarantee (what quota counts and the scheduler places); its opaque
+    configuration says how far the share may burst and at which priority, for the node."""
+    obj = pod({"fracgpu.io/gpu": "1", "fracgpu.io/gpumem": "8Gi"})
+    obj["spec"]["containers"][0]["resources"]["requests"] = {"fracgpu.io/gpu": "0.3"}
+    obj["metadata"]["annotations"] = {"fracgpu.io/gpu-priority": "high"}
+    templates = Templates()
+    m = mutator(templates=templates)
+    out = apply(m, obj)
+    name = "fracgpu-c30-m8192-x100-hi"
+    assert out["spec"]["resourceClaims"] == [{"name": "gpu-0", "resourceClaimTemplateName": name}]
+    (plan,) = m.mutate(obj, "", "Pod").templates
+    devices = plan.template["spec"]["spec"]["devices"]
+    assert devices["config"] == [
+        {
+            "requests": ["gpu"],
+            "opaque": {
+                "driver": "gpu.fracgpu.io",
+                "parameters": {
+                    "apiVersion": "gpu.fracgpu.io/v1",
+                    "kind": "SharePolicy",
+                    "ceiling": 100,
+                    "priority": "high",
+                },
+            },
+        }
+    ]
+    assert devices["requests"][0]["exactly"]["capacity"]["requests"]["cores"] == "30"
+    assert "fracgpu.io/compute-policy" not in out["metadata"]["annotations"]

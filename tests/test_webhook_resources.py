@@ -20,6 +20,7 @@ from core.labels import (
     choose_models,
     model_lists,
 )
+from core.policy import Priority
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
@@ -316,10 +317,10 @@ def test_exact_example_message() -> None:
     )
 
 
-def test_requests_must_equal_limits() -> None:
-    message = error_of({"fracgpu.io/gpu": "0.5"}, requests={"fracgpu.io/gpu": "0.3"})
-    assert message == (
-        'container "train": fracgpu.io/gpu request 0.3 differs from its limit 0.5; set only '
+def test_requests_must_equal_limits_except_a_shares_burst() -> None:
+    message = error_of({"fracgpu.io/gpumem": "8Gi"}, requests={"fracgpu.io/gpumem": "4Gi"})
+    assert message.startswith(
+        'container "train": fracgpu.io/gpumem request 4Gi differs from its limit 8Gi; set only '
         "limits, or make requests equal to limits"
     )
     assert grant_of({"fracgpu.io/gpu": "0.5"}, requests={"fracgpu.io/gpu": "500m"}) == Grant(
@@ -878,3 +879,95 @@ def test_hami_model_choice_cannot_be_matched_with_no_known_model() -> None:
 )
 def test_model_set_membership_compares_spellings(product: object, inside: bool) -> None:
     assert (product in ModelSet(frozenset({A100}))) is inside
+
+
+# ---- burst and priority: requests below limits, HAMi's nvidia.com/priority ----------------------
+
+
+@pytest.mark.parametrize(
+    ("resources", "core", "ceiling", "priority"),
+    [
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "0.3"}, "limits": {"fracgpu.io/gpu": "1"}},
+            30, 100, None, id="guaranteed-0.3-bursting-to-the-card",
+        ),
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "300m"}, "limits": {"fracgpu.io/gpu": "0.6",
+                                                                "fracgpu.io/gpumem": "8Gi"}},
+            30, 60, None, id="guaranteed-0.3-bursting-to-0.6-with-memory",
+        ),
+        pytest.param(
+            {"limits": {"fracgpu.io/gpu": "0.3"}}, 30, 0, None, id="limits-alone-a-hard-cap",
+        ),
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "0.3"}, "limits": {"fracgpu.io/gpu": "0.30"}},
+            30, 0, None, id="equal-spellings-a-hard-cap",
+        ),
+        pytest.param(
+            {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30",
+                        "nvidia.com/priority": "0"}},
+            30, 100, Priority.HIGH, id="hami-high-priority",
+        ),
+        pytest.param(
+            {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30",
+                        "nvidia.com/priority": "1"}},
+            30, 100, Priority.LOW, id="hami-low-priority",
+        ),
+        pytest.param(
+            {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30"}},
+            30, 0, None, id="hami-without-priority-a-hard-cap",
+        ),
+    ],
+)  # fmt: skip
+def test_a_share_may_burst_from_its_request_to_its_limit(
+    resources: dict[str, Any], core: int, ceiling: int, priority: Priority | None
+) -> None:
+    result = normalise_container("train", resources, ALL, KNOWN)
+    assert result.errors == []
+    assert result.ask is not None and result.grant is not None
+    assert (result.grant.core, result.ask.ceiling, result.ask.priority) == (
+        core,
+        ceiling,
+        priority,
+    )
+
+
+def test_the_request_annotation_keeps_the_limit_a_share_bursts_to() -> None:
+    resources = {"requests": {"fracgpu.io/gpu": "0.3"}, "limits": {"fracgpu.io/gpu": "1"}}
+    result = normalise_container("train", resources, ALL, KNOWN)
+    assert result.request == {"fracgpu.io/gpu": "0.3", "limits.fracgpu.io/gpu": "1"}
+
+
+@pytest.mark.parametrize(
+    ("resources", "expected"),
+    [
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "0.5"}, "limits": {"fracgpu.io/gpu": "0.3"}},
+            'container "train": fracgpu.io/gpu request 0.5 is more than its limit 0.3: '
+            "fracgpu.io/gpu in requests is the share's guarantee and in limits the most it may "
+            "burst to, both shares of one card (0.01–1), the request below the limit",
+            id="request-above-limit",
+        ),
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "0.5"}, "limits": {"fracgpu.io/gpu": "2"}},
+            "whole cards are never throttled, so give them in limits alone",
+            id="bursting-to-whole-cards",
+        ),
+        pytest.param(
+            {"requests": {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "4Gi"},
+             "limits": {"fracgpu.io/gpu": "1", "fracgpu.io/gpumem": "8Gi"}},
+            "GPU memory is never lent, since an allocation cannot be taken back",
+            id="memory-is-never-lent",
+        ),
+        pytest.param(
+            {"limits": {"nvidia.com/gpu": "1", "nvidia.com/gpucores": "30",
+                        "nvidia.com/priority": "2"}},
+            'container "train": nvidia.com/priority must be 0 (high) or 1 (low); got 2',
+            id="hami-priority-out-of-range",
+        ),
+    ],
+)  # fmt: skip
+def test_a_burst_that_is_not_one_is_denied(resources: dict[str, Any], expected: str) -> None:
+    result = normalise_container("train", resources, ALL, KNOWN)
+    assert len(result.errors) == 1
+    assert expected in result.errors[0]

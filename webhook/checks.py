@@ -22,6 +22,7 @@ from core.contract import (
     VISIBLE_DEVICES_ENV,
 )
 from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
+from core.policy import POLICY_ANNOTATION, PRIORITY_ANNOTATION
 from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
 from webhook.config import AdmissionConfig
 from webhook.resources import ContainerResult, container_ref, quote
@@ -253,12 +254,21 @@ def no_cdi_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
             )
 
 
-USER_ANNOTATIONS = frozenset({REQUEST_ANNOTATION, MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION})
+# The record of the request and the policy read from it (fracgpu's own output, which a pod made
+# from a mutated template carries), the pod's choice of GPU model and its priority.
+USER_ANNOTATIONS = frozenset(
+    {
+        REQUEST_ANNOTATION,
+        MODEL_ANNOTATION,
+        MODEL_EXCLUDE_ANNOTATION,
+        POLICY_ANNOTATION,
+        PRIORITY_ANNOTATION,
+    }
+)
 
 
 def no_reserved_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
-    """Annotations under fracgpu.io/ are fracgpu's, except the record of the request and the
-    pod's choice of GPU model."""
+    """Annotations under fracgpu.io/ are fracgpu's, except those in USER_ANNOTATIONS."""
     if not pod.gpu:
         return
     for key in pod.annotations:

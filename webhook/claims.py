@@ -37,6 +37,7 @@ template.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -46,6 +47,7 @@ from typing import Any
 
 from core import dra
 from core.labels import ModelSet
+from core.policy import Priority, SharePolicy
 from core.quantity import QuantityError, parse_quantity
 from core.units import (
     BLOCK_MIB,
@@ -190,6 +192,27 @@ def _plan(shape: str, request: dict[str, Any], warnings: list[str]) -> ClaimPlan
         "spec": {"spec": {"devices": {"requests": [{"name": REQUEST_NAME, **request}]}}},
     }
     return ClaimPlan(template, tuple(warnings))
+
+
+def with_policy(plan: ClaimPlan, policy: SharePolicy) -> ClaimPlan:
+    """The plan with the share's compute policy in the claim's opaque configuration, where the
+    node agent reads it at prepare (core/policy.py); the policy is part of the template's name
+    (``-x100`` bursting to a whole card, ``-hi`` high priority), so shares of different
+    policies never share a template. A hard cap of low priority is the plan as it was."""
+    if policy.default:
+        return plan
+    template = copy.deepcopy(plan.template)
+    suffix = (f"-x{policy.ceiling}" if policy.ceiling else "") + (
+        "-hi" if policy.priority is Priority.HIGH else ""
+    )
+    template["metadata"]["name"] += suffix
+    template["spec"]["spec"]["devices"]["config"] = [
+        {
+            "requests": [REQUEST_NAME],
+            "opaque": {"driver": dra.DRIVER, "parameters": policy.to_opaque()},
+        }
+    ]
+    return ClaimPlan(template, plan.warnings)
 
 
 class TemplateError(RuntimeError):

@@ -30,6 +30,14 @@ from core.labels import (
     model_lists,
     pinned_products,
 )
+from core.policy import (
+    HARD_CAP,
+    POLICY_ANNOTATION,
+    PRIORITY_ANNOTATION,
+    Priority,
+    SharePolicy,
+    encode_annotation,
+)
 from core.units import CANONICAL, REQUEST_ANNOTATION, Grant
 from webhook.checks import Container, PodView, forbidden
 from webhook.claims import (
@@ -38,6 +46,7 @@ from webhook.claims import (
     TemplateError,
     plan_claim,
     pod_claim_name,
+    with_policy,
 )
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
@@ -51,6 +60,7 @@ from webhook.resources import (
     enabled,
     input_resources,
     normalise_container,
+    quote,
 )
 
 # Where the pod template lives in each built-in workload kind, by (API group, kind).
@@ -110,6 +120,7 @@ class _Pod:
     has_meta: bool
     results: list[Located]
     models: _Models = field(default_factory=_Models)
+    policy: str | None = None  # the compute-policy annotation device-plugin mode writes
 
 
 REQUIRED = "requiredDuringSchedulingIgnoredDuringExecution"
@@ -277,7 +288,19 @@ class Mutator:
         claimed = _claimed_env(spec)
         if any(r.mentions_gpu for *_, r in results) or claimed:
             outcome.errors.extend(models.errors)  # a pod with no GPU gets no model either
+        priority = _pod_priority(meta, outcome.errors)
+        policies = {
+            (list_name, index): _policy_of(result, priority)
+            for list_name, index, _, result in results
+        }
+        if priority is not None and not any(p.ceiling for p in policies.values()):
+            outcome.warnings.append(
+                f"annotation {PRIORITY_ANNOTATION}: {priority} has no effect: priority orders "
+                f"the shares that borrow idle compute, and no share of this pod may burst; ask "
+                f"less fracgpu.io/gpu in requests than in limits to let a share burst"
+            )
         plans = self._plan_claims(results, outcome, models.chosen) if self.dra else {}
+        plans = {key: with_policy(plan, policies[key]) for key, plan in plans.items()}
         outcome.gpu = any(r.grant is not None for *_, r in results) or bool(plans)
         checked = results + self._ephemeral_containers(spec, outcome.errors)
         envs = {
@@ -308,7 +331,14 @@ class Mutator:
             outcome.templates = list({plan.name: plan for plan in plans.values()}.values())
         if outcome.gpu:
             outcome.models = models.chosen
-            view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results, models)
+            policy = (
+                None
+                if plans
+                else encode_annotation(
+                    {result.name: policies[ln, ix] for ln, ix, _, result in results}
+                )
+            )
+            view = _Pod(root, spec, meta, isinstance(raw_meta, dict), results, models, policy)
             if models.chosen is not None and not plans:
                 _affinity_op(ops, root, spec, model_expressions(models.chosen))
             self._pod_ops(ops, view)
@@ -568,12 +598,20 @@ class Mutator:
         already_canonical = all(req.keys() <= _CANONICAL for req in asked.values())
         # Not when it is our own earlier output (reinvocation, or a pod made from a mutated
         # template).
+        dropped: list[str] = []
         if existing is None or not already_canonical:
             # Sorted, compact JSON: the same request always gives the same annotation.
             wanted[REQUEST_ANNOTATION] = to_json(
                 {name: dict(sorted(asked[name].items())) for name in sorted(asked)}
             ).decode()
+            # The policy goes with the request it was read from (a template's pods keep it).
+            if pod.policy is not None:
+                wanted[POLICY_ANNOTATION] = pod.policy
+            elif POLICY_ANNOTATION in present:
+                dropped.append(POLICY_ANNOTATION)
         changed = {k: v for k, v in wanted.items() if present.get(k) != v}
+        for key in dropped:
+            ops.append({"op": "remove", "path": f"{root}/metadata/annotations/{escape(key)}"})
         if not changed:
             return
         if not pod.has_meta:
@@ -584,6 +622,31 @@ class Mutator:
             op = "replace" if key in present else "add"
             path = f"{root}/metadata/annotations/{escape(key)}"
             ops.append({"op": op, "path": path, "value": value})
+
+
+def _pod_priority(meta: Mapping[str, Any], errors: list[str]) -> Priority | None:
+    """The pod's ``fracgpu.io/gpu-priority``, if it says one; a value that is none is an error."""
+    annotations = meta.get("annotations")
+    raw = annotations.get(PRIORITY_ANNOTATION) if isinstance(annotations, dict) else None
+    if raw is None:
+        return None
+    try:
+        return Priority(raw)
+    except ValueError:
+        errors.append(
+            f"annotation {PRIORITY_ANNOTATION} must be high or low (the default); got "
+            f"{quote(raw)}; high-priority shares borrow idle compute before low ones"
+        )
+        return None
+
+
+def _policy_of(result: ContainerResult, pod_priority: Priority | None) -> SharePolicy:
+    """A container's compute policy: bursting to its limit when it asked less in requests, at
+    its own priority (HAMi's nvidia.com/priority) or the pod's; otherwise a hard cap."""
+    ask = result.ask
+    if ask is None or not ask.ceiling:
+        return HARD_CAP
+    return SharePolicy(ask.ceiling, ask.priority or pod_priority or Priority.LOW)
 
 
 def model_expressions(chosen: ModelSet) -> list[dict[str, Any]]:

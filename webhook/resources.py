@@ -38,6 +38,7 @@ from typing import Any
 from core import dra
 from core.contract import MAX_DEVICES
 from core.labels import PRODUCT_LABEL
+from core.policy import Priority
 from core.quantity import MAX_CHARS, Quantity, QuantityError, format_decimal, parse_quantity
 from core.units import (
     BLOCK_MIB,
@@ -64,6 +65,7 @@ HAMI_GPU = "nvidia.com/gpu"
 HAMI_CORES = "nvidia.com/gpucores"
 HAMI_MEM = "nvidia.com/gpumem"
 HAMI_MEM_PERCENTAGE = "nvidia.com/gpumem-percentage"
+HAMI_PRIORITY = "nvidia.com/priority"  # 0 high, 1 low (HAMi's default)
 TKE_CORE = "tencent.com/vcuda-core"
 TKE_MEMORY = "tencent.com/vcuda-memory"
 
@@ -79,7 +81,7 @@ class Dialect(StrEnum):
 DIALECT_RESOURCES: dict[Dialect, tuple[str, ...]] = {
     Dialect.FRACGPU: (GPU, GPUMEM, GPUMEM_PERCENTAGE, GPU_COUNT),
     Dialect.CANONICAL: CANONICAL,
-    Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE),
+    Dialect.HAMI: (HAMI_GPU, HAMI_CORES, HAMI_MEM, HAMI_MEM_PERCENTAGE, HAMI_PRIORITY),
     Dialect.TKESTACK: (TKE_CORE, TKE_MEMORY),
     # The extended resource Kubernetes gives fracgpu's DeviceClass (on by default in 1.36, GA in
     # 1.37): a pod asking for it would get whole cards from a claim the scheduler makes after
@@ -179,6 +181,11 @@ class Ask:
     # their number in ``core`` and keep 1 here.
     count: int = 1
     count_key: str = ""  # the resource that set ``count``, for messages
+    # Burst: the most compute (hundredths of a card) the share may use while the card has idle
+    # compute, from ``limits`` when ``requests`` asks less (the guarantee, in ``core``); 0: a
+    # hard cap. ``priority`` when the request said one (HAMi's nvidia.com/priority).
+    ceiling: int = 0
+    priority: Priority | None = None
 
 
 def input_resources(dialects: Iterable[Dialect]) -> frozenset[str]:
@@ -235,6 +242,7 @@ def normalise_container(
         result.errors.append(f"{container_ref(name)}: resources.limits and requests must be maps")
         return result
     asked = {k: v for k, v in limits.items() if k in mine}
+    ceiling = 0
     for key, value in requests.items():
         if key not in mine:
             continue
@@ -244,11 +252,27 @@ def normalise_container(
                 f"limits; GPU resources are set in limits (requests may be omitted)"
             )
         elif value != limits[key] and not _same_quantity(value, limits[key]):
+            if key == GPU:
+                try:
+                    ceiling = _burst(name, value, limits[key])
+                    asked[key] = value  # the request is the guarantee
+                    continue
+                except RequestError as exc:
+                    result.errors.append(str(exc))
+                    continue
             result.errors.append(
                 f"{container_ref(name)}: {key} request {_show(value)} differs from its limit "
                 f"{_show(limits[key])}; set only limits, or make requests equal to limits"
+                + (
+                    f" (only {GPU} may ask less in requests than in limits: GPU memory is "
+                    f"never lent, since an allocation cannot be taken back)"
+                    if key in (GPUMEM, GPUMEM_PERCENTAGE)
+                    else ""
+                )
             )
     result.request = {k: _show(v) for k, v in asked.items()}
+    if ceiling:
+        result.request[f"limits.{GPU}"] = _show(limits[GPU])
     if result.errors or not asked:
         return result
     used = sorted({_DIALECT_OF[k] for k in asked}, key=active.index)
@@ -265,6 +289,8 @@ def normalise_container(
             result.request = {}
             result.zero = True
             return result
+        if ceiling:
+            ask = replace(ask, ceiling=ceiling)
         result.ask = ask
         if ask.count > 1 and not sized:
             _check_count(name, ask, max_cards)
@@ -275,6 +301,29 @@ def normalise_container(
     except RequestError as exc:
         result.errors.append(str(exc))
     return result
+
+
+def _burst(name: str, request: object, limit: object) -> int:
+    """A share's request below its limit: guaranteed the request, bursting to the limit into
+    compute the card's other shares leave idle. The ceiling in hundredths; RequestError when
+    the two do not make a share of one card that may burst."""
+    rule = (
+        f"{GPU} in requests is the share's guarantee and in limits the most it may burst to, "
+        f"both shares of one card (0.01–1), the request below the limit"
+    )
+    guarantee = _cards(name, GPU, request)
+    ceiling = _cards(name, GPU, limit)
+    if guarantee is None or ceiling is None or guarantee > CORE_PER_CARD or ceiling > CORE_PER_CARD:
+        raise RequestError(
+            f"{container_ref(name)}: {GPU} request {_show(request)} and limit {_show(limit)}: "
+            f"{rule}; whole cards are never throttled, so give them in limits alone"
+        )
+    if guarantee > ceiling:
+        raise RequestError(
+            f"{container_ref(name)}: {GPU} request {_show(request)} is more than its limit "
+            f"{_show(limit)}: {rule}"
+        )
+    return ceiling
 
 
 def container_ref(name: str) -> str:
@@ -479,6 +528,23 @@ def _per_card(core: int | None, blocks: int | None) -> int | None:
 
 
 def _parse_hami(name: str, asked: Mapping[str, Any]) -> Ask | None:
+    ask = _parse_hami_share(name, asked)
+    if ask is None or HAMI_PRIORITY not in asked:
+        return ask
+    level = _count(name, HAMI_PRIORITY, asked[HAMI_PRIORITY], "priority (0 high, 1 low)")
+    if level not in (0, 1):
+        raise RequestError(
+            f"{container_ref(name)}: {HAMI_PRIORITY} must be 0 (high) or 1 (low); got "
+            f"{_show(asked[HAMI_PRIORITY])}"
+        )
+    # HAMi lets a prioritised share use compute the card leaves idle (a low one alone on a card
+    # may use all of it): here, a guarantee of its gpucores that may burst to the whole card.
+    priority = Priority.HIGH if level == 0 else Priority.LOW
+    whole = ask.core is not None and ask.core >= CORE_PER_CARD
+    return ask if whole else replace(ask, ceiling=CORE_PER_CARD, priority=priority)
+
+
+def _parse_hami_share(name: str, asked: Mapping[str, Any]) -> Ask | None:
     memory = _memory(name, asked, HAMI_MEM, HAMI_MEM_PERCENTAGE)
     count = _count(name, HAMI_GPU, asked.get(HAMI_GPU, 1), "cards")
     cores = _count(name, HAMI_CORES, asked.get(HAMI_CORES, 0), "percent")

@@ -512,3 +512,69 @@ def top_shows_live_use(
         agent.nvml.exit(card, pid)
         kubectl("delete", "pod", "stand-in-agent", "-n", namespace, "--force", "--grace-period=0")
         kubectl("delete", "configmap", "agent-metrics", "-n", namespace)
+
+
+def a_burst_is_lent_idle_compute_and_a_cap_is_not(
+    agent: NodeAgent, kubectl: Kubectl, namespace: str
+) -> None:
+    """Two shares of 0.3 card, each with a process keeping 37 % of the SMs busy (fake NVML): one
+    asks 0.3 in requests and 1 in limits (it may burst), the other is a hard cap. Inside each
+    container the node agent's usage file says the share's own use (37) and its ceiling: 30 for
+    the cap; for the burst, what the card's active shares are not guaranteed (100 alone on its
+    card, 70 beside the cap)."""
+    bursting = {"requests": {"fracgpu.io/gpu": "0.3"},
+                "limits": {"fracgpu.io/gpu": "1", "fracgpu.io/gpumem": "4Gi"}}  # fmt: skip
+    for name, resources in (
+        ("burst", bursting),
+        ("capped", {"limits": {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "4Gi"}}),
+    ):
+        obj = node_pod(name, agent.node, {})
+        obj["spec"]["containers"][0].update(
+            image=SHELL_IMAGE, command=["sleep", "3600"], resources=resources
+        )
+        create(kubectl, namespace, obj)
+    for name in ("burst", "capped"):
+        wait_running(kubectl, namespace, name, agent)
+
+    def inside(pod: str, name: str) -> str:
+        return kubectl.ok(
+            "exec", "-n", namespace, pod, "--", "cat", f"{contract.CONTAINER_LIMITS_DIR}/{name}"
+        )
+
+    cards = {
+        pod: next(
+            i
+            for i, c in enumerate(agent.cards)
+            if c.uuid == contract.Limits.parse(inside(pod, contract.LIMITS_FILE)).devices[0]
+        )
+        for pod in ("burst", "capped")
+    }
+    pids = {pod: container_pids(kubectl, namespace, pod) for pod in cards}
+    for pod, card in cards.items():
+        for pid in pids[pod]:
+            agent.nvml.process(card, pid, 500)
+            agent.nvml.busy(card, pid, 37)
+    try:
+
+        def usage(pod: str) -> contract.ShareUsage | None:
+            proc = kubectl("exec", "-n", namespace, pod, "--", "cat",
+                           f"{contract.CONTAINER_LIMITS_DIR}/{contract.USAGE_FILE}")  # fmt: skip
+            if proc.returncode != 0:
+                return None
+            return contract.ShareUsage.parse(proc.stdout)
+
+        lent = 70 if cards["burst"] == cards["capped"] else 100
+        expected = {"burst": (37, lent), "capped": (37, 30)}
+
+        def told() -> bool:
+            for pod, want in expected.items():
+                found = usage(pod)
+                if found is None or (found.used_percent, found.ceiling_percent) != want:
+                    return False
+            return True
+
+        wait_for(told, 20, lambda: f"{ {p: usage(p) for p in expected} } != {expected}")
+    finally:
+        for pod, card in cards.items():
+            for pid in pids[pod]:
+                agent.nvml.exit(card, pid)

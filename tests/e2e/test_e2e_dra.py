@@ -45,6 +45,7 @@ from tests.e2e.harness import (
 )
 from tests.e2e.nodeagent import (
     DraAgent,
+    a_burst_is_lent_idle_compute_and_a_cap_is_not,
     consumed,
     consumed_of,
     create,
@@ -845,3 +846,11 @@ def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create_in_dra_mode(
     assert said in proc.stderr, proc.stderr
     assert f"known: {CARD_PRODUCT}" in proc.stderr, proc.stderr
     assert kubectl("get", "pod", "denied", "-n", dra_namespace).returncode != 0
+
+
+def test_a_share_that_may_burst_is_lent_idle_compute_and_a_hard_cap_is_not(
+    agent: DraAgent, kubectl: Kubectl, dra_namespace: str
+) -> None:
+    """DRA mode: the policy read from the claim's configuration at prepare; the usage file
+    written where the hook reads it."""
+    a_burst_is_lent_idle_compute_and_a_cap_is_not(agent, kubectl, dra_namespace)

@@ -31,6 +31,7 @@ from tests.e2e.harness import (
 )
 from tests.e2e.nodeagent import (
     NodeAgent,
+    a_burst_is_lent_idle_compute_and_a_cap_is_not,
     create,
     describe,
     fake_cards,
@@ -434,3 +435,11 @@ def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create(
     assert said in proc.stderr, proc.stderr
     assert f"known: {CARD_PRODUCT}" in proc.stderr, proc.stderr
     assert kubectl("get", "pod", "denied", "-n", node_namespace).returncode != 0
+
+
+def test_a_share_that_may_burst_is_lent_idle_compute_and_a_hard_cap_is_not(
+    agent: NodeAgent, kubectl: Kubectl, node_namespace: str
+) -> None:
+    """Device-plugin mode: the policy read from the pod's annotation; the usage file written
+    where the hook reads it."""
+    a_burst_is_lent_idle_compute_and_a_cap_is_not(agent, kubectl, node_namespace)
