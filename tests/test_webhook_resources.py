@@ -971,3 +971,11 @@ def test_a_burst_that_is_not_one_is_denied(resources: dict[str, Any], expected: 
     result = normalise_container("train", resources, ALL, KNOWN)
     assert len(result.errors) == 1
     assert expected in result.errors[0]
+
+
+def test_a_hami_priority_without_a_gpu_is_denied_not_a_whole_card() -> None:
+    result = normalise_container("train", {"limits": {"nvidia.com/priority": "0"}}, ALL, KNOWN)
+    assert result.errors == [
+        'container "train": nvidia.com/priority is set without a GPU; it orders shares of a '
+        "card, so add nvidia.com/gpu (and nvidia.com/gpucores or nvidia.com/gpumem), or remove it"
+    ]

@@ -528,6 +528,11 @@ def _per_card(core: int | None, blocks: int | None) -> int | None:
 
 
 def _parse_hami(name: str, asked: Mapping[str, Any]) -> Ask | None:
+    if asked.keys() <= {HAMI_PRIORITY}:
+        raise RequestError(
+            f"{container_ref(name)}: {HAMI_PRIORITY} is set without a GPU; it orders shares of "
+            f"a card, so add {HAMI_GPU} (and {HAMI_CORES} or {HAMI_MEM}), or remove it"
+        )
     ask = _parse_hami_share(name, asked)
     if ask is None or HAMI_PRIORITY not in asked:
         return ask

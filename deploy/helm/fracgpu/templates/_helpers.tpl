@@ -41,7 +41,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- define "fracgpu.dialectResources" -}}
 {{- $names := list -}}
 {{- if has "hami" .Values.dialects -}}
-{{- $names = concat $names (list "nvidia.com/gpu" "nvidia.com/gpucores" "nvidia.com/gpumem" "nvidia.com/gpumem-percentage") -}}
+{{- $names = concat $names (list "nvidia.com/gpu" "nvidia.com/gpucores" "nvidia.com/gpumem" "nvidia.com/gpumem-percentage" "nvidia.com/priority") -}}
 {{- end -}}
 {{- if has "tkestack" .Values.dialects -}}
 {{- $names = concat $names (list "tencent.com/vcuda-core" "tencent.com/vcuda-memory") -}}
