@@ -13,6 +13,26 @@ File format (version 1), ASCII, one ``key=value`` per line, ``#`` comments, orde
     devices=GPU-8f1c…[,GPU-…]     card UUIDs, as NVML reports them
     memory_bytes=8589934592       per card
     compute_percent=30            1–100; 100 means unthrottled
+
+Beside it the node agent may keep a second file, ``usage`` (its own format version 1), which it
+rewrites every period while the share runs: what the node measured of the share's *own* compute
+use and how much the share may use now. A container cannot measure its own use (NVML's
+per-process samples are keyed by host PIDs, which a container does not know) and the card-wide
+utilisation counts every share on the card, so without this file a share next to a busy one is
+held far below its guarantee. The limits file is unchanged by it: a hook that reads only
+``limits`` keeps its behaviour, and a hook on a node that writes no ``usage`` file keeps the
+card-wide controller::
+
+    version=1
+    stamp_us=1764230400000000     CLOCK_REALTIME µs at which the measured window closed
+    window_us=100000              the window's length, 1 µs to 10 s
+    used_percent=27               0–100: the share's own SM use over the window, summed
+    ceiling_percent=30            1–100: what the share may use now (its guarantee, or more
+                                  while the node lends it idle compute)
+
+The hook trusts a ``usage`` file only while it is fresh: its stamp not older than
+USAGE_MAX_AGE_US and not more than USAGE_MAX_AHEAD_US in the future. A stale, missing or
+malformed file means the card-wide controller and ``compute_percent``, as without the file.
 """
 
 from __future__ import annotations
@@ -32,6 +52,7 @@ CONTAINER_HOOK_DIR = "/usr/local/fracgpu"
 CONTAINER_HOOK_LIBRARY = f"{CONTAINER_HOOK_DIR}/lib/libfracgpu.so"
 LD_SO_PRELOAD = "/etc/ld.so.preload"
 LIMITS_FILE = "limits"
+USAGE_FILE = "usage"
 SHARED_REGION_FILE = "accounting"
 # Paths on the node, under one root the webhook forbids as a hostPath in GPU pods.
 HOST_ROOT = "/var/lib/fracgpu"
@@ -43,6 +64,18 @@ KEY_COMPUTE_PERCENT = "compute_percent"
 MAX_FILE_BYTES = 4096
 MAX_DEVICES = 16
 MAX_MEMORY_BYTES = 2**63 - 1  # what native/'s reader holds (int64)
+# Keys and bounds of the usage file.
+USAGE_FORMAT_VERSION = 1
+KEY_STAMP_US = "stamp_us"
+KEY_WINDOW_US = "window_us"
+KEY_USED_PERCENT = "used_percent"
+KEY_CEILING_PERCENT = "ceiling_percent"
+USAGE_MAX_FILE_BYTES = 512  # the hook reads it every 50 ms: a few hundred bytes at most
+USAGE_MAX_WINDOW_US = 10_000_000
+# Older than this, the node agent is presumed gone: the hook falls back to the card's samples.
+USAGE_MAX_AGE_US = 2_000_000
+# Clocks of the node and the container are the same kernel's; allow for the write's own delay.
+USAGE_MAX_AHEAD_US = 100_000
 
 RESERVED_CONTAINER_PATHS = (CONTAINER_ROOT, CONTAINER_HOOK_DIR, LD_SO_PRELOAD)
 # The variable through which the NVIDIA container runtime is told which cards a container sees.
@@ -95,19 +128,7 @@ class Limits:
     @classmethod
     def parse(cls, text: str) -> Limits:
         """Parse with the same strictness as the C reader: unknown keys and duplicates fail."""
-        if len(text.encode()) > MAX_FILE_BYTES:
-            raise LimitsError("limits file is too large")
-        values: dict[str, str] = {}
-        for number, raw in enumerate(text.splitlines(), 1):
-            line = raw.strip()
-            if not line or line.startswith("#"):
-                continue
-            key, sep, value = line.partition("=")
-            if not sep or key not in _KEYS or key in values:
-                raise LimitsError(f"line {number}: unexpected {line[:40]!r}")
-            values[key] = value
-        if set(values) != set(_KEYS):
-            raise LimitsError(f"missing keys: {sorted(set(_KEYS) - set(values))}")
+        values = _key_values(text, _KEYS, MAX_FILE_BYTES, "limits")
         if values[KEY_VERSION] != str(FORMAT_VERSION):
             raise LimitsError(f"unsupported version {values[KEY_VERSION]!r}")
         try:
@@ -127,30 +148,113 @@ class Limits:
         the crash itself reads as malformed, which the hook treats safely (no device memory).
         Two fsyncs cost more than the rest of PreStartContainer on slow disks.
         """
-        directory.mkdir(parents=True, exist_ok=True)
-        target = directory / LIMITS_FILE
-        fd, tmp = tempfile.mkstemp(prefix=".limits.", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="ascii") as fh:
-                fh.write(self.render())
-                if durable:
-                    fh.flush()
-                    os.fsync(fh.fileno())
-            os.chmod(tmp, 0o644)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        if durable:
-            dir_fd = os.open(directory, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
-        return target
+        return _write_atomic(directory, LIMITS_FILE, self.render(), durable)
 
 
 _KEYS = (KEY_VERSION, KEY_DEVICES, KEY_MEMORY_BYTES, KEY_COMPUTE_PERCENT)
+
+
+@dataclass(frozen=True, slots=True)
+class ShareUsage:
+    """One period's ``usage`` file: the share's own measured use and its current ceiling."""
+
+    stamp_us: int
+    window_us: int
+    used_percent: int
+    ceiling_percent: int
+
+    def __post_init__(self) -> None:
+        if not 0 < self.stamp_us < 2**63:
+            raise LimitsError(f"stamp_us must be a positive time in µs, got {self.stamp_us}")
+        if not 0 < self.window_us <= USAGE_MAX_WINDOW_US:
+            raise LimitsError(f"window_us must be 1 to {USAGE_MAX_WINDOW_US}, got {self.window_us}")
+        if self.window_us > self.stamp_us:
+            raise LimitsError("window_us reaches before the epoch")
+        if not 0 <= self.used_percent <= 100:
+            raise LimitsError(f"used_percent must be 0–100, got {self.used_percent}")
+        if not 1 <= self.ceiling_percent <= 100:
+            raise LimitsError(f"ceiling_percent must be 1–100, got {self.ceiling_percent}")
+
+    def render(self) -> str:
+        return (
+            f"{KEY_VERSION}={USAGE_FORMAT_VERSION}\n"
+            f"{KEY_STAMP_US}={self.stamp_us}\n"
+            f"{KEY_WINDOW_US}={self.window_us}\n"
+            f"{KEY_USED_PERCENT}={self.used_percent}\n"
+            f"{KEY_CEILING_PERCENT}={self.ceiling_percent}\n"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> ShareUsage:
+        """Parse with the C reader's strictness (native/src/usage.c)."""
+        values = _key_values(text, _USAGE_KEYS, USAGE_MAX_FILE_BYTES, "usage")
+        if values[KEY_VERSION] != str(USAGE_FORMAT_VERSION):
+            raise LimitsError(f"unsupported version {values[KEY_VERSION]!r}")
+        numbers: dict[str, int] = {}
+        for key in _USAGE_KEYS[1:]:
+            if not values[key].isascii() or not values[key].isdigit() or len(values[key]) > 20:
+                raise LimitsError(f"{key} must be an unsigned integer, got {values[key]!r}")
+            numbers[key] = int(values[key])
+        return cls(
+            numbers[KEY_STAMP_US],
+            numbers[KEY_WINDOW_US],
+            numbers[KEY_USED_PERCENT],
+            numbers[KEY_CEILING_PERCENT],
+        )
+
+    def write_atomic(self, directory: Path) -> Path:
+        """Write ``directory/usage`` by rename, so the hook reads the old file or the new.
+
+        Never fsynced: the file is rewritten every period and one lost to a crash only means
+        the hook falls back to the card's samples until the agent writes the next.
+        """
+        return _write_atomic(directory, USAGE_FILE, self.render(), durable=False)
+
+
+_USAGE_KEYS = (KEY_VERSION, KEY_STAMP_US, KEY_WINDOW_US, KEY_USED_PERCENT, KEY_CEILING_PERCENT)
+
+
+def _key_values(text: str, keys: tuple[str, ...], max_bytes: int, what: str) -> dict[str, str]:
+    """The ``key=value`` lines of a node-written file: every key once, no other."""
+    if len(text.encode()) > max_bytes:
+        raise LimitsError(f"{what} file is too large")
+    values: dict[str, str] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or key not in keys or key in values:
+            raise LimitsError(f"line {number}: unexpected {line[:40]!r}")
+        values[key] = value
+    if set(values) != set(keys):
+        raise LimitsError(f"missing keys: {sorted(set(keys) - set(values))}")
+    return values
+
+
+def _write_atomic(directory: Path, name: str, text: str, durable: bool) -> Path:
+    """Temp file in the same directory, mode 0644, renamed over ``directory/name``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / name
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as fh:
+            fh.write(text)
+            if durable:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    if durable:
+        dir_fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    return target
 
 
 def c_header() -> str:
@@ -169,6 +273,16 @@ def c_header() -> str:
         "FRACGPU_MAX_FILE_BYTES": MAX_FILE_BYTES,
         "FRACGPU_MAX_DEVICES": MAX_DEVICES,
         "FRACGPU_MAX_MEMORY_BYTES": MAX_MEMORY_BYTES,
+        "FRACGPU_USAGE_FILE": USAGE_FILE,
+        "FRACGPU_USAGE_FORMAT_VERSION": USAGE_FORMAT_VERSION,
+        "FRACGPU_KEY_STAMP_US": KEY_STAMP_US,
+        "FRACGPU_KEY_WINDOW_US": KEY_WINDOW_US,
+        "FRACGPU_KEY_USED_PERCENT": KEY_USED_PERCENT,
+        "FRACGPU_KEY_CEILING_PERCENT": KEY_CEILING_PERCENT,
+        "FRACGPU_USAGE_MAX_FILE_BYTES": USAGE_MAX_FILE_BYTES,
+        "FRACGPU_USAGE_MAX_WINDOW_US": USAGE_MAX_WINDOW_US,
+        "FRACGPU_USAGE_MAX_AGE_US": USAGE_MAX_AGE_US,
+        "FRACGPU_USAGE_MAX_AHEAD_US": USAGE_MAX_AHEAD_US,
     }
     lines = [
         "/* Generated from core/contract.py by `python -m core.contract c-header`.",

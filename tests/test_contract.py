@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from core.contract import Limits, LimitsError, c_header
+from core.contract import USAGE_MAX_WINDOW_US, Limits, LimitsError, ShareUsage, c_header
 
 
 @pytest.mark.parametrize("durable", [False, True])
@@ -51,4 +51,61 @@ def test_rejects(text: str) -> None:
 def test_header_names_every_key() -> None:
     header = c_header()
     for key in ("version", "devices", "memory_bytes", "compute_percent", "/run/fracgpu/limits"):
+        assert f'"{key}"' in header
+
+
+def test_usage_round_trip(tmp_path: Path) -> None:
+    usage = ShareUsage(1_764_230_400_000_000, 100_000, 27, 30)
+    path = usage.write_atomic(tmp_path)
+    assert path.name == "usage"
+    assert ShareUsage.parse(path.read_text()) == usage
+    assert path.stat().st_mode & 0o777 == 0o644
+
+
+@pytest.mark.parametrize(
+    ("stamp", "window", "used", "ceiling"),
+    [
+        (0, 1, 0, 1),
+        (10, 11, 0, 1),
+        (10**9, 0, 0, 1),
+        (10**9, USAGE_MAX_WINDOW_US + 1, 0, 1),
+        (10**9, 1, 101, 1),
+        (10**9, 1, -1, 1),
+        (10**9, 1, 0, 0),
+        (10**9, 1, 0, 101),
+    ],
+    ids=[
+        "no stamp",
+        "window before the epoch",
+        "empty window",
+        "window too long",
+        "used over 100",
+        "used negative",
+        "ceiling 0",
+        "ceiling over 100",
+    ],
+)
+def test_usage_refuses_out_of_range(stamp: int, window: int, used: int, ceiling: int) -> None:
+    with pytest.raises(LimitsError):
+        ShareUsage(stamp, window, used, ceiling)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "version=1\nstamp_us=5\nwindow_us=1\nused_percent=0\nceiling_percent=1\nextra=1\n",
+        "version=1\nstamp_us=5\nwindow_us=1\nused_percent= 1\nceiling_percent=1\n",
+        "version=1\nstamp_us=5\nwindow_us=1\nused_percent=1.5\nceiling_percent=1\n",
+        "version=1\nstamp_us=5\nwindow_us=1\nused_percent=١\nceiling_percent=1\n",
+    ],
+    ids=["unknown key", "space in a number", "fraction", "non-ASCII digit"],
+)
+def test_usage_parse_is_strict(text: str) -> None:
+    with pytest.raises(LimitsError):
+        ShareUsage.parse(text)
+
+
+def test_header_names_the_usage_keys() -> None:
+    header = c_header()
+    for key in ("usage", "stamp_us", "window_us", "used_percent", "ceiling_percent"):
         assert f'"{key}"' in header

@@ -12,14 +12,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-static const char *trim(const char *s, const char *end, const char **out_end) {
+const char *fg_text_trim(const char *s, const char *end, const char **out_end) {
     while (s < end && (*s == ' ' || *s == '\t' || *s == '\r')) s++;
     while (end > s && (end[-1] == ' ' || end[-1] == '\t' || end[-1] == '\r')) end--;
     *out_end = end;
     return s;
 }
 
-static int parse_u64(const char *s, const char *end, uint64_t *out) {
+int fg_text_u64(const char *s, const char *end, uint64_t *out) {
     if (s == end || end - s > 20) return -1;
     uint64_t v = 0;
     for (; s < end; s++) {
@@ -72,7 +72,7 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
         const char *lend = nl ? nl : end;
         line++;
         const char *s, *e;
-        s = trim(p, lend, &e);
+        s = fg_text_trim(p, lend, &e);
         p = nl ? nl + 1 : end;
         if (s == e || *s == '#') continue;
         if (memchr(s, '\0', (size_t)(e - s))) {
@@ -107,7 +107,7 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
         uint64_t n = 0;
         switch (bit) {
         case K_VERSION:
-            if (parse_u64(v, e, &n) != 0 || n != FRACGPU_FORMAT_VERSION) {
+            if (fg_text_u64(v, e, &n) != 0 || n != FRACGPU_FORMAT_VERSION) {
                 snprintf(why, why_len, "line %d: unsupported version (this hook reads %d)", line,
                          FRACGPU_FORMAT_VERSION);
                 return FG_LIMITS_INVALID;
@@ -122,14 +122,14 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
             }
             break;
         case K_MEMORY:
-            if (parse_u64(v, e, &n) != 0 || n == 0 || n > (uint64_t)FRACGPU_MAX_MEMORY_BYTES) {
+            if (fg_text_u64(v, e, &n) != 0 || n == 0 || n > (uint64_t)FRACGPU_MAX_MEMORY_BYTES) {
                 snprintf(why, why_len, "line %d: memory_bytes must be a positive integer", line);
                 return FG_LIMITS_INVALID;
             }
             out->memory_bytes = n;
             break;
         default:
-            if (parse_u64(v, e, &n) != 0 || n < 1 || n > 100) {
+            if (fg_text_u64(v, e, &n) != 0 || n < 1 || n > 100) {
                 snprintf(why, why_len, "line %d: compute_percent must be 1 to 100", line);
                 return FG_LIMITS_INVALID;
             }
@@ -146,8 +146,9 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
     return FG_LIMITS_OK;
 }
 
-fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, size_t why_len) {
-    memset(out, 0, sizeof *out);
+fg_limits_status fg_small_file_read(const char *path, char *buf, size_t cap, size_t *len,
+                                    char *why, size_t why_len) {
+    *len = 0;
     /* O_NONBLOCK: a FIFO planted at the path must not hang the process. */
     int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK);
     if (fd < 0) {
@@ -161,10 +162,8 @@ fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, siz
         snprintf(why, why_len, "is not a regular file");
         return FG_LIMITS_INVALID;
     }
-    char buf[FRACGPU_MAX_FILE_BYTES + 1];
-    size_t len = 0;
-    while (len < sizeof buf) {
-        ssize_t n = read(fd, buf + len, sizeof buf - len);
+    while (*len < cap) {
+        ssize_t n = read(fd, buf + *len, cap - *len);
         if (n < 0 && errno == EINTR) continue;
         if (n < 0) {
             snprintf(why, why_len, "cannot be read: %s", strerror(errno));
@@ -172,8 +171,16 @@ fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, siz
             return FG_LIMITS_INVALID;
         }
         if (n == 0) break;
-        len += (size_t)n;
+        *len += (size_t)n;
     }
     close(fd);
-    return fg_limits_parse(buf, len, out, why, why_len);
+    return FG_LIMITS_OK;
+}
+
+fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, size_t why_len) {
+    memset(out, 0, sizeof *out);
+    char buf[FRACGPU_MAX_FILE_BYTES + 1];
+    size_t len;
+    fg_limits_status st = fg_small_file_read(path, buf, sizeof buf, &len, why, why_len);
+    return st == FG_LIMITS_OK ? fg_limits_parse(buf, len, out, why, why_len) : st;
 }

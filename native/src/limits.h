@@ -29,4 +29,14 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
 /* Read and parse the file at path. ENOENT is FG_LIMITS_ABSENT; every other failure is invalid. */
 fg_limits_status fg_limits_load(const char *path, fg_limits *out, char *why, size_t why_len);
 
+/* What the usage reader (usage.c) shares with this one, so both are equally strict. */
+/* s..end without surrounding blanks; *out_end is the new end. */
+const char *fg_text_trim(const char *s, const char *end, const char **out_end);
+/* Digits only, no sign or blank, no overflow: 0, else -1. */
+int fg_text_u64(const char *s, const char *end, uint64_t *out);
+/* Read at most cap bytes of a regular file (O_NONBLOCK: a FIFO cannot hang the caller). ENOENT
+ * is FG_LIMITS_ABSENT; any other failure FG_LIMITS_INVALID with why set. */
+fg_limits_status fg_small_file_read(const char *path, char *buf, size_t cap, size_t *len,
+                                    char *why, size_t why_len);
+
 #endif
