@@ -1,0 +1,86 @@
+"""Two shares on one fake card: their probes, each under its own container's hook, and the
+stand-in node agent measuring them (testkit/share_agent.py). Used by tests/test_native_share.py
+and bench/native.py, so both measure the same shapes the same way."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from core.contract import Limits
+from deviceplugin.shared.lending import Priority
+from testkit.native_kit import FAKE_UUID, MIB, Kit, Probe
+from testkit.share_agent import AgentShare, ShareAgent, fake_card_nvml
+
+KERNEL_US = 1000  # each fake kernel runs 1 ms of the card's clock
+
+
+@dataclass
+class Share:
+    """A share of the card: a slot ("a" or "b": which test hook), its guarantee and request."""
+
+    slot: str
+    guarantee: int
+    priority: Priority = Priority.LOW
+    may_burst: bool = True
+    ops: Sequence[str] = ()  # the probe's ops after init
+    start_after_s: float = 0.0
+    result: Probe | None = field(default=None, repr=False)
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+def run_shares(kit: Kit, shares: Sequence[Share], usage: bool = True) -> tuple[ShareAgent, int]:
+    """Run the shares' probes on the kit's shared card (each started start_after_s after the
+    first) with the stand-in agent measuring them; with usage, it also writes their usage files.
+    Returns the agent (what it measured) and the start time (µs, CLOCK_REALTIME)."""
+    agent_shares = []
+    for s in shares:
+        kit.reset_share(s.slot)
+        Limits((FAKE_UUID,), 1024 * MIB, s.guarantee).write_atomic(kit.share_limits_dir(s.slot))
+        agent_shares.append(
+            AgentShare(s.slot, kit.share_limits_dir(s.slot), s.guarantee, s.priority, s.may_burst)
+        )
+    hooks = {s.slot: kit.share_hook(s.slot) for s in shares}
+    agent = ShareAgent(fake_card_nvml(kit), agent_shares, write=usage)
+    started = now_us()
+    agent.start()
+    running: list[tuple[Share, subprocess.Popen[str]]] = []
+    try:
+        for s in sorted(shares, key=lambda s: s.start_after_s):
+            delay = started / 1e6 + s.start_after_s - time.time()
+            if delay > 0:
+                time.sleep(delay)
+            env = kit.env(
+                hook=hooks[s.slot],
+                extra={
+                    "FAKE_CUDA_KERNEL_US": str(KERNEL_US),
+                    "FAKE_CUDA_SHARED_CARD": str(kit.shared_card),
+                },
+            )
+            proc = subprocess.Popen(
+                kit.command(["init", *s.ops]),
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            next(a for a in agent_shares if a.name == s.slot).pids.add(proc.pid)
+            running.append((s, proc))
+        for s, proc in running:
+            out, err = proc.communicate(timeout=60)
+            s.result = Probe(proc.returncode, out, err)
+    finally:
+        for _, proc in running:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        agent.stop()
+    for s in shares:
+        assert s.result is not None
+        s.result.check_clean()
+    return agent, started
