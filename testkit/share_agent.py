@@ -53,11 +53,11 @@ class FakeCardNvml:
     def __init__(self, kit: Kit) -> None:
         # The fake driver reads this once, at its first cuInit in this process.
         os.environ["FAKE_CUDA_SHARED_CARD"] = str(kit.shared_card)
-        self._lib = ctypes.CDLL(str(kit.build / "fake" / "plain" / "libnvidia-ml.so.1"))
-        if self._lib.nvmlInit_v2() != NVML_SUCCESS:
+        self.lib = ctypes.CDLL(str(kit.build / "fake" / "plain" / "libnvidia-ml.so.1"))
+        if self.lib.nvmlInit_v2() != NVML_SUCCESS:
             raise RuntimeError("fake nvmlInit_v2 failed")
-        self._handle = ctypes.c_void_p()
-        if self._lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self._handle)) != NVML_SUCCESS:
+        self.handle = ctypes.c_void_p()
+        if self.lib.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(self.handle)) != NVML_SUCCESS:
             raise RuntimeError("fake nvmlDeviceGetHandleByIndex_v2 failed")
 
     def card_stamps(self, after_us: int) -> list[int]:
@@ -65,8 +65,8 @@ class FakeCardNvml:
         buf = (_Sample * 128)()
         count = ctypes.c_uint(128)
         kind = ctypes.c_int()
-        rc = self._lib.nvmlDeviceGetSamples(
-            self._handle,
+        rc = self.lib.nvmlDeviceGetSamples(
+            self.handle,
             NVML_GPU_UTILIZATION_SAMPLES,
             ctypes.c_ulonglong(after_us),
             ctypes.byref(kind),
@@ -83,15 +83,15 @@ class FakeCardNvml:
         """(pid, window stamp µs, SM percent) of each process busy in each window after after_us,
         by NVML's sizing protocol: ask the count, then fetch."""
         count = ctypes.c_uint(0)
-        fn = self._lib.nvmlDeviceGetProcessUtilization
-        rc = fn(self._handle, None, ctypes.byref(count), ctypes.c_ulonglong(after_us))
+        fn = self.lib.nvmlDeviceGetProcessUtilization
+        rc = fn(self.handle, None, ctypes.byref(count), ctypes.c_ulonglong(after_us))
         if rc == NVML_ERROR_NOT_FOUND:
             return []
         if rc != NVML_ERROR_INSUFFICIENT_SIZE:
             raise RuntimeError(f"fake nvmlDeviceGetProcessUtilization (size): {rc}")
         buf = (_ProcessSample * (count.value + 16))()
         count = ctypes.c_uint(count.value + 16)
-        rc = fn(self._handle, buf, ctypes.byref(count), ctypes.c_ulonglong(after_us))
+        rc = fn(self.handle, buf, ctypes.byref(count), ctypes.c_ulonglong(after_us))
         if rc == NVML_ERROR_NOT_FOUND:
             return []
         if rc != NVML_SUCCESS:

@@ -28,6 +28,7 @@ class Share:
     ops: Sequence[str] = ()  # the probe's ops after init
     start_after_s: float = 0.0
     result: Probe | None = field(default=None, repr=False)
+    pid: int = 0  # its probe's, once started
 
 
 def now_us() -> int:
@@ -69,6 +70,7 @@ def run_shares(kit: Kit, shares: Sequence[Share], usage: bool = True) -> tuple[S
                 stderr=subprocess.PIPE,
                 text=True,
             )
+            s.pid = proc.pid
             next(a for a in agent_shares if a.name == s.slot).pids.add(proc.pid)
             running.append((s, proc))
         for s, proc in running:
@@ -84,3 +86,23 @@ def run_shares(kit: Kit, shares: Sequence[Share], usage: bool = True) -> tuple[S
         assert s.result is not None
         s.result.check_clean()
     return agent, started
+
+
+def handover_s(
+    agent: ShareAgent, *, borrower: str, owner: str, target: float, points: float, until_us: int
+) -> float:
+    """How long the borrower took to give the card back: from the first window the owner ran in
+    to the first window W where the borrower is within points of target and stays so on
+    average from W to until_us (a mean, so that one window disturbed by a loaded machine does
+    not restart the count). Infinite when it never does."""
+    first = next((w for w in agent.windows if w.used[owner] >= 1), None)
+    if first is None:
+        return float("inf")
+    after = [w for w in agent.windows if w.from_us >= first.from_us and w.to_us <= until_us]
+    for k, w in enumerate(after):
+        rest = after[k:]
+        span = sum(x.to_us - x.from_us for x in rest)
+        mean = sum(x.used[borrower] * (x.to_us - x.from_us) for x in rest) / span
+        if abs(w.used[borrower] - target) <= points and abs(mean - target) <= points:
+            return (w.from_us - first.from_us) / 1e6
+    return float("inf")

@@ -16,12 +16,14 @@ steady state observed is within 1 point), and bounds that leave a loaded 2-core 
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 
 from deviceplugin.shared.lending import Priority
 from testkit.native_kit import Kit
-from testkit.share_agent import ShareAgent
-from testkit.share_run import Share, run_shares
+from testkit.share_agent import NVML_ERROR_INSUFFICIENT_SIZE, ShareAgent, fake_card_nvml
+from testkit.share_run import Share, handover_s, run_shares
 
 POINTS = 5.0
 
@@ -63,42 +65,57 @@ def test_a_lone_share_that_may_not_burst_keeps_its_guarantee(kit: Kit) -> None:
     assert mean(agent, "a", started, 1.5, 3.0) == pytest.approx(30, abs=POINTS)
 
 
-def handover_s(agent: ShareAgent, until_us: int) -> float:
-    """From the first window B ran in to the start of the first window from which A stays
-    within POINTS of its 30 until until_us."""
-    b_first = next(w for w in agent.windows if w.used["b"] >= 1)
-    after = [w for w in agent.windows if w.from_us >= b_first.from_us and w.to_us <= until_us]
-    settled = None
-    for w in after:
-        inside = abs(w.used["a"] - 30) <= POINTS
-        settled = (settled or w) if inside else None
-    assert settled is not None, [(round(w.used["a"]), round(w.used["b"])) for w in after]
-    return (settled.from_us - b_first.from_us) / 1e6
-
-
 def test_the_owner_coming_back_gets_its_guarantee_within_a_second(kit: Kit) -> None:
     a = Share("a", 30, ops=["launch:5000"])
     b = Share("b", 70, ops=["launch:3000"], start_after_s=2.0)
     agent, started = run_shares(kit, [a, b])
     assert mean(agent, "a", started, 1.0, 2.0) >= 90  # A was bursting
-    took = handover_s(agent, started + 4_800_000)
+    took = handover_s(
+        agent, borrower="a", owner="b", target=30, points=POINTS, until_us=started + 4_800_000
+    )
     print(f"handover: A back within {POINTS:.0f} points of 30 after {took:.2f} s")
-    assert took <= 1.0
+    assert took <= 1.0, [(round(w.used["a"]), round(w.used["b"])) for w in agent.windows]
 
 
 def test_a_high_priority_share_is_not_held_up_by_a_bursting_low_one(kit: Kit) -> None:
     # High: guarantee 50, a paced workload of 40 % (a 1 ms kernel every 2.5 ms, each waited
-    # for). Low: guarantee 20, bursting into the idle card before high starts. Bound: high's
-    # kernels take at most what the fake card may queue ahead of a launch (20 ms) plus its own
-    # 1 ms and 4 ms of slack at the 99th percentile, and high gets through at least 95 % of the
-    # kernels it paced (its 40 % is below its guarantee, so the hook never holds it back).
-    high = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"], start_after_s=1.5)
-    low = Share("b", 20, Priority.LOW, ops=["launch:4500"])
+    # for). Low: guarantee 20, bursting into the idle card before high starts. Bound: at the
+    # 99th percentile a high kernel takes at most what the fake card lets a process queue
+    # ahead of it (20 ms, FIFO) plus its own 1 ms and 9 ms of slack for a loaded machine
+    # (observed 18-21 ms), and high gets through at least 95 % of the kernels it paced (its
+    # 40 % is below its guarantee, so its hook never holds it back).
+    high = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"], start_after_s=2.0)
+    low = Share("b", 20, Priority.LOW, ops=["launch:5000"])
     agent, started = run_shares(kit, [high, low])
     assert high.result is not None
     rc, kernels, p50_us, p99_us, worst_us = high.result.one("pace")
     print(f"high priority: p50 {p50_us} us, p99 {p99_us} us, worst {worst_us} us, {kernels}")
     assert rc == 0
     assert kernels >= 0.95 * 3000 / 2.5
-    assert p99_us <= 25_000
-    assert mean(agent, "b", started, 0.8, 1.5) >= 90  # low was bursting before high came
+    assert p99_us <= 30_000
+    bursting = mean(agent, "b", started, 1.0, 2.0)
+    assert bursting >= 90, bursting  # low was bursting before high came
+
+
+def test_the_fake_nvml_reports_each_process_on_the_shared_card(kit: Kit) -> None:
+    # What the stand-in agent relies on: both processes' kernels in the card's samples, each
+    # process's own in its per-process samples, NOT_FOUND once nothing newer is left, and NVML's
+    # sizing protocol (a NULL buffer is answered with the count needed).
+    nvml = fake_card_nvml(kit)
+    a = Share("a", 100, ops=["launch:600"])
+    b = Share("b", 100, ops=["launch:600"])
+    _, started = run_shares(kit, [a, b], usage=False)
+    ours = {a.pid, b.pid}
+    # Windows that closed after the start still hold the tail of the previous test's processes.
+    samples = [x for x in nvml.process_samples(started) if x[0] in ours]
+    assert {pid for pid, _, _ in samples} == ours, samples
+    busiest = max(sum(sm for p, s, sm in samples if s == stamp) for _, stamp, _ in samples)
+    assert busiest >= 90  # the two processes' kernels filled the one card between them
+    newest = max(stamp for _, stamp, _ in samples)
+    assert nvml.process_samples(newest) == []
+    count = ctypes.c_uint(0)
+    rc = nvml.lib.nvmlDeviceGetProcessUtilization(
+        nvml.handle, None, ctypes.byref(count), ctypes.c_ulonglong(started)
+    )
+    assert rc == NVML_ERROR_INSUFFICIENT_SIZE
+    assert count.value == len(nvml.process_samples(started))
