@@ -143,6 +143,7 @@ class ShareAgent:
         self.shares = shares
         self.period_s = period_s
         self.write = write
+        self.write_until_us: int | None = None  # after this, measure only: an agent that died
         self.windows: list[Window] = []
         self._clock_us = clock_us
         self._seen_us = clock_us()
@@ -195,7 +196,7 @@ class ShareAgent:
         window_us = min(newest - self._seen_us, USAGE_MAX_WINDOW_US)
         for s in self.shares:
             s.ceiling = int(given[s.name])
-            if self.write:
+            if self.write and (self.write_until_us is None or newest <= self.write_until_us):
                 ShareUsage(newest, window_us, round(used[s.name]), s.ceiling).write_atomic(
                     s.limits_dir
                 )

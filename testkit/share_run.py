@@ -35,10 +35,16 @@ def now_us() -> int:
     return time.time_ns() // 1000
 
 
-def run_shares(kit: Kit, shares: Sequence[Share], usage: bool = True) -> tuple[ShareAgent, int]:
+def run_shares(
+    kit: Kit,
+    shares: Sequence[Share],
+    usage: bool = True,
+    usage_until_s: float | None = None,
+) -> tuple[ShareAgent, int]:
     """Run the shares' probes on the kit's shared card (each started start_after_s after the
-    first) with the stand-in agent measuring them; with usage, it also writes their usage files.
-    Returns the agent (what it measured) and the start time (µs, CLOCK_REALTIME)."""
+    first) with the stand-in agent measuring them; with usage, it also writes their usage files
+    (until usage_until_s, if given: then it stops writing, as an agent that died). Returns the
+    agent (what it measured) and the start time (µs, CLOCK_REALTIME)."""
     agent_shares = []
     for s in shares:
         kit.reset_share(s.slot)
@@ -49,6 +55,8 @@ def run_shares(kit: Kit, shares: Sequence[Share], usage: bool = True) -> tuple[S
     hooks = {s.slot: kit.share_hook(s.slot) for s in shares}
     agent = ShareAgent(fake_card_nvml(kit), agent_shares, write=usage)
     started = now_us()
+    if usage_until_s is not None:
+        agent.write_until_us = started + int(usage_until_s * 1e6)
     agent.start()
     running: list[tuple[Share, subprocess.Popen[str]]] = []
     try:

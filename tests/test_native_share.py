@@ -65,6 +65,17 @@ def test_a_lone_share_that_may_not_burst_keeps_its_guarantee(kit: Kit) -> None:
     assert mean(agent, "a", started, 1.5, 3.0) == pytest.approx(30, abs=POINTS)
 
 
+def test_a_loan_ends_when_the_usage_file_goes_stale(kit: Kit) -> None:
+    # The node agent stops writing while the lone share is bursting: 2 s after the last stamp
+    # the file is stale and the hook is back to the card's samples and its compute_percent.
+    a = Share("a", 30, ops=["launch:5500"])
+    agent, started = run_shares(kit, [a], usage_until_s=1.8)
+    assert mean(agent, "a", started, 1.0, 1.8) >= 90
+    after = mean(agent, "a", started, 4.6, 5.4)
+    print(f"stale usage file: A at {after:.1f} % once back on the card's samples")
+    assert after == pytest.approx(30, abs=POINTS)
+
+
 def test_the_owner_coming_back_gets_its_guarantee_within_a_second(kit: Kit) -> None:
     a = Share("a", 30, ops=["launch:5000"])
     b = Share("b", 70, ops=["launch:3000"], start_after_s=2.0)

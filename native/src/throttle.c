@@ -61,6 +61,7 @@ typedef struct {
     bool samples;          /* nvmlDeviceGetSamples works for this card */
     bool by_usage;         /* the spans are the usage file's windows, not NVML's samples */
     double target;         /* the last period's target, to see a ceiling fall */
+    bool fell;             /* the target fell since the rate was last set */
     fg_span spans[SPANS];  /* NVML's samples (or the usage file's windows), newest last */
     unsigned nspans;
     unsigned long long seen_us; /* newest sample used; at first, when the sampler started */
@@ -173,16 +174,17 @@ static void adjust(fg_bucket *b, double target, fg_feed_step step, const fg_usag
     double util = 0, per_period = 0;
     bool fresh = false;
     bool by_usage = step != FG_FEED_OFF;
+    /* Below the last target: a loan ended (its owner is back, or the file went stale). Kept
+     * until the next fresh measurement sets the rate. */
+    if (b->target > 0 && target < b->target) b->fell = true;
+    b->target = target;
     if (by_usage != b->by_usage) {
         /* The share's own use and the card's are not one measure: start over from here, and
          * take NVML's samples from now on, as at the sampler's start. */
         b->by_usage = by_usage;
         b->nspans = 0;
         b->seen_us = now;
-        b->target = target;
     }
-    bool fell = by_usage && target < b->target;
-    b->target = target;
     if (by_usage) {
         if (step == FG_FEED_NEW) {
             usage_span(b, u);
@@ -205,9 +207,10 @@ static void adjust(fg_bucket *b, double target, fg_feed_step step, const fg_usag
         if (per_period > 0 && util > 0.5) {
             /* Launches cost util/per_period each: the rate that costs the target. */
             double wanted = per_period * target / util;
-            /* A ceiling that fell (the owner of lent compute is back) is met at once, not over
-             * several samples: the owner gets its guarantee back within one window. */
-            rate = rate > 0 && !(fell && wanted < rate) ? 0.5 * rate + 0.5 * wanted : wanted;
+            /* A ceiling that fell is met at once, not over several samples: the owner of lent
+             * compute gets its guarantee back within one window. Without a loan the target
+             * never moves, and this is the controller as it always was. */
+            rate = rate > 0 && !(b->fell && wanted < rate) ? 0.5 * rate + 0.5 * wanted : wanted;
         } else if (starved && rate > 0 && per_period > 0) {
             rate *= 2; /* launches that leave no trace on the card: they cost little */
         }
@@ -220,6 +223,7 @@ static void adjust(fg_bucket *b, double target, fg_feed_step step, const fg_usag
                    by_usage ? "own" : "card", util, target, per_period, (int)starved, b->rate,
                    rate);
         b->rate = rate;
+        b->fell = false;
     }
     if (b->rate <= 0) return; /* not measured yet: no limit */
     /* This period's tokens, and the fraction carried; unused ones do not pile up into a burst. */
@@ -266,6 +270,8 @@ static bool start_sampler(void) {
             buckets[i].rate = 0;
             buckets[i].credit = 0;
             buckets[i].by_usage = false;
+            buckets[i].target = 0;
+            buckets[i].fell = false;
             buckets[i].nspans = 0;
             buckets[i].seen_us = realtime_us(); /* the driver's earlier history is not ours */
             buckets[i].samples = fg_real.nvmlDeviceGetSamples != NULL;
