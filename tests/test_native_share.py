@@ -93,7 +93,7 @@ def test_a_high_priority_share_is_not_held_up_by_a_bursting_low_one(kit: Kit) ->
     # for). Low: guarantee 20, bursting into the idle card before high starts. Bound: at the
     # 99th percentile a high kernel takes at most what the fake card lets a process queue
     # ahead of it (20 ms, FIFO) plus its own 1 ms and 9 ms of slack for a loaded machine
-    # (observed 18-21 ms), and high gets through at least 95 % of the kernels it paced (its
+    # (observed 18-22 ms), and high gets through at least 95 % of the kernels it paced (its
     # 40 % is below its guarantee, so its hook never holds it back).
     high = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"], start_after_s=2.0)
     low = Share("b", 20, Priority.LOW, ops=["launch:5000"])
