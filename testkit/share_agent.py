@@ -188,7 +188,7 @@ class ShareAgent:
                 s.priority,
                 s.may_burst,
                 used[s.name],
-                wants_more(used[s.name], s.ceiling or s.guarantee),
+                wants_more(used[s.name], s.ceiling or s.guarantee, s.guarantee),
             )
             for s in self.shares
         ]

@@ -27,8 +27,9 @@ class Share:
     may_burst: bool = True
     ops: Sequence[str] = ()  # the probe's ops after init
     start_after_s: float = 0.0
-    result: Probe | None = field(default=None, repr=False)
-    pid: int = 0  # its probe's, once started
+    processes: int = 1  # probes of the share, each running ops
+    result: Probe | None = field(default=None, repr=False)  # its first probe's
+    pid: int = 0  # its first probe's, once started
 
 
 def now_us() -> int:
@@ -71,28 +72,29 @@ def run_shares(
                     "FAKE_CUDA_SHARED_CARD": str(kit.shared_card),
                 },
             )
-            proc = subprocess.Popen(
-                kit.command(["init", *s.ops]),
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            s.pid = proc.pid
-            next(a for a in agent_shares if a.name == s.slot).pids.add(proc.pid)
-            running.append((s, proc))
+            for _ in range(s.processes):
+                proc = subprocess.Popen(
+                    kit.command(["init", *s.ops]),
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+                s.pid = s.pid or proc.pid
+                next(a for a in agent_shares if a.name == s.slot).pids.add(proc.pid)
+                running.append((s, proc))
         for s, proc in running:
             out, err = proc.communicate(timeout=60)
-            s.result = Probe(proc.returncode, out, err)
+            result = Probe(proc.returncode, out, err)
+            result.check_clean()
+            s.result = s.result or result
     finally:
         for _, proc in running:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
         agent.stop()
-    for s in shares:
-        assert s.result is not None
-        s.result.check_clean()
+    assert all(s.result is not None for s in shares)
     return agent, started
 
 

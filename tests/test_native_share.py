@@ -40,6 +40,18 @@ def test_two_busy_shares_each_get_their_guarantee(kit: Kit) -> None:
     assert mean(agent, "b", started, 2.2, 4.0) == pytest.approx(70, abs=POINTS)
 
 
+def test_a_share_of_two_processes_is_held_as_one(kit: Kit) -> None:
+    # The node sums the share's processes; each process's hook steers by that sum, so their
+    # rates add up to the share's guarantee together.
+    a = Share("a", 30, ops=["launch:4000"], processes=2)
+    b = Share("b", 70, ops=["launch:4000"])
+    agent, started = run_shares(kit, [a, b])
+    got_a, got_b = mean(agent, "a", started, 2.2, 4.0), mean(agent, "b", started, 2.2, 4.0)
+    print(f"two-process share: {got_a:.1f} %, the other {got_b:.1f} %")
+    assert got_a == pytest.approx(30, abs=POINTS)
+    assert got_b == pytest.approx(70, abs=POINTS)
+
+
 def test_without_usage_files_the_card_wide_controller_starves_the_smaller_share(kit: Kit) -> None:
     # Today's behaviour, kept when the node writes no usage file: each hook drives the card's
     # utilisation (both shares' sum) to its own target, so A is pushed towards its floor and the
