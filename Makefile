@@ -62,6 +62,7 @@ GPU_PYTHON ?= $(BIN)/python
 test-gpu:
 	@status=0; \
 	$(GPU_PYTHON) -m pytest -p no:cacheprovider -m gpu tests/test_native_gpu.py -v -s || status=1; \
+	$(GPU_PYTHON) -m pytest -p no:cacheprovider -m gpu tests/test_native_gpu_share.py -v -s || status=1; \
 	$(GPU_PYTHON) -m pytest -p no:cacheprovider -m gpu tests/test_deviceplugin_gpu.py -v -s || status=1; \
 	$(GPU_PYTHON) -m bench.native_gpu || status=1; \
 	exit $$status

@@ -7,8 +7,13 @@ directory, and the fake CUDA driver (kernels take no simulated time, so a launch
 call). Figures are medians over repeats; the hook's added cost is the difference, also given as
 a ratio to the baseline. Start-up: P processes started at once, each initialising the driver,
 allocating once and reading memory info, with and without the hook; if start-up serialised on a
-lock the hooked wall time would grow with P. Last, the compute share: the fraction of time the
-fake card runs kernels at several targets, as the throttle holds it.
+lock the hooked wall time would grow with P. Then the compute share: the fraction of time the
+fake card runs kernels at several targets, as the throttle holds it. Last, two shares on one
+fake card (FAKE_CUDA_SHARED_CARD) with a stand-in node agent writing their usage files
+(testkit/share_agent.py): each alone, both busy (and, for comparison, both busy without usage
+files: the card-wide controller), a lone share lent the idle card, the time a returning owner
+waits for its guarantee, and how long a high-priority share's kernels take while a low one
+bursts. Shares are read off the fake card's clock, per share, after a warm-up.
 """
 
 from __future__ import annotations
@@ -20,10 +25,17 @@ import sys
 import time
 from collections.abc import Sequence
 
+from core.policy import Priority
 from testkit.native_kit import MIB, Kit, build_kit
+from testkit.share_agent import ShareAgent
+from testkit.share_run import Share, handover_s, run_shares
 
 LAUNCH_TARGET_NS = 100.0
 ALLOC_TARGET_NS = 1000.0
+SHARE_POINTS = 5.0  # a share's use within this of its guarantee
+BURST_TARGET = 90.0  # a lone share allowed to burst uses at least this much of the card
+HANDOVER_TARGET_S = 1.0  # a returning owner is back within SHARE_POINTS of its guarantee
+HIGH_P99_TARGET_US = 30_000  # the fake card's 20 ms queue, the 1 ms kernel, 9 ms of slack
 
 
 def per_call(kit: Kit, op: str, hooked: bool, mode: str) -> float:
@@ -125,7 +137,84 @@ def main(argv: Sequence[str] | None = None) -> int:
         kit.write_limits(8192 * MIB, percent)
         got = busy_percent(kit, percent, args.seconds)
         print(f"  target {percent:>3} %  measured {got:5.1f} %  error {got - percent:+5.1f} points")
+    worst |= two_shares(kit)
     return 1 if worst else 0
+
+
+def _mean(agent: ShareAgent, slot: str, started: int, from_s: float, to_s: float) -> float:
+    return agent.mean_use(slot, started + int(from_s * 1e6), started + int(to_s * 1e6))
+
+
+def _row(label: str, got: float, target: float, ok: bool, unit: str = "%") -> bool:
+    verdict = "ok" if ok else "OFF target"
+    digits = 2 if unit == "s" else 1
+    print(
+        f"  {label:<50} measured {got:6.{digits}f} {unit:<2} "
+        f"target {target:5.{digits}f} {unit:<2} {verdict}"
+    )
+    return not ok
+
+
+def two_shares(kit: Kit) -> bool:
+    """The shapes of tests/test_native_share.py, as figures; True when one misses its target."""
+    print("two shares on one fake card (1 ms kernels; usage files from a stand-in node agent):")
+    missed = False
+    for g in (30, 70):
+        a = Share("a", g, may_burst=False, ops=["launch:3500"])
+        agent, t0 = run_shares(kit, [a])
+        got = _mean(agent, "a", t0, 1.5, 3.5)
+        missed |= _row(f"share {g} alone, no burst", got, g, abs(got - g) <= SHARE_POINTS)
+    for usage in (True, False):
+        a, b = Share("a", 30, ops=["launch:4000"]), Share("b", 70, ops=["launch:4000"])
+        agent, t0 = run_shares(kit, [a, b], usage=usage)
+        how = "usage files" if usage else "NO usage files (card-wide)"
+        for slot, g in (("a", 30), ("b", 70)):
+            got = _mean(agent, slot, t0, 2.2, 4.0)
+            ok = abs(got - g) <= SHARE_POINTS
+            if usage:
+                missed |= _row(f"share {g}, both busy, {how}", got, g, ok)
+            else:  # the defect the usage file fixes, shown, not held to the target
+                print(
+                    f"  {f'share {g}, both busy, {how}':<50} measured {got:6.1f} %  "
+                    f"error {got - g:+5.1f} points"
+                )
+    a = Share("a", 30, ops=["launch:3000"])
+    agent, t0 = run_shares(kit, [a, Share("b", 70, ops=["sleep:10"])])
+    got = _mean(agent, "a", t0, 1.0, 3.0)
+    missed |= _row("share 30 alone, burst allowed", got, BURST_TARGET, got >= BURST_TARGET)
+    a = Share("a", 30, ops=["launch:5000"])
+    b = Share("b", 70, ops=["launch:3000"], start_after_s=2.0)
+    agent, t0 = run_shares(kit, [a, b])
+    took = handover_s(
+        agent, borrower="a", owner="b", target=30, points=SHARE_POINTS, until_us=t0 + 4_800_000
+    )
+    missed |= _row(
+        "handover: 30 back to 30 after 70 starts",
+        took,
+        HANDOVER_TARGET_S,
+        took <= HANDOVER_TARGET_S,
+        "s",
+    )
+    alone = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"])
+    run_shares(kit, [alone])
+    high = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"], start_after_s=2.0)
+    low = Share("b", 20, Priority.LOW, ops=["launch:5000"])
+    run_shares(kit, [high, low])
+    for label, share in (("alone", alone), ("low bursting", high)):
+        assert share.result is not None
+        _, kernels, p50, p99, worst = share.result.one("pace")
+        missed |= _row(
+            f"high 40 % paced, {label}: p99 kernel time",
+            p99 / 1000,
+            HIGH_P99_TARGET_US / 1000,
+            p99 <= HIGH_P99_TARGET_US,
+            "ms",
+        )
+        print(
+            f"  {'':<50} median {p50 / 1000:.1f} ms, worst {worst / 1000:.1f} ms, "
+            f"{kernels} of {int(3000 / 2.5)} kernels"
+        )
+    return missed
 
 
 def busy_percent(kit: Kit, percent: int, seconds: float) -> float:

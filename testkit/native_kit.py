@@ -74,7 +74,32 @@ class Kit:
     def region(self) -> Path:
         return self.shared_dir / SHARED_REGION_FILE
 
-    def env(self, hooked: bool = True, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    @property
+    def shared_card(self) -> Path:
+        """The file that puts every process naming it (FAKE_CUDA_SHARED_CARD) on one fake card."""
+        return self.root / "card"
+
+    def share_hook(self, name: str) -> Path:
+        """The hook of share ``name`` ("a" or "b"): a container of its own, whose limits and
+        usage file are in :meth:`share_limits_dir`. Built on first use (make share-hooks)."""
+        _build_share_hooks(self)
+        return self.build / f"share-{name}" / "libfracgpu.so"
+
+    def share_limits_dir(self, name: str) -> Path:
+        return self.root / f"share-{name}" / "limits"
+
+    def reset_share(self, name: str) -> None:
+        for sub in ("limits", "shared"):
+            d = self.root / f"share-{name}" / sub
+            shutil.rmtree(d, ignore_errors=True)
+            d.mkdir(parents=True)
+
+    def env(
+        self,
+        hooked: bool = True,
+        extra: Mapping[str, str] | None = None,
+        hook: Path | None = None,
+    ) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FAKE_CUDA_", "LD_"))}
         env["LD_LIBRARY_PATH"] = str(self.build / "fake")
         preload = []
@@ -83,7 +108,7 @@ class Kit:
             env["ASAN_OPTIONS"] = "detect_leaks=1:abort_on_error=0:exitcode=86"
             env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1:exitcode=87"
         if hooked:
-            preload.append(str(self.hook))
+            preload.append(str(hook or self.hook))
         if preload:
             env["LD_PRELOAD"] = " ".join(preload)
         env.update(extra or {})
@@ -180,6 +205,29 @@ def build_kit(sanitize: bool) -> Kit:
         raise RuntimeError(f"building native/ failed:\n{made.stdout}\n{made.stderr}")
     kit.reset()
     return kit
+
+
+@functools.cache
+def _build_share_hooks(kit: Kit) -> None:
+    made = subprocess.run(
+        [
+            "make",
+            "-s",
+            "-j2",
+            "-C",
+            str(NATIVE),
+            "share-hooks",
+            f"BUILD={kit.build}",
+            f"TESTROOT={kit.root}",
+            f"SAN={1 if kit.sanitize else 0}",
+            f"PYTHON={sys.executable}",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        raise RuntimeError(f"building the share hooks failed:\n{made.stdout}\n{made.stderr}")
 
 
 @functools.cache

@@ -22,6 +22,7 @@ from testkit.native_kit import Kit, sanitized_kit
 SLOW_SUITES = frozenset(
     {
         "test_native_throttle.py",
+        "test_native_share.py",
         "test_native_interpose.py",
         "test_native_memory.py",
         "test_native_limits.py",

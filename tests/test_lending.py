@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from deviceplugin.shared.lending import Priority, ShareState, ceilings, wants_more
+from core.policy import Priority
+from deviceplugin.shared.lending import ShareState, ceilings, wants_more
 
 H, L = Priority.HIGH, Priority.LOW
 
@@ -16,7 +17,7 @@ def share(
     key: str, guarantee: int, used: float, *, prio: Priority = L, burst: bool = True
 ) -> ShareState:
     # Wants more when it ran at its guarantee (its ceiling when nothing is lent).
-    return ShareState(key, guarantee, prio, burst, used, wants_more(used, guarantee))
+    return ShareState(key, guarantee, prio, burst, used, wants_more(used, guarantee, guarantee))
 
 
 @dataclass(frozen=True)
@@ -95,10 +96,21 @@ def test_ceilings(case: Case) -> None:
     assert sum(got[s.key] for s in active) <= max(100, sum(s.guarantee for s in active))
 
 
-def test_wants_more_is_running_at_the_ceiling() -> None:
-    assert wants_more(96, 100)
-    assert not wants_more(94, 100)
-    assert wants_more(25, 30)
+WANTS = {
+    "held back at its guarantee": (25, 30, 30, True),
+    "below its guarantee": (24, 30, 30, False),
+    "a whole-card guarantee at it": (96, 100, 100, True),
+    "on a loan, using it": (94, 100, 30, True),
+    "on a loan, using it partly": (60, 100, 30, True),
+    "on a loan, back to its guarantee": (35, 100, 30, False),
+}
+
+
+@pytest.mark.parametrize(
+    ("used", "ceiling", "guarantee", "expected"), list(WANTS.values()), ids=list(WANTS)
+)
+def test_wants_more(used: float, ceiling: int, guarantee: int, expected: bool) -> None:
+    assert wants_more(used, ceiling, guarantee) is expected
 
 
 @pytest.mark.parametrize(

@@ -15,8 +15,12 @@ target)."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
+from core.contract import USAGE_FILE, ShareUsage
 from testkit.native_kit import CUDA_SUCCESS, MIB, Kit
 
 KERNEL_US = 1000
@@ -79,3 +83,37 @@ def test_a_whole_share_is_not_throttled(kit: Kit) -> None:
 
 def test_no_limits_file_is_not_throttled(kit: Kit) -> None:
     assert busy_fraction(kit, "kernel", None) > 0.8
+
+
+def _usage(kit: Kit, shape: str) -> None:
+    now = time.time_ns() // 1000
+    path = kit.limits_dir / USAGE_FILE
+    if shape == "garbage":
+        path.write_bytes(b"version=1\nstamp_us=\xff\nceiling_percent=100\n")
+    elif shape == "stale":
+        ShareUsage(now - 10_000_000, 100_000, 5, 100).write_atomic(kit.limits_dir)
+    elif shape == "future":
+        ShareUsage(now + 60_000_000, 100_000, 5, 100).write_atomic(kit.limits_dir)
+    elif shape == "directory":
+        path.mkdir()
+    elif shape == "fifo":
+        os.mkfifo(path)
+
+
+@pytest.mark.parametrize("shape", ["garbage", "stale", "future", "directory", "fifo"])
+def test_a_usage_file_that_is_not_fresh_changes_nothing(kit: Kit, shape: str) -> None:
+    # Each of these names ceiling 100 (or would): taken, the share would run unthrottled. The
+    # hook must steer by the card's samples and compute_percent exactly as without the file,
+    # and say nothing (only the trace build names the fallback).
+    kit.write_limits(1024 * MIB, 30)
+    _usage(kit, shape)
+    out = kit.probe(
+        "init",
+        f"launch:{WARMUP_MS}",
+        f"launch:{WINDOW_MS}",
+        env={"FAKE_CUDA_KERNEL_US": str(KERNEL_US)},
+    )
+    rc, launches = out.values("launch")[-1]
+    assert rc == CUDA_SUCCESS
+    assert launches * KERNEL_US / (WINDOW_MS * 1000) == pytest.approx(0.30, abs=TOLERANCE)
+    assert out.hook_messages == []

@@ -17,10 +17,10 @@ Rules, per card:
 - a share is *active* when it used at least ``ACTIVE_PERCENT`` over the last window; the
   compute that is lendable is what the active shares are not guaranteed (idle owners'
   guarantees and the unassigned rest of the card);
-- it goes to the shares that want more (they ran at their ceiling, less a margin: the hook held
-  them back) and may burst: high priority first, then low; within a priority in proportion to
-  guarantees, each capped at its own limit (the most it asked to burst to, at most 100), what
-  a cap leaves going to the others;
+- it goes to the shares that want more (:func:`wants_more`: held back at their guarantee, or
+  still using a loan) and may burst: high priority first, then low; within a priority in
+  proportion to guarantees, each capped at its own limit (the most it asked to burst to, at
+  most 100), what a cap leaves going to the others;
 - a share that may not burst, or does not want more, keeps ceiling = guarantee;
 - an owner that becomes active again takes its guarantee out of the lendable compute at once,
   so the borrowers' ceilings drop at the same period.
@@ -61,8 +61,18 @@ class ShareState:
             raise ValueError(f"cap must be the guarantee to 100, got {self.cap}")
 
 
-def wants_more(used: float, ceiling: int, margin: float = WANT_MARGIN) -> bool:
-    """Whether a share ran at its ceiling (less margin) last window: the hook held it back."""
+def wants_more(used: float, ceiling: int, guarantee: int, margin: float = WANT_MARGIN) -> bool:
+    """Whether a share wants more than its guarantee, from its last window.
+
+    Without a loan (ceiling = guarantee): it ran at its ceiling, less margin, so the hook held
+    it back. On a loan: it still uses the loan, more than its guarantee plus margin. Why the
+    second rule: asking a borrower to stay within margin of a lent ceiling takes the loan away
+    whenever a window falls short of it (a borrower whose demand lies between guarantee and
+    ceiling, or a window dented by the host), the hook then drops it to its guarantee at once,
+    and the next window lends it again: the ceiling would alternate at the agent's period.
+    """
+    if ceiling > guarantee:
+        return used > guarantee + margin
     return used >= ceiling - margin
 
 

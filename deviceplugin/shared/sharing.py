@@ -47,6 +47,7 @@ class ShareMeter:
         self._policy_of = policy_of or (lambda owner: HARD_CAP)
         self._clock_us = clock_us
         self._last_us: int | None = None
+        self._ceilings: dict[str, int] = {}  # grant -> the ceiling written last
         self.written = 0  # usage files written, for tests and metrics
 
     def update(
@@ -87,6 +88,7 @@ class ShareMeter:
                 log.warning("usage file not written", extra={"grant": grant, "error": str(exc)})
                 continue
             self.written += 1
+        self._ceilings = dict(ceiling)
         return ceiling
 
     def _state(self, owner: Owner, grant: str, used: float) -> ShareState:
@@ -98,10 +100,7 @@ class ShareMeter:
             policy.priority,
             policy.may_burst(guarantee),
             used,
-            # Busy at least at its guarantee: it may use what is lent. Measured against the
-            # guarantee, not the last ceiling: a borrower using less than its loan would lose it
-            # one scan and win it back the next, and an unused loan costs its owner nothing.
-            wants_more(used, guarantee),
+            wants_more(used, self._ceilings.get(grant, guarantee), guarantee),
             cap=policy.ceiling_for(guarantee),
         )
 

@@ -15,12 +15,21 @@
  * can cost more than a period of the card): a period's tokens are the whole part of the rate
  * plus the fraction carried over. Until the first sample a process is not throttled (its launches'
  * cost is not known yet). The hook never throttles at 100 % (fg.throttle false), and the launch
- * path then costs one branch. */
+ * path then costs one branch.
+ *
+ * The card's utilisation counts every share on the card: two busy shares would each drive the
+ * sum to their own target (30 and 70 end near 0 and 70; two 50s near 25 each). So when the node
+ * agent keeps a fresh usage file beside the limits (usage.c), its windows of the share's *own*
+ * use replace the card's samples as the controller's input, and its ceiling (never below
+ * compute_percent: the node may lend, never take) replaces compute_percent as the target. The
+ * file is read every period; stale, missing or malformed, the controller is exactly the one
+ * above. Only a share of one card steers by it: the file holds one figure per share. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
 
 #include "hook.h"
+#include "usage.h"
 
 #define PERIOD_NS 50000000L /* refill and sample every 50 ms */
 #define WAIT_NS 200000L     /* a launch without a token sleeps this long before looking again */
@@ -50,7 +59,10 @@ typedef struct {
     double credit; /* the fraction of a token carried into the next period */
     nvmlDevice_t nvml;
     bool samples;          /* nvmlDeviceGetSamples works for this card */
-    fg_span spans[SPANS];  /* NVML's samples, newest last */
+    bool by_usage;         /* the spans are the usage file's windows, not NVML's samples */
+    double target;         /* the last period's target, to see a ceiling fall */
+    bool fell;             /* the target fell since the rate was last set */
+    fg_span spans[SPANS];  /* NVML's samples (or the usage file's windows), newest last */
     unsigned nspans;
     unsigned long long seen_us; /* newest sample used; at first, when the sampler started */
     fg_period history[HISTORY];
@@ -148,13 +160,38 @@ static void window(const fg_bucket *b, double *util, double *per_period) {
     *per_period = (double)sum / n;
 }
 
-static void adjust(fg_bucket *b, double target) {
+/* The usage file's window [stamp - window, stamp] as a span, like a sample of the share alone. */
+static void usage_span(fg_bucket *b, const fg_usage *u) {
+    b->spans[b->nspans++ % SPANS] =
+        (fg_span){u->stamp_us - u->window_us, u->stamp_us, (double)u->used_percent};
+}
+
+static void adjust(fg_bucket *b, double target, fg_feed_step step, const fg_usage *u) {
     int64_t launched = atomic_exchange(&b->launches, 0);
     bool starved = atomic_exchange(&b->starved, false);
-    b->history[b->next++ % HISTORY] = (fg_period){realtime_us(), launched};
+    uint64_t now = realtime_us();
+    b->history[b->next++ % HISTORY] = (fg_period){now, launched};
     double util = 0, per_period = 0;
     bool fresh = false;
-    if (b->samples && fresh_samples(b)) {
+    bool by_usage = step != FG_FEED_OFF;
+    /* Below the last target: a loan ended (its owner is back, or the file went stale). Kept
+     * until the next fresh measurement sets the rate. */
+    if (b->target > 0 && target < b->target) b->fell = true;
+    b->target = target;
+    if (by_usage != b->by_usage) {
+        /* The share's own use and the card's are not one measure: start over from here, and
+         * take NVML's samples from now on, as at the sampler's start. */
+        b->by_usage = by_usage;
+        b->nspans = 0;
+        b->seen_us = now;
+    }
+    if (by_usage) {
+        if (step == FG_FEED_NEW) {
+            usage_span(b, u);
+            window(b, &util, &per_period);
+            fresh = true;
+        }
+    } else if (b->samples && fresh_samples(b)) {
         window(b, &util, &per_period);
         fresh = true;
     } else if (!b->samples) {
@@ -170,7 +207,10 @@ static void adjust(fg_bucket *b, double target) {
         if (per_period > 0 && util > 0.5) {
             /* Launches cost util/per_period each: the rate that costs the target. */
             double wanted = per_period * target / util;
-            rate = rate > 0 ? 0.5 * rate + 0.5 * wanted : wanted;
+            /* A ceiling that fell is met at once, not over several samples: the owner of lent
+             * compute gets its guarantee back within one window. Without a loan the target
+             * never moves, and this is the controller as it always was. */
+            rate = rate > 0 && !(b->fell && wanted < rate) ? 0.5 * rate + 0.5 * wanted : wanted;
         } else if (starved && rate > 0 && per_period > 0) {
             rate *= 2; /* launches that leave no trace on the card: they cost little */
         }
@@ -178,9 +218,12 @@ static void adjust(fg_bucket *b, double target) {
         /* Up at most 2x a sample, so a burst of idle samples cannot open the gate wide. */
         if (b->rate > 0 && rate > b->rate * 2) rate = b->rate * 2;
         if (trace)
-            fg_log("throttle: util %.1f launches/period %.2f starved %d rate %.3f -> %.3f", util,
-                   per_period, (int)starved, b->rate, rate);
+            fg_log("throttle: %s util %.1f target %.0f launches/period %.2f starved %d rate %.3f "
+                   "-> %.3f",
+                   by_usage ? "own" : "card", util, target, per_period, (int)starved, b->rate,
+                   rate);
         b->rate = rate;
+        b->fell = false;
     }
     if (b->rate <= 0) return; /* not measured yet: no limit */
     /* This period's tokens, and the fraction carried; unused ones do not pile up into a burst. */
@@ -192,11 +235,26 @@ static void adjust(fg_bucket *b, double target) {
 
 static void *sampler(void *arg) {
     (void)arg;
-    double target = fg.limits.compute_percent;
+    static const char path[] = FRACGPU_LIMITS_DIR "/" FRACGPU_USAGE_FILE;
+    const double guarantee = fg.limits.compute_percent;
+    const bool one_card = fg.limits.ndevices == 1;
+    fg_usage_feed feed = {0, false};
     for (;;) {
         sleep_ns(PERIOD_NS);
+        fg_usage u = {0, 0, 0, 0};
+        bool changed = false;
+        char why[160] = "";
+        fg_feed_step step = one_card ? fg_usage_step(&feed, path, realtime_us(), &u, &changed,
+                                                     why, sizeof why)
+                                     : FG_FEED_OFF;
+        if (trace && changed && step == FG_FEED_OFF)
+            fg_log("throttle: usage file %s %s; steering by the card's utilisation", path, why);
+        else if (trace && changed)
+            fg_log("throttle: usage file %s is fresh; steering by the share's own use", path);
+        double target = guarantee;
+        if (step != FG_FEED_OFF && u.ceiling_percent > guarantee) target = u.ceiling_percent;
         for (int i = 0; i < fg.limits.ndevices; i++)
-            if (atomic_load(&buckets[i].active)) adjust(&buckets[i], target);
+            if (atomic_load(&buckets[i].active)) adjust(&buckets[i], target, step, &u);
     }
     return NULL;
 }
@@ -211,6 +269,10 @@ static bool start_sampler(void) {
         for (int i = 0; ok && i < fg.limits.ndevices; i++) {
             buckets[i].rate = 0;
             buckets[i].credit = 0;
+            buckets[i].by_usage = false;
+            buckets[i].target = 0;
+            buckets[i].fell = false;
+            buckets[i].nspans = 0;
             buckets[i].seen_us = realtime_us(); /* the driver's earlier history is not ours */
             buckets[i].samples = fg_real.nvmlDeviceGetSamples != NULL;
             atomic_store(&buckets[i].tokens, INT64_MAX / 2);

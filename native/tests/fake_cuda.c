@@ -10,19 +10,27 @@
  * Environment (test-only knobs): FAKE_CUDA_DEVICES (1), FAKE_CUDA_MEMORY_MIB (16384),
  * FAKE_CUDA_KERNEL_US (0: kernels take no simulated time), FAKE_CUDA_QUEUE_US (20000: how far
  * ahead of the clock launches may queue before a launch blocks), FAKE_CUDA_GRAPH_KERNELS (4),
- * FAKE_CUDA_NO_GRAPH_NODES (0; 1: cuGraphGetNodes is not supported).
+ * FAKE_CUDA_NO_GRAPH_NODES (0; 1: cuGraphGetNodes is not supported), FAKE_CUDA_SHARED_CARD
+ * (unset: each process has a card of its own; a file path: every process that names the same
+ * file runs its kernels on one card, as processes of several containers do on a real one).
  *
  * Graph memory as the driver documents it: memory nodes (added explicitly, or recorded by
  * stream capture of cuMemAllocAsync) take nothing until the graph is launched; then they come
  * from a per-card graph pool that grows in chunks and keeps what it reserved until
  * cuDeviceGraphMemTrim. A module image "fake globals=N" holds N bytes of device globals from
  * cuModuleLoadData until cuModuleUnload. */
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "cuda_api.h"
 
@@ -79,13 +87,68 @@ static uint64_t kernel_ns, queue_ns = 20000000ull;
 static uint64_t graph_reserved[MAX_DEV], graph_used[MAX_DEV];
 static unsigned graph_kernels = 4;
 
-/* The simulated clock: the card runs kernels one after another; busy intervals are kept so NVML
- * can report utilisation over its window. */
-typedef struct { uint64_t start, end; } span;
+/* The simulated clock: the card runs kernels one after another; busy intervals are kept, with
+ * the process that ran them, so NVML can report utilisation over its window, the card's and each
+ * process's. The timeline is this process's own, or (FAKE_CUDA_SHARED_CARD) lives in a file that
+ * every process naming it maps, guarded by a process-shared robust mutex (a process killed while
+ * holding it leaves the card usable), so the kernels of several processes serialize on one card
+ * and the card's samples count them all, as on a real card. CLOCK_MONOTONIC is the machine's, so
+ * the processes' times compare. */
+typedef struct { uint64_t start, end; int pid; } span;
 #define SPANS 8192
-static span spans[MAX_DEV][SPANS];
-static size_t nspan[MAX_DEV];
-static uint64_t busy_until[MAX_DEV];
+#define MAGIC_CARD 0x43415244u
+typedef struct {
+    unsigned magic;
+    pthread_mutex_t mu;
+    uint64_t busy_until[MAX_DEV];
+    size_t nspan[MAX_DEV];
+    span spans[MAX_DEV][SPANS];
+} card_timeline;
+static card_timeline own_card = {.mu = PTHREAD_MUTEX_INITIALIZER};
+static card_timeline *card = &own_card;
+/* When this process's last kernel on each card ends: what cuCtxSynchronize waits for (on a
+ * shared card, not the other processes' work queued after it). Under the card's lock. */
+static uint64_t own_until[MAX_DEV];
+
+static void card_lock(void) {
+    if (pthread_mutex_lock(&card->mu) == EOWNERDEAD) pthread_mutex_consistent(&card->mu);
+}
+static void card_unlock(void) { pthread_mutex_unlock(&card->mu); }
+
+/* Map the shared timeline named by FAKE_CUDA_SHARED_CARD; the first process to open the file
+ * (under flock, so two starting at once do not both) sizes it and makes its mutex. On any
+ * failure the process keeps a card of its own and says so. */
+static void attach_shared_card(void) {
+    const char *path = getenv("FAKE_CUDA_SHARED_CARD");
+    if (!path || !*path) return;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    struct stat st;
+    void *m = MAP_FAILED;
+    if (fd >= 0 && flock(fd, LOCK_EX) == 0 && fstat(fd, &st) == 0 &&
+        ((size_t)st.st_size >= sizeof(card_timeline) ||
+         ftruncate(fd, sizeof(card_timeline)) == 0))
+        m = mmap(NULL, sizeof(card_timeline), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m != MAP_FAILED) {
+        card_timeline *shared = m;
+        if (shared->magic != MAGIC_CARD) {
+            pthread_mutexattr_t a;
+            pthread_mutexattr_init(&a);
+            pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+            pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+            pthread_mutex_init(&shared->mu, &a);
+            pthread_mutexattr_destroy(&a);
+            shared->magic = MAGIC_CARD;
+        }
+        card = shared;
+    } else {
+        fprintf(stderr, "fake libcuda: FAKE_CUDA_SHARED_CARD %s unusable; card is private\n", path);
+    }
+    if (fd >= 0) {
+        /* Unlocked by hand: the mapping keeps the open file, and with it a flock, alive. */
+        flock(fd, LOCK_UN);
+        close(fd);
+    }
+}
 
 static uint64_t now_ns(void) {
     struct timespec ts;
@@ -113,6 +176,7 @@ EXPORT CUresult cuInit(unsigned int flags) {
         kernel_ns = env_u64("FAKE_CUDA_KERNEL_US", 0) * 1000;
         queue_ns = env_u64("FAKE_CUDA_QUEUE_US", 20000) * 1000;
         graph_kernels = (unsigned)env_u64("FAKE_CUDA_GRAPH_KERNELS", 4);
+        attach_shared_card();
         for (int i = 0; i < MAX_DEV; i++) {
             default_pool[i] = (struct CUmemPoolHandle_st){MAGIC_POOL, i, 0, 0};
             current_pool[i] = &default_pool[i];
@@ -874,20 +938,23 @@ EXPORT CUresult cuModuleGetFunction(CUfunction *f, CUmodule m, const char *name)
 /* Queue work of ns on the current card; block while the queue is too far ahead of the clock. */
 static CUresult run_work(uint64_t ns) {
     int d = current->dev;
-    pthread_mutex_lock(&mu);
+    int pid = getpid(); /* not cached: a forked child runs its own kernels */
+    card_lock();
     uint64_t now = now_ns();
-    if (busy_until[d] < now) busy_until[d] = now;
-    uint64_t start = busy_until[d];
-    busy_until[d] += ns;
+    if (card->busy_until[d] < now) card->busy_until[d] = now;
+    uint64_t start = card->busy_until[d];
+    card->busy_until[d] += ns;
     if (ns) {
-        size_t n = nspan[d];
-        if (n && spans[d][(n - 1) % SPANS].end == start)
-            spans[d][(n - 1) % SPANS].end = busy_until[d];
+        size_t n = card->nspan[d];
+        span *last = n ? &card->spans[d][(n - 1) % SPANS] : NULL;
+        if (last && last->end == start && last->pid == pid)
+            last->end = card->busy_until[d];
         else
-            spans[d][nspan[d]++ % SPANS] = (span){start, busy_until[d]};
+            card->spans[d][card->nspan[d]++ % SPANS] = (span){start, card->busy_until[d], pid};
     }
-    uint64_t ahead = busy_until[d] - now;
-    pthread_mutex_unlock(&mu);
+    own_until[d] = card->busy_until[d];
+    uint64_t ahead = card->busy_until[d] - now;
+    card_unlock();
     if (ahead > queue_ns) {
         uint64_t wait = ahead - queue_ns;
         struct timespec ts = {(time_t)(wait / 1000000000ull), (long)(wait % 1000000000ull)};
@@ -1146,9 +1213,9 @@ EXPORT CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st) {
 
 EXPORT CUresult cuCtxSynchronize(void) {
     NEED_CTX();
-    pthread_mutex_lock(&mu);
-    uint64_t until = busy_until[current->dev];
-    pthread_mutex_unlock(&mu);
+    card_lock();
+    uint64_t until = own_until[current->dev];
+    card_unlock();
     uint64_t now = now_ns();
     if (until > now) {
         struct timespec ts = {(time_t)((until - now) / 1000000000ull),
@@ -1169,13 +1236,15 @@ EXPORT void fakecuda_memory(int d, uint64_t *total, uint64_t *used) {
     pthread_mutex_unlock(&mu);
 }
 
-/* Percent of (to - UTIL_WINDOW_NS, to] (monotonic ns) the card spent running kernels. */
-static unsigned busy_percent_locked(int d, uint64_t to) {
+/* Percent of (to - UTIL_WINDOW_NS, to] (monotonic ns) the card spent running kernels of pid
+ * (0: of any process). */
+static unsigned busy_percent_locked(int d, uint64_t to, int pid) {
     uint64_t from = to > UTIL_WINDOW_NS ? to - UTIL_WINDOW_NS : 0, busy = 0;
-    size_t n = nspan[d];
+    size_t n = card->nspan[d];
     for (size_t k = 0; k < n && k < SPANS; k++) {
-        span s = spans[d][(n - 1 - k) % SPANS];
+        span s = card->spans[d][(n - 1 - k) % SPANS];
         if (s.end <= from) break;
+        if (pid && s.pid != pid) continue;
         uint64_t a = s.start > from ? s.start : from, b = s.end < to ? s.end : to;
         if (b > a) busy += b - a;
     }
@@ -1184,37 +1253,79 @@ static unsigned busy_percent_locked(int d, uint64_t to) {
 
 /* Percent of the last UTIL_WINDOW_NS the card spent running kernels. */
 EXPORT unsigned fakecuda_utilization(int d) {
-    pthread_mutex_lock(&mu);
-    unsigned u = busy_percent_locked(d, now_ns());
-    pthread_mutex_unlock(&mu);
+    card_lock();
+    unsigned u = busy_percent_locked(d, now_ns(), 0);
+    card_unlock();
     return u;
 }
 
-/* The driver's utilisation samples, as NVML keeps them: one per UTIL_WINDOW_NS, at fixed
- * boundaries, each the busy percent of the window it closes, stamped in CPU microseconds
- * (CLOCK_REALTIME). Fills up to max samples newer than after_us, oldest first; returns how many. */
-EXPORT unsigned fakecuda_utilization_samples(int d, uint64_t after_us, uint64_t *stamps_us,
-                                             unsigned *values, unsigned max) {
+/* The sample windows NVML keeps: one per UTIL_WINDOW_NS, at fixed boundaries, the last 100,
+ * stamped in CPU microseconds (CLOCK_REALTIME) when each closes. The first boundary (monotonic
+ * ns) whose stamp is newer than after_us, the last one closed, and the realtime offset. */
+static void sample_windows(uint64_t after_us, uint64_t *first, uint64_t *last, int64_t *offset) {
     struct timespec rt;
     clock_gettime(CLOCK_REALTIME, &rt);
-    pthread_mutex_lock(&mu);
     uint64_t mono = now_ns();
     uint64_t real = (uint64_t)rt.tv_sec * 1000000000ull + (uint64_t)rt.tv_nsec;
-    uint64_t last = mono / UTIL_WINDOW_NS * UTIL_WINDOW_NS, first = last;
-    /* The buffer holds the last 100 samples, as the real driver's holds a bounded history. */
-    for (int k = 0; k < 100 && first >= UTIL_WINDOW_NS; k++) {
-        uint64_t prev = first - UTIL_WINDOW_NS;
-        if ((prev + real - mono) / 1000 <= after_us) break;
-        first = prev;
+    *offset = (int64_t)(real - mono);
+    *last = mono / UTIL_WINDOW_NS * UTIL_WINDOW_NS;
+    *first = *last;
+    for (int k = 0; k < 100 && *first >= UTIL_WINDOW_NS; k++) {
+        uint64_t prev = *first - UTIL_WINDOW_NS;
+        if ((uint64_t)((int64_t)prev + *offset) / 1000 <= after_us) break;
+        *first = prev;
     }
+}
+
+/* The driver's utilisation samples, as NVML keeps them: each the card's busy percent over the
+ * window it closes. Fills up to max samples newer than after_us, oldest first; returns how many. */
+EXPORT unsigned fakecuda_utilization_samples(int d, uint64_t after_us, uint64_t *stamps_us,
+                                             unsigned *values, unsigned max) {
+    card_lock();
+    uint64_t first, last;
+    int64_t offset;
+    sample_windows(after_us, &first, &last, &offset);
     unsigned n = 0;
     for (uint64_t b = first; b <= last && n < max; b += UTIL_WINDOW_NS) {
-        uint64_t us = (b + real - mono) / 1000;
+        uint64_t us = (uint64_t)((int64_t)b + offset) / 1000;
         if (us <= after_us) continue;
         stamps_us[n] = us;
-        values[n++] = busy_percent_locked(d, b);
+        values[n++] = busy_percent_locked(d, b, 0);
     }
-    pthread_mutex_unlock(&mu);
+    card_unlock();
+    return n;
+}
+
+/* Per-process samples, as nvmlDeviceGetProcessUtilization gives them: for each window newer than
+ * after_us, one entry per process that ran kernels in it (idle processes have none), its busy
+ * percent of the window. Up to max entries, oldest window first; returns how many. */
+EXPORT unsigned fakecuda_process_samples(int d, uint64_t after_us, int *pids, uint64_t *stamps_us,
+                                         unsigned *values, unsigned max) {
+    card_lock();
+    uint64_t first, last;
+    int64_t offset;
+    sample_windows(after_us, &first, &last, &offset);
+    unsigned n = 0;
+    for (uint64_t b = first; b <= last && n < max; b += UTIL_WINDOW_NS) {
+        uint64_t us = (uint64_t)((int64_t)b + offset) / 1000, from = b - UTIL_WINDOW_NS;
+        if (us <= after_us) continue;
+        int seen[16];
+        unsigned nseen = 0;
+        size_t ns = card->nspan[d];
+        for (size_t k = 0; k < ns && k < SPANS && n < max; k++) {
+            span s = card->spans[d][(ns - 1 - k) % SPANS];
+            if (s.end <= from) break;
+            if (s.start >= b) continue;
+            bool dup = false;
+            for (unsigned i = 0; i < nseen; i++) dup |= seen[i] == s.pid;
+            if (dup || nseen == 16) continue;
+            seen[nseen++] = s.pid;
+            pids[n] = s.pid;
+            stamps_us[n] = us;
+            values[n++] = busy_percent_locked(d, b, s.pid);
+        }
+    }
+    card_unlock();
     return n;
 }
 

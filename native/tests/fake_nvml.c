@@ -1,5 +1,6 @@
 /* A fake libnvidia-ml.so.1: the cards of the fake libcuda.so.1, their memory and the utilisation
- * of its simulated clock. Strict: every call before nvmlInit fails with NVML_ERROR_UNINITIALIZED,
+ * of its simulated clock, the card's and each process's (FAKE_CUDA_SHARED_CARD puts several
+ * processes on one card). Strict: every call before nvmlInit fails with NVML_ERROR_UNINITIALIZED,
  * unknown handles and UUIDs are rejected. (It initialises the fake driver itself, as the real
  * NVML does not need a CUDA context.) */
 #include <stdatomic.h>
@@ -17,6 +18,15 @@ void fakecuda_memory(int d, uint64_t *total, uint64_t *used);
 unsigned fakecuda_utilization(int d);
 unsigned fakecuda_utilization_samples(int d, uint64_t after_us, uint64_t *stamps_us,
                                       unsigned *values, unsigned max);
+unsigned fakecuda_process_samples(int d, uint64_t after_us, int *pids, uint64_t *stamps_us,
+                                  unsigned *values, unsigned max);
+
+/* NVML's own layout (nvml.h); the hook never calls this, so cuda_api.h does not declare it. */
+typedef struct {
+    unsigned int pid;
+    unsigned long long timeStamp;
+    unsigned int smUtil, memUtil, encUtil, decUtil;
+} nvmlProcessUtilizationSample_t;
 
 struct nvmlDevice_st { int index; };
 static struct nvmlDevice_st devices[MAX_DEV] = {{0}, {1}, {2}, {3}, {4}, {5}, {6}, {7}};
@@ -130,6 +140,34 @@ EXPORT nvmlReturn_t nvmlDeviceGetSamples(nvmlDevice_t d, nvmlSamplingType_t type
         samples[k].timeStamp = stamps[k];
         samples[k].sampleValue.uiVal = values[k];
     }
+    *count = n;
+    return NVML_SUCCESS;
+}
+
+/* Per-process SM use, as the real call gives it: one entry per process and sample window newer
+ * than lastSeenTimeStamp in which the process ran kernels (its percent of that window, stamped
+ * when the window closed); NOT_FOUND when there is none; NVML's sizing protocol: a NULL buffer or
+ * a count too small answers NVML_ERROR_INSUFFICIENT_SIZE with the count needed. */
+#define MAX_PROC_SAMPLES 1600
+EXPORT nvmlReturn_t nvmlDeviceGetProcessUtilization(nvmlDevice_t d,
+                                                    nvmlProcessUtilizationSample_t *utilization,
+                                                    unsigned int *count,
+                                                    unsigned long long last_seen) {
+    if (!atomic_load(&inits)) return NVML_ERROR_UNINITIALIZED;
+    int i = index_of(d);
+    if (i < 0 || !count) return NVML_ERROR_INVALID_ARGUMENT;
+    static _Thread_local int pids[MAX_PROC_SAMPLES];
+    static _Thread_local uint64_t stamps[MAX_PROC_SAMPLES];
+    static _Thread_local unsigned values[MAX_PROC_SAMPLES];
+    unsigned n = fakecuda_process_samples(i, last_seen, pids, stamps, values, MAX_PROC_SAMPLES);
+    if (n == 0) return NVML_ERROR_NOT_FOUND;
+    if (!utilization || *count < n) {
+        *count = n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (unsigned k = 0; k < n; k++)
+        utilization[k] = (nvmlProcessUtilizationSample_t){(unsigned)pids[k], stamps[k], values[k],
+                                                          0, 0, 0};
     *count = n;
     return NVML_SUCCESS;
 }

@@ -208,6 +208,11 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static int cmp_u64(const void *x, const void *y) {
+    uint64_t a = *(const uint64_t *)x, b = *(const uint64_t *)y;
+    return a < b ? -1 : a > b;
+}
+
 typedef struct { uint64_t size, total; } thread_arg;
 static void *thread_fill(void *p) {
     thread_arg *a = p;
@@ -320,7 +325,7 @@ static void usage(void) {
             "    array1:W:H array3d1:W:H:D vmmleak:N:K vmmcycle:N:K rawclone-alloc:N rawclone-free\n"
             "    zombie-alloc:N await:PATH module:N graphalloc:N capture:N:K graphtrim\n"
             "    modulefile:N fatbin:N library:N libraryfile:N ctxdestroy poolon:DEV:N\n"
-            "    vmmimport:N:K\n");
+            "    vmmimport:N:K pace:MS:PERIOD_US:SKIP_MS\n");
     exit(2);
 }
 
@@ -671,6 +676,32 @@ int main(int argc, char **argv) {
         } else if (sscanf(op, "sleep:%llu", &a) == 1) {
             usleep((useconds_t)(a * 1000));
             printf("sleep 0\n");
+        } else if (sscanf(op, "pace:%llu:%llu:%llu", &a, &b, &c) == 3) {
+            /* A paced workload: every PERIOD_US one kernel, waited for; how long each took from
+             * its launch to its end (µs; the token wait, the queue ahead of it and itself), over
+             * the kernels launched after the first SKIP_MS: median, 99th percentile, worst. */
+            static uint64_t lat[200000];
+            unsigned long long n = 0, kept = 0;
+            uint64_t t0 = now_ns(), end = t0 + a * 1000000ull, skip = t0 + c * 1000000ull;
+            CUresult r = CUDA_SUCCESS;
+            for (uint64_t next = t0; now_ns() < end && r == CUDA_SUCCESS; n++) {
+                uint64_t t = now_ns();
+                r = api.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, NULL, NULL, NULL);
+                if (r == CUDA_SUCCESS) r = api.cuCtxSynchronize();
+                if (t >= skip && kept < sizeof lat / sizeof lat[0]) lat[kept++] = now_ns() - t;
+                next += b * 1000ull;
+                uint64_t now = now_ns();
+                if (next > now) {
+                    struct timespec ts = {(time_t)((next - now) / 1000000000ull),
+                                          (long)((next - now) % 1000000000ull)};
+                    nanosleep(&ts, NULL);
+                }
+            }
+            qsort(lat, kept, sizeof lat[0], cmp_u64);
+            printf("pace %d %llu %llu %llu %llu\n", r, n,
+                   kept ? (unsigned long long)lat[kept / 2] / 1000 : 0,
+                   kept ? (unsigned long long)lat[kept * 99 / 100] / 1000 : 0,
+                   kept ? (unsigned long long)lat[kept - 1] / 1000 : 0);
         } else if (sscanf(op, "bench-launch:%llu", &a) == 1) {
             uint64_t t0 = now_ns();
             for (unsigned long long k = 0; k < a; k++)
