@@ -170,10 +170,17 @@ class ShareAgent:
         nvml: FakeCardNvml | RealCardNvml,
         shares: list[AgentShare],
         period_s: float = 0.1,
+        *,
         write: bool = True,
         clock_us: Callable[[], int] = lambda: time.time_ns() // 1000,
+        per_process_mean: bool = False,
     ) -> None:
         self.nvml = nvml
+        # The node agent's own reading (deviceplugin/shared/guard.py, Utilisation): each
+        # process's mean over its samples since the last read, summed per share. The default,
+        # the sum over the card's sample windows, fits the fake card's one sample per window.
+        self.per_process_mean = per_process_mean
+        self.raw: list[tuple[int, dict[int, list[int]]]] = []  # card windows, pid -> samples
         self.shares = shares
         self.period_s = period_s
         self.write = write
@@ -208,13 +215,20 @@ class ShareAgent:
             return
         newest = stamps[-1]
         per_pid: dict[int, int] = {}
+        samples: dict[int, list[int]] = {}
         for pid, _stamp, sm in self.nvml.process_samples(self._seen_us):
             per_pid[pid] = per_pid.get(pid, 0) + sm
-        # Mean over the card's windows: a window where a share ran nothing counts as 0.
-        used = {
-            s.name: min(100.0, sum(per_pid.get(p, 0) for p in s.pids) / len(stamps))
-            for s in self.shares
-        }
+            samples.setdefault(pid, []).append(sm)
+        self.raw.append((len(stamps), samples))
+        if self.per_process_mean:
+            mean = {pid: sum(v) / len(v) for pid, v in samples.items()}
+            used = {s.name: min(100.0, sum(mean.get(p, 0) for p in s.pids)) for s in self.shares}
+        else:
+            # Mean over the card's windows: a window where a share ran nothing counts as 0.
+            used = {
+                s.name: min(100.0, sum(per_pid.get(p, 0) for p in s.pids) / len(stamps))
+                for s in self.shares
+            }
         states = [
             ShareState(
                 s.name,
