@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -237,6 +238,21 @@ def sanitized_kit() -> Kit:
 
 
 @functools.cache
+def torch_gpu_uuid() -> str | None:
+    """Card 0's UUID where an NVIDIA GPU, its driver and torch are here (the GPU tests), else
+    None."""
+    if importlib.util.find_spec("torch") is None:
+        return None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except Exception:
+        return None
+    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+
+
 def release_kit() -> Kit:
     """The release flags (-O2, no sanitizers), pointed at a temp root like the test build."""
     return build_kit(sanitize=False)

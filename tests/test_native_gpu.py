@@ -15,7 +15,6 @@ speed.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -24,26 +23,13 @@ from typing import Any
 
 import pytest
 
-from testkit.native_kit import Kit, release_kit
+from testkit.native_kit import Kit, release_kit, torch_gpu_uuid
 
 GIB = 1 << 30
 pytestmark = pytest.mark.gpu
 
 
-def _gpu_uuid() -> str | None:
-    if importlib.util.find_spec("torch") is None:
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
-    except Exception:
-        return None
-    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-
-
-UUID = _gpu_uuid()
+UUID = torch_gpu_uuid()
 if UUID is None:
     pytest.skip("needs an NVIDIA GPU, its driver and torch", allow_module_level=True)
 

@@ -15,7 +15,6 @@ loop's throughput against the same loop alone on the card.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -27,27 +26,14 @@ import pytest
 
 from core.contract import Limits
 from core.policy import Priority
-from testkit.native_kit import Kit, release_kit
+from testkit.native_kit import Kit, release_kit, torch_gpu_uuid
 from testkit.share_agent import AgentShare, RealCardNvml, ShareAgent
 
 pytestmark = pytest.mark.gpu
 GIB = 1 << 30
 
 
-def _gpu_uuid() -> str | None:
-    if importlib.util.find_spec("torch") is None:
-        return None
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
-    except Exception:
-        return None
-    return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-
-
-UUID = _gpu_uuid()
+UUID = torch_gpu_uuid()
 if UUID is None:
     pytest.skip("needs an NVIDIA GPU, its driver and torch", allow_module_level=True)
 

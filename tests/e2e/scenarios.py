@@ -8,11 +8,14 @@ from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import pytest
 import yaml
 
+from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
 from quota.offline import QuotaDecision, review_pods_async
 from tests.e2e.harness import (
     ADMISSION,
+    CARD_PRODUCT,
     DEFAULT_IMAGE,
     DEFAULT_SHELL_IMAGE,
     ENV_IMAGE,
@@ -111,3 +114,19 @@ async def expected_quota(
         patched["metadata"] = {**patched["metadata"], "namespace": namespace}
         mutated.append(patched)
     return await review_pods_async(path, mutated)
+
+
+# Model choices admission cannot honour on the suite's cluster (one model, CARD_PRODUCT), and what
+# its denial says: both modes refuse them at create.
+UNHONOURABLE_MODEL_CHOICES = [
+    pytest.param(
+        {MODEL_ANNOTATION: "NVIDIA H1000"},
+        f"{MODEL_ANNOTATION} 'NVIDIA H1000' matches no GPU model in this cluster",
+        id="a-model-the-cluster-has-not",
+    ),
+    pytest.param(
+        {MODEL_EXCLUDE_ANNOTATION: CARD_PRODUCT},
+        "no GPU model of this cluster is left",
+        id="the-only-model-excluded",
+    ),
+]

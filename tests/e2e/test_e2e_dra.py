@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from core import contract, dra
-from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
+from core.labels import MODEL_ANNOTATION
 from core.units import ENV_GPU, ENV_GPU_COUNT, ENV_MEMORY_MIB
 from tests.e2e.harness import (
     ADMISSION_DRA,
@@ -59,7 +59,13 @@ from tests.e2e.nodeagent import (
     wait_for,
     wait_running,
 )
-from tests.e2e.scenarios import SHELL_IMAGE, gpu_pod, gpu_quota, manifest
+from tests.e2e.scenarios import (
+    SHELL_IMAGE,
+    UNHONOURABLE_MODEL_CHOICES,
+    gpu_pod,
+    gpu_quota,
+    manifest,
+)
 from webhook.waiting import REASON, asks_of, explain, free_cards
 
 Obj = dict[str, Any]
@@ -810,21 +816,7 @@ def test_a_pod_that_chooses_the_cards_model_gets_a_selector_and_is_allocated(
     assert len(cards_of(kubectl, dra_namespace, "chosen")) == 1
 
 
-@pytest.mark.parametrize(
-    ("annotations", "said"),
-    [
-        pytest.param(
-            {MODEL_ANNOTATION: "NVIDIA H1000"},
-            f"{MODEL_ANNOTATION} 'NVIDIA H1000' matches no GPU model in this cluster",
-            id="a-model-the-cluster-has-not",
-        ),
-        pytest.param(
-            {MODEL_EXCLUDE_ANNOTATION: CARD_PRODUCT},
-            "no GPU model of this cluster is left",
-            id="the-only-model-excluded",
-        ),
-    ],
-)
+@pytest.mark.parametrize(("annotations", "said"), UNHONOURABLE_MODEL_CHOICES)
 def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create_in_dra_mode(
     agent: DraAgent,
     kubectl: Kubectl,

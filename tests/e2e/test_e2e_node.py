@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION, PRODUCT_LABEL, label_value
+from core.labels import MODEL_ANNOTATION, PRODUCT_LABEL, label_value
 from core.units import BLOCK_MIB, CORE, MEMORY
 from deviceplugin.classic.allocator import SETTLE_S
 from tests.e2e.harness import (
@@ -44,7 +44,7 @@ from tests.e2e.nodeagent import (
     wait_for,
     wait_running,
 )
-from tests.e2e.scenarios import manifest
+from tests.e2e.scenarios import UNHONOURABLE_MODEL_CHOICES, manifest
 
 Obj = dict[str, Any]
 MIB = 1024 * 1024
@@ -411,21 +411,7 @@ def test_a_pod_that_chooses_the_cards_model_gets_its_affinity_and_runs(
     wait_running(kubectl, node_namespace, "chosen", agent)
 
 
-@pytest.mark.parametrize(
-    ("annotations", "said"),
-    [
-        pytest.param(
-            {MODEL_ANNOTATION: "NVIDIA H1000"},
-            f"{MODEL_ANNOTATION} 'NVIDIA H1000' matches no GPU model in this cluster",
-            id="a-model-the-cluster-has-not",
-        ),
-        pytest.param(
-            {MODEL_EXCLUDE_ANNOTATION: CARD_PRODUCT},
-            "no GPU model of this cluster is left",
-            id="the-only-model-excluded",
-        ),
-    ],
-)
+@pytest.mark.parametrize(("annotations", "said"), UNHONOURABLE_MODEL_CHOICES)
 def test_a_model_choice_fracgpu_cannot_honour_is_denied_at_create(
     kubectl: Kubectl, node_namespace: str, annotations: dict[str, str], said: str
 ) -> None:
