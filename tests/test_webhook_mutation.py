@@ -1134,16 +1134,19 @@ def test_a_bursting_share_is_canonical_at_its_guarantee_with_its_policy_beside(
 
 
 def test_a_template_made_pod_keeps_the_policy_its_workload_was_given() -> None:
-    """Deployment → pod: the pod arrives canonical with the annotation and passes as it is."""
+    """Deployment → pod: the pod arrives canonical with the annotations and passes as it is,
+    without a warning."""
     obj = deployment("Deployment", "apps", {})
     obj["spec"]["template"]["spec"]["containers"] = [bursting("c")]
+    obj["spec"]["template"]["metadata"]["annotations"] = {"fracgpu.io/gpu-priority": "high"}
     out = apply(mutator(), obj, "apps", "Deployment")
     template = out["spec"]["template"]
     assert annotations(template)["fracgpu.io/compute-policy"] == (
-        '{"c":{"ceiling":100,"priority":"low"}}'
+        '{"c":{"ceiling":100,"priority":"high"}}'
     )
     made = {"apiVersion": "v1", "kind": "Pod", **template}
     assert apply(mutator(), made) == made
+    assert mutator().mutate(made, "", "Pod").warnings == []
 
 
 def test_a_priority_that_is_no_priority_is_denied() -> None:

@@ -293,7 +293,10 @@ class Mutator:
             (list_name, index): _policy_of(result, priority)
             for list_name, index, _, result in results
         }
-        if priority is not None and not any(p.ceiling for p in policies.values()):
+        asked = any(r.ask is not None and not r.ask.exact for *_, r in results)
+        # Only where the request is read: a pod made from a mutated template carries its
+        # policy already, and says nothing of a burst in its canonical resources.
+        if priority is not None and asked and not any(p.ceiling for p in policies.values()):
             outcome.warnings.append(
                 f"annotation {PRIORITY_ANNOTATION}: {priority} has no effect: priority orders "
                 f"the shares that borrow idle compute, and no share of this pod may burst; ask "
