@@ -105,8 +105,11 @@ def test_a_high_priority_share_is_not_held_up_by_a_bursting_low_one(kit: Kit) ->
     # for). Low: guarantee 20, bursting into the idle card before high starts. Bound: at the
     # 99th percentile a high kernel takes at most what the fake card lets a process queue
     # ahead of it (20 ms, FIFO) plus its own 1 ms and 9 ms of slack for a loaded machine
-    # (observed 18-22 ms), and high gets through at least 95 % of the kernels it paced (its
-    # 40 % is below its guarantee, so its hook never holds it back).
+    # (observed 18-22 ms), and high gets through at least 85 % of the kernels it paced (its
+    # 40 % is below its guarantee, so its hook never holds it back; 1174-1200 of 1200 seen on
+    # a quiet machine, 1068 on a loaded one, where each wait behind low's queue and the host's
+    # own delays cost the pacer kernels it does not catch up; a hook that held high at 30 %
+    # would give about 900).
     high = Share("a", 50, Priority.HIGH, ops=["pace:3000:2500:1000"], start_after_s=2.0)
     low = Share("b", 20, Priority.LOW, ops=["launch:5000"])
     agent, started = run_shares(kit, [high, low])
@@ -114,7 +117,7 @@ def test_a_high_priority_share_is_not_held_up_by_a_bursting_low_one(kit: Kit) ->
     rc, kernels, p50_us, p99_us, worst_us = high.result.one("pace")
     print(f"high priority: p50 {p50_us} us, p99 {p99_us} us, worst {worst_us} us, {kernels}")
     assert rc == 0
-    assert kernels >= 0.95 * 3000 / 2.5
+    assert kernels >= 0.85 * 3000 / 2.5
     assert p99_us <= 30_000
     bursting = mean(agent, "b", started, 1.0, 2.0)
     assert bursting >= 90, bursting  # low was bursting before high came
