@@ -16,6 +16,12 @@ The informer follows the loop that survives real API servers (design K6; kuberne
 
 Its tuning (page size, timeouts, backoff) is one ``InformerSettings``; callers say what to
 watch and who to tell.
+
+One process watches each kind once (``Informers``, as client-go's shared informer factory):
+two components of ``fracgpu serve`` that each held a watch on pods made the API server encode
+and send every pod event twice and this process decode it twice, a cost paid on every pod
+create. A shared informer runs while anyone uses it (``start``/``stop`` count the users), and a
+handler added after its first list is first told of every cached object, as ADDED.
 """
 
 from __future__ import annotations
@@ -157,6 +163,7 @@ class Informer:
         self._handlers: list[Handler] = [handler] if handler else []
         self._subscriptions: list[_Subscription] = []
         self._task: asyncio.Task[None] | None = None
+        self._users = 0
 
     # --- reading the cache ---
 
@@ -179,7 +186,20 @@ class Informer:
     # --- consumers ---
 
     def add_handler(self, handler: Handler) -> None:
+        """Tell ``handler`` of every change from now on. Once the informer has listed, it is
+        first told of every cached object as ADDED (so it must then be a plain function: the
+        replay runs in one piece, before any later event)."""
+        if self.has_synced:
+            call = getattr(handler, "__call__", None)  # noqa: B004 (async callable objects)
+            if inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call):
+                raise TypeError("a handler added after the first list must not be async")
+            for obj in list(self._cache.values()):
+                handler("ADDED", obj)
         self._handlers.append(handler)
+
+    def remove_handler(self, handler: Handler) -> None:
+        with suppress(ValueError):
+            self._handlers.remove(handler)
 
     async def events(self) -> AsyncIterator[tuple[EventType, RawBody]]:
         """Every change from now on, in order, until the iterator is closed."""
@@ -194,15 +214,26 @@ class Informer:
     # --- lifecycle ---
 
     def start(self) -> None:
+        """Run for one more user (list and watch from the first)."""
+        self._users += 1
         if self._task is None:
             self._task = asyncio.create_task(self.run(), name=f"informer-{self.name}")
 
     async def stop(self) -> None:
+        """One user less; the last one stops the watch."""
+        self._users = max(0, self._users - 1)
+        if self._users:
+            return
         task, self._task = self._task, None
         if task is not None:
             task.cancel()
             with suppress(asyncio.CancelledError):
                 await task
+        # Started again, it lists afresh: a cache from before is not "synced" with anything.
+        self._cache, self.resource_version = {}, ""
+        self.synced.clear()
+        if self.metrics:
+            self.metrics.synced.labels(self.name).set(0)
 
     async def __aenter__(self) -> Informer:
         self.start()
@@ -384,3 +415,45 @@ class Informer:
 
 def _version(obj: Mapping[str, Any]) -> str:
     return str((obj.get("metadata") or {}).get("resourceVersion") or "")
+
+
+class Informers:
+    """The informers of one process, one per kind and selector, shared by every component
+    that asks (see the module docstring). Each asker still starts and stops what it uses."""
+
+    def __init__(
+        self,
+        api: Api,
+        *,
+        metrics: InformerMetrics | None = None,
+        settings: InformerSettings = InformerSettings(),
+    ) -> None:
+        self.api = api
+        self.metrics = metrics
+        self.settings = settings
+        self._made: dict[tuple[str, str, str, str], Informer] = {}
+
+    def of(
+        self,
+        resource: Resource,
+        *,
+        namespace: str | None = None,
+        label_selector: str = "",
+        field_selector: str = "",
+    ) -> Informer:
+        key = (resource.path(), namespace or "", label_selector, field_selector)
+        informer = self._made.get(key)
+        if informer is None:
+            selectors = ",".join(s for s in (label_selector, field_selector) if s)
+            informer = Informer(
+                self.api,
+                resource,
+                namespace=namespace,
+                label_selector=label_selector,
+                field_selector=field_selector,
+                name=resource.plural + (f"[{selectors}]" if selectors else ""),
+                metrics=self.metrics,
+                settings=self.settings,
+            )
+            self._made[key] = informer
+        return informer

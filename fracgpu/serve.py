@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import ServingError, open_serving
+from core.informer import Informers
 from core.kube import Api, kube_client
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
@@ -137,8 +138,10 @@ async def run_server(
 
     async with contextlib.AsyncExitStack() as stack:
         api = None
+        informers = None
         if not standalone:
             api = await stack.enter_async_context(kube_client(config.kubeconfig, config.context))
+            informers = Informers(api)  # one watch per kind for everything below
         certificates = await open_serving(
             config.certs, standalone=standalone, registry=registry, api=api
         )
@@ -162,13 +165,18 @@ async def run_server(
             most_cards=models.most_cards_on_a_node if models else None,
             peer_ca=certificates.ca_bundle_pem,
             peer_name=config.certs.service_dns_names()[2],
+            informers=informers,
         )
         stack.push_async_callback(quota.close)
         reviewers[VALIDATE_PATH] = quota.reviewer
-        # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
-        # the quota service logs it once and denies GPU pods with the command that installs it.
-        background.append(quota.run())
+        # Jobs of one replica at a time: beside the usage controller, on the quota's leader.
+        leading: list[Callable[[], Coroutine[Any, Any, None]]] = []
         reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
+        if api is not None and informers is not None:
+            # A pod no card can host waits Pending; say why, in its units (the driver's
+            # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode).
+            explainer = WaitExplainer(api, device_plugin=models is None, informers=informers)
+            leading.append(explainer.run)
         if api is not None and models is not None and templates is not None:
             reviewers[MUTATE_PATH] = await _dra_admission(
                 stack,
@@ -180,12 +188,17 @@ async def run_server(
                 presence=presence,
                 waiting=waiting,
                 background=background,
+                informers=informers,
             )
-        if api is not None and models is None:
-            # Device-plugin mode: a pod no card can host waits Pending; say why, in its units.
-            background.append(WaitExplainer(api, device_plugin=True).run())
+        # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
+        # the quota service logs it once and denies GPU pods with the command that installs it.
+        if quota.leads:
+            background.append(quota.run(leading))
+        else:  # quota embedded in a cluster: no Lease; this replica runs them itself
+            background.append(quota.run())
+            background.extend(job() for job in leading)
         if api is not None and config.admission.inventory.watch_nodes:
-            informer = node_informer(api, inventory)
+            informer = node_informer(api, inventory, informers)
             await stack.enter_async_context(informer)
             waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
         if api is not None and presence is not None:
@@ -245,14 +258,14 @@ async def _dra_admission(
     presence: SchedulerPresence | None,
     waiting: dict[str, Callable[[], bool]],
     background: list[Awaitable[Any]],
+    informers: Informers | None,
 ) -> Mutator:
-    """DRA mode: GPU models from the driver's ResourceSlices, claim templates made on demand
-    and collected when unused, and an Event on each pod that waits because no card fits it."""
-    slices = slice_informer(api, models)
+    """DRA mode: GPU models from the driver's ResourceSlices, and claim templates made on
+    demand and collected when unused."""
+    slices = slice_informer(api, models, informers)
     await stack.enter_async_context(slices)
     waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced
     background.append(templates.collect_forever())
-    background.append(WaitExplainer(api).run())
     return Mutator(admission, inventory, presence, claim_models=models.models, templates=templates)
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import aiohttp
 from prometheus_client import CollectorRegistry
 
-from core.informer import Informer, InformerSettings
+from core.informer import Informers, InformerSettings
 from core.kube import GPUQUOTAS, PODS, Api, KubeError, KubeNotFound, call_json
 from quota.claims import ClaimSpecs, claim_refs
 from quota.demand import CardMemory, Demand, is_terminal, pod_demand
@@ -72,7 +72,10 @@ class UsageController:
         clock: Callable[[], datetime] = now,
         card_memory: CardMemory | None = None,
         claims: ClaimSpecs | None = None,
+        informers: Informers | None = None,
     ) -> None:
+        """``informers``: the process's shared ones (its pods and GPUQuotas are then watched
+        once for every component that needs them); without, the controller makes its own."""
         self.api = api
         self.card_memory = card_memory
         self.claims = claims
@@ -86,15 +89,11 @@ class UsageController:
         self.grace = timedelta(seconds=grace_s)
         self.pending_limit = pending_limit
         self.clock = clock
-        settings = InformerSettings(request_timeout_s=request_timeout_s)
-        self.pods = Informer(api, PODS, handler=self._on_pod, name="quota-pods", settings=settings)
-        self.quotas = Informer(
-            api,
-            GPUQUOTAS,
-            handler=self._on_quota,
-            name="quota-controller-gpuquotas",
-            settings=settings,
-        )
+        if informers is None:
+            settings = InformerSettings(request_timeout_s=request_timeout_s)
+            informers = Informers(api, settings=settings)
+        self.pods = informers.of(PODS)
+        self.quotas = informers.of(GPUQUOTAS)
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
         self._deleted: OrderedDict[str, None] = OrderedDict()
@@ -159,6 +158,8 @@ class UsageController:
 
     async def run(self) -> None:
         """Watch pods and GPUQuotas and reconcile until cancelled."""
+        self.pods.add_handler(self._on_pod)
+        self.quotas.add_handler(self._on_quota)
         self.pods.start()
         self.quotas.start()
         try:
@@ -168,6 +169,8 @@ class UsageController:
                 await self.reconcile_all()
                 await self._until_resync()
         finally:
+            self.pods.remove_handler(self._on_pod)
+            self.quotas.remove_handler(self._on_quota)
             await self.pods.stop()
             await self.quotas.stop()
 

@@ -19,7 +19,7 @@ from typing import Any, cast
 
 import aiohttp
 
-from core.informer import Informer, InformerSettings
+from core.informer import Informers, InformerSettings
 from core.kube import GPUQUOTAS, Api, KubeConflict, KubeError, KubeNotFound, call_json, object_key
 from quota.model import API_VERSION
 from quota.store import Conflict, NotFound, Obj, Unavailable
@@ -31,27 +31,32 @@ def _version(obj: Obj) -> int:
 
 
 class KubeQuotaStore:
-    def __init__(self, api: Api, *, request_timeout_s: float = 2.0, watch: bool = False) -> None:
+    def __init__(
+        self,
+        api: Api,
+        *,
+        request_timeout_s: float = 2.0,
+        watch: bool = False,
+        informers: Informers | None = None,
+    ) -> None:
+        """``watch``: read from an informer, the process's shared one if ``informers``."""
         self.api = api
         self.request_timeout_s = request_timeout_s
-        self._informer = (
-            Informer(
-                api,
-                GPUQUOTAS,
-                name="quota-gpuquotas",
-                settings=InformerSettings(request_timeout_s=request_timeout_s),
-            )
-            if watch
-            else None
-        )
+        if watch and informers is None:
+            settings = InformerSettings(request_timeout_s=request_timeout_s)
+            informers = Informers(api, settings=settings)
+        self._informer = informers.of(GPUQUOTAS) if watch and informers is not None else None
+        self._started = False
         self._written: dict[tuple[str, str], Obj] = {}
 
     def start(self) -> None:
-        if self._informer is not None:
+        if self._informer is not None and not self._started:
+            self._started = True
             self._informer.start()
 
     async def stop(self) -> None:
-        if self._informer is not None:
+        if self._informer is not None and self._started:
+            self._started = False
             await self._informer.stop()
 
     def _newest(self, obj: Obj) -> Obj:

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from core.informer import Informers
 from core.kube import Api
 from quota.claims import ClaimSpecs, MostCards, Planned
 from quota.config import QuotaConfig
@@ -49,8 +50,10 @@ class QuotaService:
         most_cards: MostCards | None = None,
         peer_ca: Callable[[], bytes] | None = None,
         peer_name: str | None = None,
+        informers: Informers | None = None,
     ) -> None:
         self.config = config
+        self.informers = informers
         self.card_memory = card_memory
         self.store = store
         self.metrics = metrics
@@ -134,10 +137,12 @@ class QuotaService:
         """Count a quota nobody has counted (:meth:`Reserver._counted`): with a controller of
         its own whose watches never start, so the count reads pods live."""
         if self._counter is None:
-            self._counter = self.controller()
+            self._counter = self.controller(shared=False)
         await self._counter.count(raw)
 
-    def controller(self) -> UsageController:
+    def controller(self, *, shared: bool = True) -> UsageController:
+        """The usage controller; ``shared``: on the process's shared informers (the one that
+        reconciles), else on watches of its own that never start (a count that reads live)."""
         assert self.api is not None
         return UsageController(
             self.api,
@@ -151,9 +156,19 @@ class QuotaService:
             pending_limit=self.config.pending_limit,
             card_memory=self.card_memory,
             claims=self.claims,
+            informers=self.informers if shared else None,
         )
 
-    async def run(self) -> None:
+    @property
+    def leads(self) -> bool:
+        """Whether :meth:`run` runs jobs on one replica at a time (Kubernetes mode)."""
+        return self.api is not None
+
+    async def run(self, leading: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
+        """Count usage until cancelled: on the replica that holds the Lease (every replica
+        without leader election). ``leading``: more jobs that must run on one replica only,
+        there, beside the controller (waiting pods' Events, which every replica would
+        otherwise post once each)."""
         if self.api is None:
             return
         while self._problem is not None:  # wait for the CRD before watching or reconciling
@@ -163,7 +178,10 @@ class QuotaService:
             self.store.start()
 
         async def reconcile() -> None:
-            await self.controller().run()
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self.controller().run())
+                for job in leading:
+                    group.create_task(job())
 
         if self.elector is None:
             await reconcile()
@@ -188,6 +206,7 @@ async def open_quota(
     most_cards: MostCards | None = None,
     peer_ca: Callable[[], bytes] | None = None,
     peer_name: str | None = None,
+    informers: Informers | None = None,
 ) -> QuotaService:
     """Build the quota service. ``api`` is a kubernetes-asyncio ApiClient (Kubernetes mode,
     required) or None (embedded mode). ``registry``: where metrics go (the server's own).
@@ -211,7 +230,9 @@ async def open_quota(
             "quota.mode is kubernetes but no Kubernetes client was given; configure cluster "
             "access, or set quota.mode: embedded with quota.file"
         )
-    store = KubeQuotaStore(api, request_timeout_s=config.request_timeout_s, watch=True)
+    store = KubeQuotaStore(
+        api, request_timeout_s=config.request_timeout_s, watch=True, informers=informers
+    )
     service = QuotaService(
         config,
         store,
@@ -222,6 +243,7 @@ async def open_quota(
         most_cards=most_cards,
         peer_ca=peer_ca,
         peer_name=peer_name,
+        informers=informers,
     )
     await service.probe()
     if service.problem() is None:

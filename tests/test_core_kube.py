@@ -14,7 +14,7 @@ import pytest
 from kubernetes_asyncio.config.incluster_config import SERVICE_TOKEN_FILENAME
 from prometheus_client import CollectorRegistry
 
-from core.informer import EventType, Informer, InformerMetrics, InformerSettings
+from core.informer import EventType, Informer, InformerMetrics, Informers, InformerSettings
 from core.kube import (
     NODES,
     PODS,
@@ -412,6 +412,7 @@ async def test_metrics_count_lists_relists_errors_and_events(api: Any, fake: Fak
         fake.compact()
         fake.up()
         await recorder.wait_for(2)
+        assert registry.get_sample_value("fracgpu_informer_synced", {"informer": "nodes"}) == 1
 
     def sample(name: str, **labels: str) -> float | None:
         value: float | None = registry.get_sample_value(name, {"informer": "nodes", **labels})
@@ -423,7 +424,72 @@ async def test_metrics_count_lists_relists_errors_and_events(api: Any, fake: Fak
     assert sample("fracgpu_informer_events_total", type="ADDED") == 1
     assert sample("fracgpu_informer_events_total", type="DELETED") == 1
     assert sample("fracgpu_informer_objects") == 0
-    assert sample("fracgpu_informer_synced") == 1
+    assert sample("fracgpu_informer_synced") == 0  # stopped: started again, it lists afresh
+
+
+# --- shared informers: one watch per kind and selector in a process --------------------------
+
+SHARING_CASES = {
+    "same kind, same selectors: one informer": ((PODS, ""), (PODS, ""), True),
+    "another field selector: its own": ((PODS, ""), (PODS, "status.phase=Pending"), False),
+    "another kind: its own": ((PODS, ""), (NODES, ""), False),
+}
+
+
+@pytest.mark.parametrize("first, second, shared", SHARING_CASES.values(), ids=SHARING_CASES)
+def test_informers_hand_out_one_informer_per_kind_and_selector(
+    first: tuple[Resource, str], second: tuple[Resource, str], shared: bool
+) -> None:
+    informers = Informers(api=None)
+    a = informers.of(first[0], field_selector=first[1])
+    b = informers.of(second[0], field_selector=second[1])
+    assert (a is b) == shared
+
+
+def _watches(fake: FakeApiServer, plural: str) -> int:
+    return sum(1 for w in fake.store.watchers if w.kind.plural == plural)
+
+
+async def test_a_shared_informer_watches_once_while_anyone_uses_it(
+    api: Any, fake: FakeApiServer
+) -> None:
+    fake.put(node("a"))
+    informers = Informers(api, settings=InformerSettings(backoff_initial_s=0.05))
+    first, second = informers.of(NODES), informers.of(NODES)
+    first.start()
+    second.start()
+    await first.wait_synced(5)
+    await fake.wait_for_watches()
+    assert _watches(fake, "nodes") == 1
+    await first.stop()  # one user left: it keeps watching
+    fake.put(node("b"))
+    await eventually(lambda: second.get("b") is not None)
+    assert _watches(fake, "nodes") == 1
+    await second.stop()  # the last user: the watch ends, and so does what it knew
+    await eventually(lambda: _watches(fake, "nodes") == 0)
+    assert not second.has_synced and len(second) == 0
+    fake.remove("nodes", "a")
+    second.start()  # used again: it lists afresh
+    await second.wait_synced(5)
+    assert [o["metadata"]["name"] for o in second.objects()] == ["b"]
+    await second.stop()
+
+
+async def test_a_handler_added_after_the_list_is_told_of_every_cached_object(
+    api: Any, fake: FakeApiServer
+) -> None:
+    fake.put(node("a"))
+    fake.put(node("b"))
+    async with informer(api) as inf:
+        await inf.wait_synced(5)
+        await fake.wait_for_watches()
+        seen: list[tuple[str, str]] = []
+        inf.add_handler(lambda kind, obj: seen.append((kind, obj["metadata"]["name"])))
+        assert sorted(seen) == [("ADDED", "a"), ("ADDED", "b")]
+        fake.put(node("c"))
+        await eventually(lambda: ("ADDED", "c") in seen)
+        with pytest.raises(TypeError, match="must not be async"):
+            inf.add_handler(Recorder())
 
 
 async def test_stop_cancels_cleanly(api: Any, fake: FakeApiServer) -> None:

@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from core.informer import Informers
 from quota.config import LeaderElection, QuotaConfig
 from quota.controller import UsageController
 from quota.leader import LeaderElector
@@ -22,6 +23,7 @@ from quota.service import QuotaService, open_quota
 from testkit.apiserver import FakeApiServer
 from testkit.quota_pods import counted_quota, gpu_pod, gpu_quota, plain_pod, review
 from webhook.server import build_app
+from webhook.waitwatch import WaitExplainer
 
 NAMESPACES = ("default", "team-a", "team-b", "fracgpu-system")
 
@@ -305,6 +307,57 @@ async def test_leader_election_exclusive(fake: FakeApiServer) -> None:
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def test_jobs_of_one_replica_run_on_the_quota_leader_only(fake: FakeApiServer) -> None:
+    """What ``serve`` hands ``run`` (the waiting pods' Events) runs where the controller runs:
+    with two replicas, once, not once per replica; and on the other when the leader goes."""
+    election: dict[str, Any] = {
+        "lease_duration_s": 1.0,
+        "renew_interval_s": 0.2,
+        "lease_namespace": "fracgpu-system",
+    }
+    running: list[str] = []
+    async with AsyncExitStack() as stack:
+        services = {
+            name: await _service(stack, fake, leader_election={**election, "identity": name})
+            for name in ("a", "b")
+        }
+        runs = {n: asyncio.create_task(s.run([_leading(running, n)])) for n, s in services.items()}
+        try:
+            await _eventually(lambda: len(running) == 1)
+            await asyncio.sleep(0.6)  # several renewals: still one
+            assert len(running) == 1
+            leader = running[0]
+            runs[leader].cancel()
+            await asyncio.gather(runs[leader], return_exceptions=True)
+            await _eventually(lambda: running == [{"a": "b", "b": "a"}[leader]], within_s=5)
+        finally:
+            for run in runs.values():
+                run.cancel()
+            await asyncio.gather(*runs.values(), return_exceptions=True)
+
+
+async def test_the_controller_the_explainer_and_the_cache_share_one_watch_per_kind(
+    fake: FakeApiServer,
+) -> None:
+    fake.put(gpu_quota(gpu=4))
+    async with AsyncExitStack() as stack:
+        api = await stack.enter_async_context(fake.api_client())
+        informers = Informers(api)
+        config = QuotaConfig(leader_election={"enabled": False})
+        service = await open_quota(config, api, informers=informers)
+        stack.push_async_callback(service.close)
+        explainer = WaitExplainer(api, device_plugin=True, informers=informers)
+        run = asyncio.create_task(service.run([explainer.run]))
+        try:
+            fake.put(gpu_pod("p", 70, 4))
+            await _eventually(lambda: _status(fake).get("used", {}).get("core") == 70)
+            kinds = sorted(w.kind.plural for w in fake.store.watchers)
+            assert kinds == ["gpuquotas", "nodes", "pods"]
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
 
 
 async def test_reread_after_conflict_uses_a_newer_cached_object_else_reads_live(

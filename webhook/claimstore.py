@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.informer import EventType, Informer
+from core.informer import EventType, Informer, Informers
 from core.kube import (
     CRONJOBS,
     DAEMONSETS,
@@ -184,7 +184,7 @@ async def referenced_templates(api: Api, namespace: str) -> set[str]:
     return names
 
 
-def slice_informer(api: Api, models: SliceModels) -> Informer:
+def slice_informer(api: Api, models: SliceModels, informers: Informers | None = None) -> Informer:
     """An informer on ResourceSlices whose events keep ``models`` current."""
 
     def on_event(kind: EventType, obj: RawBody) -> None:
@@ -194,4 +194,6 @@ def slice_informer(api: Api, models: SliceModels) -> Informer:
         else:
             models.set_slice(name, obj.get("spec") or {})
 
-    return Informer(api, RESOURCE_SLICES, handler=on_event, name="dra-models")
+    informer = (informers or Informers(api)).of(RESOURCE_SLICES)
+    informer.add_handler(on_event)
+    return informer

@@ -6,12 +6,12 @@ Kubernetes client.
 
 from __future__ import annotations
 
-from core.informer import EventType, Informer
+from core.informer import EventType, Informer, Informers
 from core.kube import NODES, Api, RawBody
 from webhook.inventory import Inventory
 
 
-def node_informer(api: Api, inventory: Inventory) -> Informer:
+def node_informer(api: Api, inventory: Inventory, informers: Informers | None = None) -> Informer:
     """An informer on Nodes whose events update ``inventory``; start it, then await its sync.
 
     A relist replays vanished nodes as DELETED, so a node removed while the watch was down
@@ -26,4 +26,6 @@ def node_informer(api: Api, inventory: Inventory) -> Informer:
         else:
             inventory.set_node(name, meta.get("labels") or {})
 
-    return Informer(api, NODES, handler=on_event, name="gpu-inventory")
+    informer = (informers or Informers(api)).of(NODES)
+    informer.add_handler(on_event)
+    return informer

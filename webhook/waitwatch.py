@@ -1,6 +1,8 @@
 """Tells a waiting GPU pod, with an Event, why no card takes it (webhook.waiting has the words).
 
-Runs in ``fracgpu serve`` in both modes. It follows Pending pods with an informer and, every
+Runs in ``fracgpu serve`` in both modes, on one replica: the one leading the quota controller's
+Lease (each replica posting its own Event doubled every Event). It reads pods from the informer
+the quota controller shares, picks the Pending ones and, every
 ``interval_s``, explains each pod that kube-scheduler left Pending because no card fits: in DRA
 mode "cannot allocate all claims", over the driver's ResourceSlices and the ResourceClaims; in
 device-plugin mode "Insufficient fracgpu.io/...", over what each node's plugin publishes free
@@ -16,7 +18,7 @@ import logging
 from contextlib import AsyncExitStack
 
 from core import events
-from core.informer import Informer
+from core.informer import Informer, Informers
 from core.kube import NODES, PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, RawBody
 from webhook.waiting import (
     REASON,
@@ -37,14 +39,24 @@ COMPONENT = "fracgpu-webhook"
 
 
 class WaitExplainer:
-    def __init__(self, api: Api, *, interval_s: float = 10.0, device_plugin: bool = False) -> None:
+    def __init__(
+        self,
+        api: Api,
+        *,
+        interval_s: float = 10.0,
+        device_plugin: bool = False,
+        informers: Informers | None = None,
+    ) -> None:
+        """``informers``: the process's shared ones. It reads every pod (and picks the Pending
+        ones), as the quota controller beside it does: one watch for both."""
         self.api = api
         self.interval_s = interval_s
         self.device_plugin = device_plugin
-        self.pods = Informer(api, PODS, field_selector="status.phase=Pending", name="waiting-pods")
-        self.slices = Informer(api, RESOURCE_SLICES, name="dra-waiting-slices")
-        self.claims = Informer(api, RESOURCE_CLAIMS, name="dra-waiting-claims")
-        self.nodes = Informer(api, NODES, name="waiting-nodes")
+        informers = informers or Informers(api)
+        self.pods = informers.of(PODS)
+        self.slices = informers.of(RESOURCE_SLICES)
+        self.claims = informers.of(RESOURCE_CLAIMS)
+        self.nodes = informers.of(NODES)
         self._told: dict[str, str] = {}  # pod uid -> the explanation last posted
 
     def _informers(self) -> tuple[Informer, ...]:
