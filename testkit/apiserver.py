@@ -33,7 +33,8 @@ talks to it unchanged, and the semantics that clients depend on are the real one
 - dryRun=All validates and answers without persisting; unknown top-level fields are dropped with a
   `Warning` header (or refused under fieldValidation=Strict); malformed JSON, wrong apiVersion or
   kind, name or namespace mismatch between URL and body → 400; invalid names and labels → 422;
-  pod spec updates outside the mutable fields → 422; `pods/binding` sets spec.nodeName once.
+  pod spec updates outside the mutable fields → 422; `pods/binding` sets spec.nodeName once;
+  `serviceaccounts/<name>/token` (TokenRequest) answers with the fake's own token.
 - resource.k8s.io/v1 (ResourceSlice, ResourceClaim, ResourceClaimTemplate, DeviceClass): the
   validation a 1.36 server applied and the quantities it re-serialised (`draobjects`, which also
   has the scheduler-like first-fit allocator for claims).
@@ -90,7 +91,7 @@ from testkit.apistore import (
     clone,
     key_of,
 )
-from testkit.kinds import DEFAULT_KINDS, NAMESPACE, POD, Kind
+from testkit.kinds import DEFAULT_KINDS, NAMESPACE, POD, SERVICE_ACCOUNT, Kind
 from testkit.objectrules import (
     GENERATE_ALPHABET,
     check_immutable,
@@ -433,7 +434,9 @@ class FakeApiServer:
         if kind.namespaced and namespace is None and name is not None:
             raise missing
         if sub is not None and not (
-            (sub == "status" and kind.status_subresource) or (sub == "binding" and kind is POD)
+            (sub == "status" and kind.status_subresource)
+            or (sub == "binding" and kind is POD)
+            or (sub == "token" and kind is SERVICE_ACCOUNT)
         ):
             raise missing
         return Route(kind, namespace, name, sub)
@@ -454,6 +457,9 @@ class FakeApiServer:
         elif route.sub == "binding":
             if method == "POST":
                 return await self._bind(request, route)
+        elif route.sub == "token":
+            if method == "POST":
+                return self._token(route)
         elif method == "GET":
             return self._get(route)
         elif method == "PUT":
@@ -1043,6 +1049,17 @@ class FakeApiServer:
         if dry_run:
             return result
         return self.store.update(kind, result)
+
+    def _token(self, route: Route) -> web.Response:
+        """TokenRequest: the fake has one identity, so every account's token is its token."""
+        if self.store.get(SERVICE_ACCOUNT, self._key(route)) is None:
+            raise not_found(SERVICE_ACCOUNT, route.name or "")
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenRequest",
+            "status": {"token": self.token, "expirationTimestamp": "2099-01-01T00:00:00Z"},
+        }
+        return web.json_response(body, status=201)
 
     async def _bind(self, request: web.Request, route: Route) -> web.Response:
         body = await self._body(request)

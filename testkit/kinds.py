@@ -226,6 +226,20 @@ DEVICE_CLASS = Kind(
     top_fields=frozenset({"spec"}),
 )
 DRA_KINDS = (RESOURCE_SLICE, RESOURCE_CLAIM, RESOURCE_CLAIM_TEMPLATE, DEVICE_CLASS)
+# A component's identity, as the e2e harness installs it from deploy/ (the fake authorizes
+# nothing: it stores these so that a run can be set up and removed against it).
+SERVICE_ACCOUNT = Kind(
+    "", "v1", "ServiceAccount", "serviceaccounts", namespaced=True, top_fields=frozenset()
+)
+_RBAC = "rbac.authorization.k8s.io"
+_RULES = frozenset({"rules", "aggregationRule"})
+_BINDING = frozenset({"roleRef", "subjects"})
+RBAC_KINDS = (
+    Kind(_RBAC, "v1", "ClusterRole", "clusterroles", namespaced=False, top_fields=_RULES),
+    Kind(_RBAC, "v1", "ClusterRoleBinding", "clusterrolebindings", False, top_fields=_BINDING),
+    Kind(_RBAC, "v1", "Role", "roles", namespaced=True, top_fields=_RULES),
+    Kind(_RBAC, "v1", "RoleBinding", "rolebindings", namespaced=True, top_fields=_BINDING),
+)
 
 DEFAULT_KINDS: tuple[Kind, ...] = (
     POD,
@@ -239,6 +253,8 @@ DEFAULT_KINDS: tuple[Kind, ...] = (
     VALIDATING_WEBHOOK_CONFIGURATION,
     GPUQUOTA,
     *DRA_KINDS,
+    SERVICE_ACCOUNT,
+    *RBAC_KINDS,
     DEPLOYMENT,
     REPLICASET,
     STATEFULSET,

@@ -402,7 +402,7 @@ def test_local_webhook_leads_a_lease_of_its_run(tmp_path: Path) -> None:
     config = ServeConfig.model_validate(yaml.safe_load(local.config_path.read_text()))
     election = config.quota.leader_election
     assert election.enabled
-    assert (election.namespace(), election.lease_name) == ("default", "fracgpu-e2e-abc123-quota")
+    assert (election.namespace(), election.lease_name) == ("fracgpu", "fracgpu-e2e-abc123-quota")
 
 
 def test_local_webhook_answers_in_time_for_the_deployed_timeout(
@@ -613,13 +613,52 @@ def _leftovers(fake: FakeApiServer) -> list[str]:
         VALIDATING_WEBHOOK_CONFIGURATIONS.plural,
         CRD_KIND.plural,
     )
-    found = [f"{k}/{o['metadata']['name']}" for k in kinds for o in fake.objects(k)]
+    identity = ("serviceaccounts", "clusterroles", "clusterrolebindings", "roles", "rolebindings")
+    found = [f"{k}/{o['metadata']['name']}" for k in kinds + identity for o in fake.objects(k)]
     found += [
         f"namespaces/{o['metadata']['name']}"
         for o in fake.objects("namespaces")
         if RUN_LABEL in (o["metadata"].get("labels") or {})
+        or o["metadata"]["name"] == harness.WEBHOOK_NAMESPACE
     ]
     return found
+
+
+IDENTITY_CASES = {
+    "device-plugin mode: the default overlay's": (ADMISSION, False),
+    "DRA mode: the dra overlay's, with claims and slices": (ADMISSION_DRA, True),
+}
+
+
+@pytest.mark.parametrize("admission, dra", IDENTITY_CASES.values(), ids=IDENTITY_CASES)
+def test_the_webhook_runs_with_the_rbac_deploy_grants_it(admission: Obj, dra: bool) -> None:
+    kubectl()  # deploy/ is rendered with it
+    objs = harness.webhook_rbac(admission)
+    names = {(o["kind"], o["metadata"]["name"]) for o in objs}
+    assert ("ServiceAccount", "fracgpu-webhook") in names
+    assert ("ClusterRole", "fracgpu-webhook") in names
+    assert ("RoleBinding", "fracgpu-webhook-leases") in names
+    assert (("ClusterRole", "fracgpu-webhook-dra") in names) == dra
+    assert all(o["metadata"]["name"].startswith("fracgpu-webhook") for o in objs)
+
+
+async def test_the_local_webhook_calls_the_api_server_with_its_accounts_token(
+    fake: FakeApiServer, tmp_path: Path
+) -> None:
+    settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
+    async with Background(settings, tmp_path / "run") as background:
+        assert background.run is not None
+        served = background.run.webhook.config["kubeconfig"]
+        assert served != str(settings.kubeconfig)
+        kubeconfig = yaml.safe_load(await asyncio.to_thread(Path(served).read_text))
+        (user,) = kubeconfig["users"]
+        assert user["name"] == "system:serviceaccount:fracgpu:fracgpu-webhook"
+        assert set(user["user"]) == {"token"}  # no client certificate of the suite's
+        assert fake.get("serviceaccounts", "fracgpu-webhook", "fracgpu") is not None
+        assert background.run.webhook.config["quota"]["leader_election"]["lease_namespace"] == (
+            harness.WEBHOOK_NAMESPACE
+        )
+    assert background.error is None
 
 
 @pytest.mark.parametrize("fail_inside", [False, True], ids=["passed", "failed"])

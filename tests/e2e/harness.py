@@ -107,9 +107,15 @@ ADMISSION: dict[str, Any] = {
 # DRA mode (the DRA scenarios): the same admission with claims instead of extended resources.
 # GPU models then come from the ResourceSlices the node agent publishes, not from this inventory.
 ADMISSION_DRA: dict[str, Any] = {**ADMISSION, "allocation": "dra"}
-# One local replica, leading a Lease of the run's own in the default namespace (no fracgpu
-# namespace exists): as in a cluster, and a test can take the Lease away to play a crashed leader.
-LEASE_NAMESPACE = "default"
+# `fracgpu serve` runs as the webhook's ServiceAccount with the RBAC deploy/ grants it (its
+# token, not the suite's admin credentials): a call the deployed webhook may not make fails
+# here as it would in a cluster. Its namespace is deploy/'s, made by the run when missing.
+WEBHOOK_NAMESPACE = "fracgpu"
+WEBHOOK_ACCOUNT = "fracgpu-webhook"
+_RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+# One local replica, leading a Lease of the run's own in the webhook's namespace (where its Role
+# grants Leases): as in a cluster, and a test can take the Lease away to play a crashed leader.
+LEASE_NAMESPACE = WEBHOOK_NAMESPACE
 
 
 def lease_name(run_id: str) -> str:
@@ -360,6 +366,17 @@ def crds() -> list[Obj]:
 def device_classes() -> list[Obj]:
     """The DeviceClass every fracgpu claim names, as deploy/overlays/dra renders it."""
     return [o for o in render(DEPLOY / "overlays" / "dra") if o["kind"] == "DeviceClass"]
+
+
+def webhook_rbac(admission: Obj) -> list[Obj]:
+    """The webhook's ServiceAccount, roles and bindings, as the overlay of its mode renders them
+    (DRA mode's adds claim templates, claims and slices)."""
+    overlay = "dra" if admission.get("allocation") == "dra" else "default"
+    return [
+        o
+        for o in render(DEPLOY / "overlays" / overlay)
+        if o["kind"] in _RBAC_KINDS and o["metadata"]["name"].startswith(WEBHOOK_ACCOUNT)
+    ]
 
 
 def webhook_configurations() -> list[Obj]:
@@ -640,6 +657,82 @@ async def unregister(api: Any, objs: list[Obj]) -> None:
             await call_json(api, "DELETE", path)
 
 
+# --- the webhook's identity ---------------------------------------------------------------
+
+
+def _rbac_path(obj: Obj, name: str | None = None) -> str:
+    kind = obj["kind"]
+    group = "" if kind == "ServiceAccount" else "rbac.authorization.k8s.io"
+    plural = {"ServiceAccount": "serviceaccounts"}.get(kind, kind.lower() + "s")
+    namespaced = kind in ("ServiceAccount", "Role", "RoleBinding")
+    resource = Resource(group, "v1", plural, namespaced=namespaced)
+    return resource.path(obj["metadata"].get("namespace") if namespaced else None, name)
+
+
+async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
+    """The webhook's namespace (when missing) and RBAC objects (replacing any of the same name:
+    those of a run before may be of another mode). Returns what this run made, to remove."""
+    made: list[Obj] = []
+    try:
+        await call_json(api, "GET", NAMESPACES.path(name=WEBHOOK_NAMESPACE))
+    except KubeNotFound:
+        namespace = {"apiVersion": "v1", "kind": "Namespace"}
+        namespace["metadata"] = {"name": WEBHOOK_NAMESPACE, "labels": {E2E_LABEL: "true"}}
+        await call_json(api, "POST", NAMESPACES.path(), body=namespace)
+        made.append(namespace)
+    for obj in objs:
+        try:
+            await call_json(api, "POST", _rbac_path(obj), body=obj)
+            made.append(obj)
+        except KubeConflict:
+            if obj["kind"] != "ServiceAccount":
+                await call_json(api, "PUT", _rbac_path(obj, obj["metadata"]["name"]), body=obj)
+    return made
+
+
+async def remove_webhook_identity(api: Any, made: list[Obj]) -> None:
+    for obj in reversed(made):
+        with contextlib.suppress(KubeNotFound):
+            if obj["kind"] == "Namespace":
+                await call_json(api, "DELETE", NAMESPACES.path(name=obj["metadata"]["name"]))
+            else:
+                await call_json(api, "DELETE", _rbac_path(obj, obj["metadata"]["name"]))
+
+
+async def webhook_token(api: Any) -> str:
+    """A token the API server issues for the webhook's ServiceAccount (TokenRequest), valid
+    for longer than a run."""
+    request = {
+        "apiVersion": "authentication.k8s.io/v1",
+        "kind": "TokenRequest",
+        "spec": {"expirationSeconds": 6 * 3600},
+    }
+    account = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts/{WEBHOOK_ACCOUNT}/token"
+    granted = await call_json(api, "POST", account, body=request)
+    return str(granted["status"]["token"])
+
+
+def token_kubeconfig(admin: Path, token: str, path: Path) -> Path:
+    """A kubeconfig with the cluster of ``admin``'s current context and ``token`` as its user."""
+    config = yaml.safe_load(admin.read_text())
+    current = config.get("current-context")
+    context = next(c for c in config["contexts"] if c["name"] == current)["context"]
+    cluster = next(c for c in config["clusters"] if c["name"] == context["cluster"])
+    user = f"system:serviceaccount:{WEBHOOK_NAMESPACE}:{WEBHOOK_ACCOUNT}"
+    document = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [cluster],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "webhook", "context": {"cluster": cluster["name"], "user": user}}],
+        "current-context": "webhook",
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(document))
+    path.chmod(0o600)
+    return path
+
+
 # --- namespaces -------------------------------------------------------------------------------
 
 
@@ -777,12 +870,16 @@ def e2e_run(
         made_classes = portal.run(install_device_classes(portal.api, classes))
         stack.callback(lambda: portal.run(remove_device_classes(portal.api, made_classes)))
         stack.callback(lambda: portal.run(delete_run_namespaces(portal.api, run_id)))
+        identity = portal.run(install_webhook_identity(portal.api, webhook_rbac(admission)))
+        stack.callback(lambda: portal.run(remove_webhook_identity(portal.api, identity)))
+        token = portal.run(webhook_token(portal.api))
+        kubeconfig = token_kubeconfig(settings.kubeconfig, token, workdir / "webhook.kubeconfig")
         host = settings.host or portal.run(webhook_host(portal.api))
         webhook = LocalWebhook(
             workdir,
             host,
             bind_address(host, settings.bind),
-            settings.kubeconfig,
+            kubeconfig,
             None if settings.port is None else settings.port + port_offset,
             admission=admission,
             run_id=run_id,
