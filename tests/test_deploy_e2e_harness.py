@@ -633,13 +633,24 @@ IDENTITY_CASES = {
 @pytest.mark.parametrize("admission, dra", IDENTITY_CASES.values(), ids=IDENTITY_CASES)
 def test_the_webhook_runs_with_the_rbac_deploy_grants_it(admission: Obj, dra: bool) -> None:
     kubectl()  # deploy/ is rendered with it
-    objs = harness.webhook_rbac(admission)
+    objs = harness.webhook_rbac(admission, "abc123")
     names = {(o["kind"], o["metadata"]["name"]) for o in objs}
-    assert ("ServiceAccount", "fracgpu-webhook") in names
-    assert ("ClusterRole", "fracgpu-webhook") in names
-    assert ("RoleBinding", "fracgpu-webhook-leases") in names
-    assert (("ClusterRole", "fracgpu-webhook-dra") in names) == dra
-    assert all(o["metadata"]["name"].startswith("fracgpu-webhook") for o in objs)
+    assert ("ServiceAccount", "fracgpu-webhook-e2e-abc123") in names
+    assert ("ClusterRole", "fracgpu-webhook-e2e-abc123") in names
+    assert ("RoleBinding", "fracgpu-webhook-leases-e2e-abc123") in names
+    assert (("ClusterRole", "fracgpu-webhook-dra-e2e-abc123") in names) == dra
+    # Renamed for the run as a whole: every binding grants the run's roles to the run's account.
+    for obj in objs:
+        assert obj["metadata"]["labels"][RUN_LABEL] == "abc123"
+        if "roleRef" in obj:
+            assert (obj["roleRef"]["kind"], obj["roleRef"]["name"]) in names
+            (subject,) = obj["subjects"]
+            assert subject["name"] == "fracgpu-webhook-e2e-abc123"
+    overlay = harness.DEPLOY / "overlays" / ("dra" if dra else "default")
+    deployed = {(o["kind"], o["metadata"]["name"]): o for o in harness.render(overlay)}
+    for obj in objs:  # the rules are the deployed ones
+        original = deployed[obj["kind"], obj["metadata"]["name"].removesuffix("-e2e-abc123")]
+        assert obj.get("rules") == original.get("rules")
 
 
 async def test_the_local_webhook_calls_the_api_server_with_its_accounts_token(
@@ -652,9 +663,9 @@ async def test_the_local_webhook_calls_the_api_server_with_its_accounts_token(
         assert served != str(settings.kubeconfig)
         kubeconfig = yaml.safe_load(await asyncio.to_thread(Path(served).read_text))
         (user,) = kubeconfig["users"]
-        assert user["name"] == "system:serviceaccount:fracgpu:fracgpu-webhook"
+        assert user["name"] == "system:serviceaccount:fracgpu:fracgpu-webhook-e2e-off1ne"
         assert set(user["user"]) == {"token"}  # no client certificate of the suite's
-        assert fake.get("serviceaccounts", "fracgpu-webhook", "fracgpu") is not None
+        assert fake.get("serviceaccounts", "fracgpu-webhook-e2e-off1ne", "fracgpu") is not None
         assert background.run.webhook.config["quota"]["leader_election"]["lease_namespace"] == (
             harness.WEBHOOK_NAMESPACE
         )

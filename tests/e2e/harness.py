@@ -368,15 +368,29 @@ def device_classes() -> list[Obj]:
     return [o for o in render(DEPLOY / "overlays" / "dra") if o["kind"] == "DeviceClass"]
 
 
-def webhook_rbac(admission: Obj) -> list[Obj]:
+def webhook_rbac(admission: Obj, run_id: str) -> list[Obj]:
     """The webhook's ServiceAccount, roles and bindings, as the overlay of its mode renders them
-    (DRA mode's adds claim templates, claims and slices)."""
+    (DRA mode's adds claim templates, claims and slices), renamed for the run as its webhook
+    configurations are, so that runs, and the Helm scenario's release, never share one."""
     overlay = "dra" if admission.get("allocation") == "dra" else "default"
-    return [
+    objs = [
         o
         for o in render(DEPLOY / "overlays" / overlay)
         if o["kind"] in _RBAC_KINDS and o["metadata"]["name"].startswith(WEBHOOK_ACCOUNT)
     ]
+
+    def renamed(name: str) -> str:
+        return f"{name}-e2e-{run_id}"
+
+    for obj in objs:
+        obj["metadata"]["name"] = renamed(obj["metadata"]["name"])
+        obj["metadata"].setdefault("labels", {})[RUN_LABEL] = run_id
+        if "roleRef" in obj:
+            obj["roleRef"]["name"] = renamed(obj["roleRef"]["name"])
+        for subject in obj.get("subjects") or []:
+            if subject.get("kind") == "ServiceAccount":
+                subject["name"] = renamed(subject["name"])
+    return objs
 
 
 def webhook_configurations() -> list[Obj]:
@@ -670,8 +684,8 @@ def _rbac_path(obj: Obj, name: str | None = None) -> str:
 
 
 async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
-    """The webhook's namespace (when missing) and RBAC objects (replacing any of the same name:
-    those of a run before may be of another mode). Returns what this run made, to remove."""
+    """The webhook's namespace (when missing) and the run's RBAC objects. Returns what this run
+    made, to remove."""
     made: list[Obj] = []
     try:
         await call_json(api, "GET", NAMESPACES.path(name=WEBHOOK_NAMESPACE))
@@ -681,44 +695,46 @@ async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
         await call_json(api, "POST", NAMESPACES.path(), body=namespace)
         made.append(namespace)
     for obj in objs:
-        try:
-            await call_json(api, "POST", _rbac_path(obj), body=obj)
-            made.append(obj)
-        except KubeConflict:
-            if obj["kind"] != "ServiceAccount":
-                await call_json(api, "PUT", _rbac_path(obj, obj["metadata"]["name"]), body=obj)
+        await call_json(api, "POST", _rbac_path(obj), body=obj)
+        made.append(obj)
     return made
 
 
 async def remove_webhook_identity(api: Any, made: list[Obj]) -> None:
+    """What :func:`install_webhook_identity` made; the namespace only once no other run's
+    ServiceAccount is in it (runs of one session overlap)."""
     for obj in reversed(made):
         with contextlib.suppress(KubeNotFound):
-            if obj["kind"] == "Namespace":
-                await call_json(api, "DELETE", NAMESPACES.path(name=obj["metadata"]["name"]))
-            else:
+            if obj["kind"] != "Namespace":
                 await call_json(api, "DELETE", _rbac_path(obj, obj["metadata"]["name"]))
+                continue
+            path = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts"
+            others = await call_json(api, "GET", path, query=[("labelSelector", RUN_LABEL)])
+            if not others.get("items"):
+                await call_json(api, "DELETE", NAMESPACES.path(name=WEBHOOK_NAMESPACE))
 
 
-async def webhook_token(api: Any) -> str:
-    """A token the API server issues for the webhook's ServiceAccount (TokenRequest), valid
+async def webhook_token(api: Any, account: str) -> str:
+    """A token the API server issues for the run's webhook ServiceAccount (TokenRequest), valid
     for longer than a run."""
     request = {
         "apiVersion": "authentication.k8s.io/v1",
         "kind": "TokenRequest",
         "spec": {"expirationSeconds": 6 * 3600},
     }
-    account = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts/{WEBHOOK_ACCOUNT}/token"
-    granted = await call_json(api, "POST", account, body=request)
+    path = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts/{account}/token"
+    granted = await call_json(api, "POST", path, body=request)
     return str(granted["status"]["token"])
 
 
-def token_kubeconfig(admin: Path, token: str, path: Path) -> Path:
-    """A kubeconfig with the cluster of ``admin``'s current context and ``token`` as its user."""
+def token_kubeconfig(admin: Path, account: str, token: str, path: Path) -> Path:
+    """A kubeconfig with the cluster of ``admin``'s current context and, as its user, the
+    ServiceAccount ``account`` of the webhook's namespace with ``token``."""
     config = yaml.safe_load(admin.read_text())
     current = config.get("current-context")
     context = next(c for c in config["contexts"] if c["name"] == current)["context"]
     cluster = next(c for c in config["clusters"] if c["name"] == context["cluster"])
-    user = f"system:serviceaccount:{WEBHOOK_NAMESPACE}:{WEBHOOK_ACCOUNT}"
+    user = f"system:serviceaccount:{WEBHOOK_NAMESPACE}:{account}"
     document = {
         "apiVersion": "v1",
         "kind": "Config",
@@ -870,10 +886,14 @@ def e2e_run(
         made_classes = portal.run(install_device_classes(portal.api, classes))
         stack.callback(lambda: portal.run(remove_device_classes(portal.api, made_classes)))
         stack.callback(lambda: portal.run(delete_run_namespaces(portal.api, run_id)))
-        identity = portal.run(install_webhook_identity(portal.api, webhook_rbac(admission)))
+        rbac = webhook_rbac(admission, run_id)
+        identity = portal.run(install_webhook_identity(portal.api, rbac))
         stack.callback(lambda: portal.run(remove_webhook_identity(portal.api, identity)))
-        token = portal.run(webhook_token(portal.api))
-        kubeconfig = token_kubeconfig(settings.kubeconfig, token, workdir / "webhook.kubeconfig")
+        (account,) = [o["metadata"]["name"] for o in rbac if o["kind"] == "ServiceAccount"]
+        token = portal.run(webhook_token(portal.api, account))
+        kubeconfig = token_kubeconfig(
+            settings.kubeconfig, account, token, workdir / "webhook.kubeconfig"
+        )
         host = settings.host or portal.run(webhook_host(portal.api))
         webhook = LocalWebhook(
             workdir,
