@@ -653,6 +653,30 @@ def test_the_webhook_runs_with_the_rbac_deploy_grants_it(admission: Obj, dra: bo
         assert obj.get("rules") == original.get("rules")
 
 
+async def test_a_run_waits_for_the_namespace_the_run_before_is_removing(
+    fake: FakeApiServer,
+) -> None:
+    """Runs of one `make e2e` follow each other: the DRA run starts while the namespace the
+    device-plugin run made and removed is still Terminating, where nothing can be made."""
+    namespace = {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "fracgpu"}}
+    fake.put({**namespace, "status": {"phase": "Terminating"}})
+    kubectl()
+    rbac = harness.webhook_rbac(ADMISSION, "abc123")
+
+    async def finish_termination() -> None:
+        await asyncio.sleep(0.5)
+        fake.remove("namespaces", "fracgpu")
+
+    async with fake.api_client() as api:
+        gone = asyncio.create_task(finish_termination())
+        made = await harness.install_webhook_identity(api, rbac)
+        await gone
+        assert made[0]["kind"] == "Namespace"  # made again once the old one was gone
+        assert fake.get("serviceaccounts", "fracgpu-webhook-e2e-abc123", "fracgpu") is not None
+        await harness.remove_webhook_identity(api, made)
+    assert fake.get("namespaces", "fracgpu") is None
+
+
 async def test_the_local_webhook_calls_the_api_server_with_its_accounts_token(
     fake: FakeApiServer, tmp_path: Path
 ) -> None:

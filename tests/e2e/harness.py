@@ -687,8 +687,16 @@ async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
     """The webhook's namespace (when missing) and the run's RBAC objects. Returns what this run
     made, to remove."""
     made: list[Obj] = []
+    path = NAMESPACES.path(name=WEBHOOK_NAMESPACE)
     try:
-        await call_json(api, "GET", NAMESPACES.path(name=WEBHOOK_NAMESPACE))
+        # The run before may have removed it just now: nothing can be made in it until it is gone.
+        for _ in range(600):
+            found = await call_json(api, "GET", path)
+            if (found.get("status") or {}).get("phase") != "Terminating":
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise HarnessError(f"namespace {WEBHOOK_NAMESPACE} stayed Terminating for 60 s")
     except KubeNotFound:
         namespace = {"apiVersion": "v1", "kind": "Namespace"}
         namespace["metadata"] = {"name": WEBHOOK_NAMESPACE, "labels": {E2E_LABEL: "true"}}
