@@ -230,10 +230,14 @@ class Informer:
             with suppress(asyncio.CancelledError):
                 await task
         # Started again, it lists afresh: a cache from before is not "synced" with anything.
-        self._cache, self.resource_version = {}, ""
+        # Handlers that stay (an inventory kept from it) are told it is forgotten, so that the
+        # fresh list's ADDED is all they hold, and nothing that vanished meanwhile lingers.
+        forgotten, self._cache, self.resource_version = self._cache, {}, ""
         self.synced.clear()
         if self.metrics:
             self.metrics.synced.labels(self.name).set(0)
+        for obj in forgotten.values():
+            await self._emit("DELETED", obj)
 
     async def __aenter__(self) -> Informer:
         self.start()

@@ -192,11 +192,7 @@ async def run_server(
             )
         # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
         # the quota service logs it once and denies GPU pods with the command that installs it.
-        if quota.leads:
-            background.append(quota.run(leading))
-        else:  # quota embedded in a cluster: no Lease; this replica runs them itself
-            background.append(quota.run())
-            background.extend(job() for job in leading)
+        background.append(quota.run(leading))
         if api is not None and config.admission.inventory.watch_nodes:
             informer = node_informer(api, inventory, informers)
             await stack.enter_async_context(informer)

@@ -89,9 +89,8 @@ class UsageController:
         self.grace = timedelta(seconds=grace_s)
         self.pending_limit = pending_limit
         self.clock = clock
-        if informers is None:
-            settings = InformerSettings(request_timeout_s=request_timeout_s)
-            informers = Informers(api, settings=settings)
+        settings = InformerSettings(request_timeout_s=request_timeout_s)
+        informers = informers or Informers(api, settings=settings)
         self.pods = informers.of(PODS)
         self.quotas = informers.of(GPUQUOTAS)
         self._dirty: set[str] = set()

@@ -42,10 +42,9 @@ class KubeQuotaStore:
         """``watch``: read from an informer, the process's shared one if ``informers``."""
         self.api = api
         self.request_timeout_s = request_timeout_s
-        if watch and informers is None:
-            settings = InformerSettings(request_timeout_s=request_timeout_s)
-            informers = Informers(api, settings=settings)
-        self._informer = informers.of(GPUQUOTAS) if watch and informers is not None else None
+        settings = InformerSettings(request_timeout_s=request_timeout_s)
+        informers = informers or Informers(api, settings=settings)
+        self._informer = informers.of(GPUQUOTAS) if watch else None
         self._started = False
         self._written: dict[tuple[str, str], Obj] = {}
 

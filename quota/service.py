@@ -159,17 +159,13 @@ class QuotaService:
             informers=self.informers if shared else None,
         )
 
-    @property
-    def leads(self) -> bool:
-        """Whether :meth:`run` runs jobs on one replica at a time (Kubernetes mode)."""
-        return self.api is not None
-
     async def run(self, leading: Sequence[Callable[[], Coroutine[Any, Any, None]]] = ()) -> None:
         """Count usage until cancelled: on the replica that holds the Lease (every replica
         without leader election). ``leading``: more jobs that must run on one replica only,
         there, beside the controller (waiting pods' Events, which every replica would
-        otherwise post once each)."""
+        otherwise post once each). Embedded (no cluster to count, no Lease): only those."""
         if self.api is None:
+            await asyncio.gather(*(job() for job in leading))
             return
         while self._problem is not None:  # wait for the CRD before watching or reconciling
             await asyncio.sleep(self.probe_interval_s)

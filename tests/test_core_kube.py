@@ -456,6 +456,12 @@ async def test_a_shared_informer_watches_once_while_anyone_uses_it(
     fake.put(node("a"))
     informers = Informers(api, settings=InformerSettings(backoff_initial_s=0.05))
     first, second = informers.of(NODES), informers.of(NODES)
+    held: set[str] = set()  # what a handler that stays attached (an inventory) holds
+
+    def follow(kind: EventType, obj: dict[str, Any]) -> None:
+        (held.discard if kind == "DELETED" else held.add)(obj["metadata"]["name"])
+
+    first.add_handler(follow)
     first.start()
     second.start()
     await first.wait_synced(5)
@@ -468,10 +474,12 @@ async def test_a_shared_informer_watches_once_while_anyone_uses_it(
     await second.stop()  # the last user: the watch ends, and so does what it knew
     await eventually(lambda: _watches(fake, "nodes") == 0)
     assert not second.has_synced and len(second) == 0
+    assert held == set()  # told that it forgot "a" and "b"
     fake.remove("nodes", "a")
     second.start()  # used again: it lists afresh
     await second.wait_synced(5)
     assert [o["metadata"]["name"] for o in second.objects()] == ["b"]
+    assert held == {"b"}  # "a", removed while nobody watched, does not linger
     await second.stop()
 
 

@@ -711,14 +711,12 @@ async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
 async def remove_webhook_identity(api: Any, made: list[Obj]) -> None:
     """What :func:`install_webhook_identity` made; the namespace only once no other run's
     ServiceAccount is in it (runs of one session overlap)."""
-    for obj in reversed(made):
+    accounts = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts"
+    for obj in reversed(made):  # the namespace, if made, last
         with contextlib.suppress(KubeNotFound):
             if obj["kind"] != "Namespace":
                 await call_json(api, "DELETE", _rbac_path(obj, obj["metadata"]["name"]))
-                continue
-            path = f"/api/v1/namespaces/{WEBHOOK_NAMESPACE}/serviceaccounts"
-            others = await call_json(api, "GET", path, query=[("labelSelector", RUN_LABEL)])
-            if not others.get("items"):
+            elif not (await call_json(api, "GET", accounts, query=_of_any_run())).get("items"):
                 await call_json(api, "DELETE", NAMESPACES.path(name=WEBHOOK_NAMESPACE))
 
 
@@ -791,6 +789,10 @@ async def delete_lease(api: Any, run_id: str) -> None:
 
 def _of_run(run_id: str) -> list[tuple[str, str]]:
     return [("labelSelector", f"{RUN_LABEL}={run_id}")]
+
+
+def _of_any_run() -> list[tuple[str, str]]:
+    return [("labelSelector", RUN_LABEL)]
 
 
 async def delete_run_namespaces(api: Any, run_id: str) -> None:
