@@ -112,7 +112,6 @@ ADMISSION_DRA: dict[str, Any] = {**ADMISSION, "allocation": "dra"}
 # here as it would in a cluster. Its namespace is deploy/'s, made by the run when missing.
 WEBHOOK_NAMESPACE = "fracgpu"
 WEBHOOK_ACCOUNT = "fracgpu-webhook"
-_RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
 # One local replica, leading a Lease of the run's own in the webhook's namespace (where its Role
 # grants Leases): as in a cluster, and a test can take the Lease away to play a crashed leader.
 LEASE_NAMESPACE = WEBHOOK_NAMESPACE
@@ -376,7 +375,7 @@ def webhook_rbac(admission: Obj, run_id: str) -> list[Obj]:
     objs = [
         o
         for o in render(DEPLOY / "overlays" / overlay)
-        if o["kind"] in _RBAC_KINDS and o["metadata"]["name"].startswith(WEBHOOK_ACCOUNT)
+        if o["kind"] in _IDENTITY and o["metadata"]["name"].startswith(WEBHOOK_ACCOUNT)
     ]
 
     def renamed(name: str) -> str:
@@ -674,13 +673,20 @@ async def unregister(api: Any, objs: list[Obj]) -> None:
 # --- the webhook's identity ---------------------------------------------------------------
 
 
+_RBAC = "rbac.authorization.k8s.io"
+_IDENTITY = {
+    "ServiceAccount": Resource("", "v1", "serviceaccounts", namespaced=True),
+    "ClusterRole": Resource(_RBAC, "v1", "clusterroles", namespaced=False),
+    "ClusterRoleBinding": Resource(_RBAC, "v1", "clusterrolebindings", namespaced=False),
+    "Role": Resource(_RBAC, "v1", "roles", namespaced=True),
+    "RoleBinding": Resource(_RBAC, "v1", "rolebindings", namespaced=True),
+}
+
+
 def _rbac_path(obj: Obj, name: str | None = None) -> str:
-    kind = obj["kind"]
-    group = "" if kind == "ServiceAccount" else "rbac.authorization.k8s.io"
-    plural = {"ServiceAccount": "serviceaccounts"}.get(kind, kind.lower() + "s")
-    namespaced = kind in ("ServiceAccount", "Role", "RoleBinding")
-    resource = Resource(group, "v1", plural, namespaced=namespaced)
-    return resource.path(obj["metadata"].get("namespace") if namespaced else None, name)
+    resource = _IDENTITY[obj["kind"]]
+    namespace = obj["metadata"].get("namespace") if resource.namespaced else None
+    return resource.path(namespace, name)
 
 
 async def install_webhook_identity(api: Any, objs: list[Obj]) -> list[Obj]:
