@@ -76,19 +76,67 @@ need_version() {
     [[ -n $KUBE_PATCH ]] || die "KUBE_VERSION=$KUBE_VERSION: no module pins it; known: $(cd "$MODULES" && ls -d k8s-* | sed 's/k8s-//' | tr '\n' ' ')"
 }
 
-# Field 22 of /proc/PID/stat, the start time in ticks since boot: a pid file holds "PID START", so a
-# pid that was reused by another process is never signalled.
-proc_start() { awk '{ sub(/^.*\) /, ""); print $20 }' "/proc/$1/stat" 2>/dev/null; }
+# stat_field LINE N -> field N (man 5 proc: 3 the state, 22 the start time) of a /proc/PID/stat line;
+# the command name, field 2, may hold spaces and parentheses, so fields count from its last ") ".
+stat_field() { awk -v n="$2" '{ sub(/^.*\) /, ""); print $(n - 2) }' <<<"$1"; }
 
-# alive NAME -> prints the pid while the process recorded under NAME runs.
+# The start time in ticks since boot: a pid file holds "PID START", so a pid that was reused by
+# another process is never signalled.
+proc_start() {
+    local stat
+    stat=$(cat "/proc/$1/stat" 2>/dev/null) || return 1
+    stat_field "$stat" 22
+}
+
+# exited PID START: the process is gone, or only its parent's wait is left (a zombie whose threads
+# have all ended). A zombie *leader* whose other threads still run, one blocked in the kernel say,
+# reads Z too, yet still holds its files, sockets and mounts: it has not exited. PID 1 here reaps
+# orphans up to seconds late, so a zombie is ordinary at the end of a run.
+exited() {
+    local pid=$1 start=$2 stat threads
+    stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 0
+    [[ $(stat_field "$stat" 22) == "$start" ]] || return 0
+    [[ $(stat_field "$stat" 3) == Z ]] || return 1
+    threads=$(awk '$1 == "Threads:" { print $2 }' "/proc/$pid/status" 2>/dev/null)
+    ((${threads:-0} <= 1))
+}
+
+# alive NAME -> prints the pid while the process recorded under NAME has not exited.
 alive() {
-    local f="$PIDS/$1.pid" pid start state
+    local f="$PIDS/$1.pid" pid="" start=""
     [[ -f $f ]] || return 1
-    read -r pid start _ <"$f" || return 1
-    [[ -n ${pid:-} && -d /proc/$pid && "$(proc_start "$pid")" == "$start" ]] || return 1
-    state=$(awk '{ sub(/^.*\) /, ""); print $1 }' "/proc/$pid/stat" 2>/dev/null)
-    [[ $state != Z ]] || return 1
+    read -r pid start _ <"$f" || true
+    [[ -n $pid && -n $start ]] || return 1
+    exited "$pid" "$start" && return 1
     echo "$pid"
+}
+
+# describe PID -> each thread's state and where in the kernel it waits, for an error message.
+describe() {
+    local t stat out=""
+    for t in /proc/"$1"/task/*; do
+        stat=$(cat "$t/stat" 2>/dev/null) || continue
+        out+="${t##*/}:$(stat_field "$stat" 3)/$(cat "$t/wchan" 2>/dev/null) "
+    done
+    echo "threads ${out:-none}"
+}
+
+# stop NAME [SECONDS]: SIGTERM, SIGKILL after SECONDS, then up to 10 s for the whole process (every
+# thread) to end. Fails, naming what each thread waits on, when it has not.
+stop() {
+    local name=$1 secs=${2:-20} pid end
+    pid=$(alive "$name") || return 0
+    kill -TERM "$pid" 2>/dev/null
+    end=$((SECONDS + secs))
+    while alive "$name" >/dev/null && ((SECONDS < end)); do sleep 0.1; done
+    alive "$name" >/dev/null || return 0
+    log "$name (pid $pid) still running ${secs} s after SIGTERM: SIGKILL"
+    kill -KILL "$pid" 2>/dev/null
+    end=$((SECONDS + 10))
+    while alive "$name" >/dev/null && ((SECONDS < end)); do sleep 0.1; done
+    alive "$name" >/dev/null || return 0
+    log "$name (pid $pid) still there 10 s after SIGKILL: $(describe "$pid")"
+    return 1
 }
 
 kubectl_() { "$KUBE_BIN/kubectl" --kubeconfig "$KUBECONFIG_OUT" "$@"; }

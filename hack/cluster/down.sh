@@ -14,23 +14,6 @@ need_root down.sh
 T0=$SECONDS
 K=("$R/kubectl" --kubeconfig "$KUBECONFIG_OUT" --request-timeout=10s)
 
-# stop NAME [SECONDS]: SIGTERM, then SIGKILL after SECONDS.
-stop() {
-    local name=$1 secs=${2:-20} pid end
-    pid=$(alive "$name") || return 0
-    kill -TERM "$pid" 2>/dev/null
-    end=$((SECONDS + secs))
-    while alive "$name" >/dev/null; do
-        if ((SECONDS >= end)); then
-            log "$name (pid $pid) still running ${secs} s after SIGTERM: SIGKILL"
-            kill -KILL "$pid" 2>/dev/null
-            sleep 0.5
-            break
-        fi
-        sleep 0.1
-    done
-}
-
 shims() {
     local d
     for d in /proc/[0-9]*; do
@@ -58,15 +41,20 @@ if alive containerd >/dev/null; then
 fi
 stop containerd 30
 for pid in $(shims); do kill -KILL "$pid" 2>/dev/null; done
+end=$((SECONDS + 10))
+while [[ -n $(shims) ]] && ((SECONDS < end)); do sleep 0.1; done
 # 4. The control plane.
 stop kube-apiserver 30
 stop etcd 30
 
+# Whatever a stop above left (one that was skipped, or outlived its signals) gets one more.
 left=()
 for f in "$PIDS"/*.pid; do
     [[ -e $f ]] || continue
     n=$(basename "$f" .pid)
-    pid=$(alive "$n") && left+=("$n:$pid")
+    pid=$(alive "$n") || continue
+    log "$n (pid $pid) still running after the stops: $(describe "$pid")"
+    stop "$n" 5 || left+=("$n:$pid")
 done
 left_shims=$(shims | tr '\n' ' ')
 
