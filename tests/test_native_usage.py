@@ -92,6 +92,8 @@ HOSTILE = {
         "version=1\nstamp_us=5\nwindow_us=1\nused_percent=0\nceiling_percent=1\ncompute_percent=5\n"
     ),
     "over the size bound": "#" * 600,
+    "NUL": "version=1\nstamp_us=5\x00\nwindow_us=1\nused_percent=0\nceiling_percent=1\n",
+    "no equals": "version=1\nstamp_us 5\nwindow_us=1\nused_percent=0\nceiling_percent=1\n",
 }
 
 
@@ -103,6 +105,29 @@ def test_both_readers_refuse_a_hostile_file(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     code, out = c_reads(sanitized_kit(), path)
     assert code == 2 and out.startswith("invalid"), out
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        pytest.param(HOSTILE["NUL"], "line 2: contains a NUL byte", id="nul"),
+        pytest.param(HOSTILE["no equals"], "line 2: expected key=value", id="no-equals"),
+        pytest.param(HOSTILE["signed"], "line 2: not an unsigned integer", id="signed"),
+        pytest.param(
+            "# written by the node agent\n\nversion=1\nversion=1\n",
+            "line 4: expected one of its keys, once",
+            id="comment-and-blank-lines-counted",
+        ),
+    ],
+)
+def test_the_c_reader_names_the_line_as_the_limits_reader_does(
+    tmp_path: Path, text: str, why: str
+) -> None:
+    path = tmp_path / "usage"
+    path.write_text(text)
+    code, out = c_reads(sanitized_kit(), path)
+    assert code == 2
+    assert why in out
 
 
 def test_the_limits_file_is_unchanged_for_an_older_hook(tmp_path: Path) -> None:

@@ -32,9 +32,33 @@ int fg_text_u64(const char *s, const char *end, uint64_t *out) {
     return 0;
 }
 
-static int key_is(const char *k, const char *kend, const char *name) {
+int fg_text_key_is(const char *k, const char *kend, const char *name) {
     size_t n = strlen(name);
     return (size_t)(kend - k) == n && memcmp(k, name, n) == 0;
+}
+
+int fg_text_next(fg_text_lines *it, const char **k, const char **eq, const char **e, char *why,
+                 size_t why_len) {
+    while (it->p < it->end) {
+        const char *nl = memchr(it->p, '\n', (size_t)(it->end - it->p));
+        const char *lend = nl ? nl : it->end;
+        it->line++;
+        const char *s = fg_text_trim(it->p, lend, e);
+        it->p = nl ? nl + 1 : it->end;
+        if (s == *e || *s == '#') continue;
+        if (memchr(s, '\0', (size_t)(*e - s))) {
+            snprintf(why, why_len, "line %d: contains a NUL byte", it->line);
+            return -1;
+        }
+        *eq = memchr(s, '=', (size_t)(*e - s));
+        if (!*eq) {
+            snprintf(why, why_len, "line %d: expected key=value", it->line);
+            return -1;
+        }
+        *k = s;
+        return 1;
+    }
+    return 0;
 }
 
 static int parse_devices(const char *s, const char *end, fg_limits *out) {
@@ -65,42 +89,27 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
         snprintf(why, why_len, "is larger than %d bytes", FRACGPU_MAX_FILE_BYTES);
         return FG_LIMITS_INVALID;
     }
-    const char *p = text, *end = text + len;
-    int line = 0;
-    while (p < end) {
-        const char *nl = memchr(p, '\n', (size_t)(end - p));
-        const char *lend = nl ? nl : end;
-        line++;
-        const char *s, *e;
-        s = fg_text_trim(p, lend, &e);
-        p = nl ? nl + 1 : end;
-        if (s == e || *s == '#') continue;
-        if (memchr(s, '\0', (size_t)(e - s))) {
-            snprintf(why, why_len, "line %d: contains a NUL byte", line);
-            return FG_LIMITS_INVALID;
-        }
-        const char *eq = memchr(s, '=', (size_t)(e - s));
-        if (!eq) {
-            snprintf(why, why_len, "line %d: expected key=value", line);
-            return FG_LIMITS_INVALID;
-        }
+    fg_text_lines it = {text, text + len, 0};
+    const char *s, *eq, *e;
+    int more;
+    while ((more = fg_text_next(&it, &s, &eq, &e, why, why_len)) > 0) {
         const char *v = eq + 1;
         unsigned bit;
-        if (key_is(s, eq, FRACGPU_KEY_VERSION)) {
+        if (fg_text_key_is(s, eq, FRACGPU_KEY_VERSION)) {
             bit = K_VERSION;
-        } else if (key_is(s, eq, FRACGPU_KEY_DEVICES)) {
+        } else if (fg_text_key_is(s, eq, FRACGPU_KEY_DEVICES)) {
             bit = K_DEVICES;
-        } else if (key_is(s, eq, FRACGPU_KEY_MEMORY_BYTES)) {
+        } else if (fg_text_key_is(s, eq, FRACGPU_KEY_MEMORY_BYTES)) {
             bit = K_MEMORY;
-        } else if (key_is(s, eq, FRACGPU_KEY_COMPUTE_PERCENT)) {
+        } else if (fg_text_key_is(s, eq, FRACGPU_KEY_COMPUTE_PERCENT)) {
             bit = K_COMPUTE;
         } else {
-            snprintf(why, why_len, "line %d: unknown key '%.*s'", line,
+            snprintf(why, why_len, "line %d: unknown key '%.*s'", it.line,
                      (int)((eq - s) > 40 ? 40 : (eq - s)), s);
             return FG_LIMITS_INVALID;
         }
         if (seen & bit) {
-            snprintf(why, why_len, "line %d: repeated key '%.*s'", line, (int)(eq - s), s);
+            snprintf(why, why_len, "line %d: repeated key '%.*s'", it.line, (int)(eq - s), s);
             return FG_LIMITS_INVALID;
         }
         seen |= bit;
@@ -108,7 +117,7 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
         switch (bit) {
         case K_VERSION:
             if (fg_text_u64(v, e, &n) != 0 || n != FRACGPU_FORMAT_VERSION) {
-                snprintf(why, why_len, "line %d: unsupported version (this hook reads %d)", line,
+                snprintf(why, why_len, "line %d: unsupported version (this hook reads %d)", it.line,
                          FRACGPU_FORMAT_VERSION);
                 return FG_LIMITS_INVALID;
             }
@@ -116,27 +125,28 @@ fg_limits_status fg_limits_parse(const char *text, size_t len, fg_limits *out, c
         case K_DEVICES:
             if (parse_devices(v, e, out) != 0) {
                 snprintf(why, why_len,
-                         "line %d: devices must be 1 to %d comma-separated card UUIDs", line,
+                         "line %d: devices must be 1 to %d comma-separated card UUIDs", it.line,
                          FRACGPU_MAX_DEVICES);
                 return FG_LIMITS_INVALID;
             }
             break;
         case K_MEMORY:
             if (fg_text_u64(v, e, &n) != 0 || n == 0 || n > (uint64_t)FRACGPU_MAX_MEMORY_BYTES) {
-                snprintf(why, why_len, "line %d: memory_bytes must be a positive integer", line);
+                snprintf(why, why_len, "line %d: memory_bytes must be a positive integer", it.line);
                 return FG_LIMITS_INVALID;
             }
             out->memory_bytes = n;
             break;
         default:
             if (fg_text_u64(v, e, &n) != 0 || n < 1 || n > 100) {
-                snprintf(why, why_len, "line %d: compute_percent must be 1 to 100", line);
+                snprintf(why, why_len, "line %d: compute_percent must be 1 to 100", it.line);
                 return FG_LIMITS_INVALID;
             }
             out->compute_percent = (int)n;
             break;
         }
     }
+    if (more < 0) return FG_LIMITS_INVALID;
     if (seen != K_ALL) {
         snprintf(why, why_len, "missing key(s):%s%s%s%s", (seen & K_VERSION) ? "" : " version",
                  (seen & K_DEVICES) ? "" : " devices", (seen & K_MEMORY) ? "" : " memory_bytes",

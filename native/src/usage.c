@@ -12,11 +12,6 @@
 #include <stdio.h>
 #include <string.h>
 
-static int key_is(const char *k, const char *kend, const char *name) {
-    size_t n = strlen(name);
-    return (size_t)(kend - k) == n && memcmp(k, name, n) == 0;
-}
-
 fg_limits_status fg_usage_parse(const char *text, size_t len, fg_usage *out, char *why,
                                 size_t why_len) {
     static const char *const keys[] = {FRACGPU_KEY_VERSION, FRACGPU_KEY_STAMP_US,
@@ -30,28 +25,23 @@ fg_limits_status fg_usage_parse(const char *text, size_t len, fg_usage *out, cha
         snprintf(why, why_len, "is larger than %d bytes", FRACGPU_USAGE_MAX_FILE_BYTES);
         return FG_LIMITS_INVALID;
     }
-    const char *p = text, *end = text + len;
-    int line = 0;
-    while (p < end) {
-        const char *nl = memchr(p, '\n', (size_t)(end - p));
-        const char *lend = nl ? nl : end;
-        line++;
-        const char *e, *s = fg_text_trim(p, lend, &e);
-        p = nl ? nl + 1 : end;
-        if (s == e || *s == '#') continue;
-        const char *eq = memchr(s, '=', (size_t)(e - s));
+    fg_text_lines it = {text, text + len, 0};
+    const char *s, *eq, *e;
+    int more;
+    while ((more = fg_text_next(&it, &s, &eq, &e, why, why_len)) > 0) {
         int k = 0;
-        while (eq && k < NKEYS && !key_is(s, eq, keys[k])) k++;
-        if (!eq || k == NKEYS || (seen & (1u << k))) {
-            snprintf(why, why_len, "line %d: expected one of its keys, once", line);
+        while (k < NKEYS && !fg_text_key_is(s, eq, keys[k])) k++;
+        if (k == NKEYS || (seen & (1u << k))) {
+            snprintf(why, why_len, "line %d: expected one of its keys, once", it.line);
             return FG_LIMITS_INVALID;
         }
         seen |= 1u << k;
         if (fg_text_u64(eq + 1, e, &v[k]) != 0) {
-            snprintf(why, why_len, "line %d: not an unsigned integer", line);
+            snprintf(why, why_len, "line %d: not an unsigned integer", it.line);
             return FG_LIMITS_INVALID;
         }
     }
+    if (more < 0) return FG_LIMITS_INVALID;
     if (seen != ALL) {
         snprintf(why, why_len, "missing key(s)");
         return FG_LIMITS_INVALID;
