@@ -738,6 +738,23 @@ def test_idle_listandwatch_streams_cannot_starve_allocate() -> None:
             channel.close()
 
 
+def test_a_stop_returns_after_every_listandwatch_stream_has_ended(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gRPC's stop returns while a stream's worker may still wait in the allocator; the plugin's
+    stop waits for it, so no thread of the plugin outlives the stop (CI once saw one log into a
+    closed stream after its test had ended)."""
+    caplog.set_level(logging.INFO, logger="deviceplugin.classic.service")
+
+    def said(message: str) -> int:
+        return sum(r.getMessage() == message for r in caplog.records)
+
+    with gpu_node(cards(1)) as node:
+        assert node.kubelet.wait_for(lambda: said("ListAndWatch opened") == 2, timeout=5.0)
+        node.stop_plugin()
+        assert said("ListAndWatch closed") == 2
+
+
 def test_pods_that_the_scheduler_places_are_admitted_through_churn() -> None:
     """Single-container pods with proportional shares and whole cards (with memory and
     without), created and deleted at random on a four-card node: every pod that kube-scheduler's

@@ -59,7 +59,8 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         self._stopping = stopping
         # per card: the allocator's device list (compared by identity) and its encoding
         self._pieces: list[tuple[tuple[ListedDevice, ...], bytes]] = []
-        self._streams = threading.BoundedSemaphore(MAX_STREAMS)
+        self._open = 0  # ListAndWatch streams running, under _open_changed
+        self._open_changed = threading.Condition()
 
     def _fail(
         self, context: grpc.ServicerContext, rpc: str, code: grpc.StatusCode, msg: str
@@ -78,7 +79,11 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
     def ListAndWatch(
         self, request: pb.Empty, context: grpc.ServicerContext
     ) -> Iterator[pb.ListAndWatchResponse]:
-        if not self._streams.acquire(blocking=False):
+        with self._open_changed:
+            full = self._open >= MAX_STREAMS
+            if not full:
+                self._open += 1
+        if full:
             self._fail(
                 context,
                 "ListAndWatch",
@@ -89,7 +94,19 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         try:
             yield from self._watch(context)
         finally:
-            self._streams.release()
+            with self._open_changed:
+                self._open -= 1
+                self._open_changed.notify_all()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Whether every ListAndWatch stream ended within timeout.
+
+        gRPC's stop returns while a stream's worker thread may still be inside the allocator's
+        wait (up to 0.25 s before it sees the stop): a stop that returned then would leave that
+        thread running, and logging, past the end of everything that owns it.
+        """
+        with self._open_changed:
+            return self._open_changed.wait_for(lambda: self._open == 0, timeout)
 
     def _watch(self, context: grpc.ServicerContext) -> Iterator[pb.ListAndWatchResponse]:
         allocator = self.plugin.allocator
@@ -192,6 +209,7 @@ class Endpoint:
         self.kind = kind
         self.socket = socket
         self._server: grpc.Server | None = None
+        self._servicer: DevicePluginServicer | None = None
         self._stopping = threading.Event()
 
     def start(self) -> None:
@@ -201,9 +219,8 @@ class Endpoint:
             max_workers=MAX_STREAMS + UNARY_WORKERS, thread_name_prefix="dp"
         )
         server = grpc.server(pool)
-        pb_grpc.add_DevicePluginServicer_to_server(
-            DevicePluginServicer(self.plugin, self.kind, self._stopping), server
-        )
+        self._servicer = DevicePluginServicer(self.plugin, self.kind, self._stopping)
+        pb_grpc.add_DevicePluginServicer_to_server(self._servicer, server)
         server.add_insecure_port(f"unix://{self.socket}")
         server.start()
         self._server = server
@@ -213,6 +230,12 @@ class Endpoint:
         if self._server is not None:
             self._server.stop(grace=0.1).wait(2)
             self._server = None
+        if self._servicer is not None and not self._servicer.wait_closed(2):
+            log.warning(
+                "ListAndWatch streams still open 2 s after the stop",
+                extra={"resource": self._servicer.resource},
+            )
+        self._servicer = None
 
 
 class Supervisor:
