@@ -90,8 +90,8 @@ proc_start() {
 
 # exited PID START: the process is gone, or only its parent's wait is left (a zombie whose threads
 # have all ended). A zombie *leader* whose other threads still run, one blocked in the kernel say,
-# reads Z too, yet still holds its files, sockets and mounts: it has not exited. PID 1 here reaps
-# orphans up to seconds late, so a zombie is ordinary at the end of a run.
+# reads Z too, yet still holds its files, sockets and mounts: it has not exited. A PID 1 may reap
+# orphans late (1.5 s seen on a CI machine), so a zombie is ordinary at the end of a run.
 exited() {
     local pid=$1 start=$2 stat threads
     stat=$(cat "/proc/$pid/stat" 2>/dev/null) || return 0
@@ -121,20 +121,25 @@ describe() {
     echo "threads ${out:-none}"
 }
 
+# ends_within NAME SECONDS: succeeds once the process recorded under NAME has exited.
+ends_within() {
+    local end=$((SECONDS + $2))
+    while alive "$1" >/dev/null; do
+        ((SECONDS < end)) || return 1
+        sleep 0.1
+    done
+}
+
 # stop NAME [SECONDS]: SIGTERM, SIGKILL after SECONDS, then up to 10 s for the whole process (every
 # thread) to end. Fails, naming what each thread waits on, when it has not.
 stop() {
-    local name=$1 secs=${2:-20} pid end
+    local name=$1 secs=${2:-20} pid
     pid=$(alive "$name") || return 0
     kill -TERM "$pid" 2>/dev/null
-    end=$((SECONDS + secs))
-    while alive "$name" >/dev/null && ((SECONDS < end)); do sleep 0.1; done
-    alive "$name" >/dev/null || return 0
+    ends_within "$name" "$secs" && return 0
     log "$name (pid $pid) still running ${secs} s after SIGTERM: SIGKILL"
     kill -KILL "$pid" 2>/dev/null
-    end=$((SECONDS + 10))
-    while alive "$name" >/dev/null && ((SECONDS < end)); do sleep 0.1; done
-    alive "$name" >/dev/null || return 0
+    ends_within "$name" 10 && return 0
     log "$name (pid $pid) still there 10 s after SIGKILL: $(describe "$pid")"
     return 1
 }
