@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native helm run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
+.PHONY: setup native helm promtool run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
 
 setup: $(STAMP) native
 
@@ -28,6 +28,23 @@ $(HELM): $(HELM_MODULE)/go.mod $(HELM_MODULE)/go.sum
 	    -o $(abspath .build/helm)/ tool; \
 	else echo "no Go toolchain: helm is not built and the Helm chart tests skip"; fi
 
+# promtool, built from the module hack/cluster/modules/promtool pins (the module proxy only), with
+# the cluster build's Go caches (.build/go): `promtool check rules` and `promtool test rules` run
+# on deploy/monitoring (tests/test_deploy_monitoring_promtool.py). Without Go those tests skip.
+PROMTOOL_MODULE = hack/cluster/modules/promtool
+PROMTOOL = .build/promtool/promtool
+promtool: $(PROMTOOL)
+$(PROMTOOL): $(PROMTOOL_MODULE)/go.mod $(PROMTOOL_MODULE)/go.sum
+	@if command -v go >/dev/null; then \
+	  m=$$(awk '$$1 == "github.com/prometheus/prometheus" {print $$2}' $(PROMTOOL_MODULE)/go.mod); \
+	  v=$$(echo $$m | awk -F. '{print int($$2 / 100) "." $$2 % 100 "." $$3}'); \
+	  echo "building promtool $$v (github.com/prometheus/prometheus $$m) from the module proxy"; \
+	  cd $(PROMTOOL_MODULE) && GOTOOLCHAIN=local GOMODCACHE=$(abspath .build/go/mod) GOCACHE=$(abspath .build/go/cache) \
+	    CGO_ENABLED=0 go build -mod=readonly -trimpath -buildvcs=false \
+	    -ldflags "-s -w -X github.com/prometheus/common/version.Version=$$v" \
+	    -o $(abspath .build/promtool)/ tool; \
+	else echo "no Go toolchain: promtool is not built and the alert rule tests skip"; fi
+
 native:
 	@if [ -f native/Makefile ]; then $(MAKE) -s -C native PYTHON=$(abspath $(BIN)/python); fi
 
@@ -43,7 +60,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: setup helm
+unit: setup helm promtool
 	$(BIN)/pytest -q
 
 # The edit-test loop: unit tests only (no native throttle timing, no e2e, no GPU), in well under
