@@ -18,6 +18,7 @@ import yaml
 
 from core.kube import PODS, call_json, kube_client
 from core.units import cards_text
+from quota.claims import ClaimSpecs, claim_refs
 from quota.demand import Demand, is_terminal, pod_demand
 from quota.kubestore import KubeQuotaStore
 from quota.ledger import Ledger
@@ -27,14 +28,14 @@ from quota.store import MemoryStore, Unavailable, load_quota_file
 
 def run(args: argparse.Namespace) -> int:
     try:
-        quotas, pods = asyncio.run(_load(args))
+        quotas, pods, claims = asyncio.run(_load(args))
         output = getattr(args, "output", "text")
         if output == "json":
-            print(json.dumps(document(quotas, pods), indent=2))
+            print(json.dumps(document(quotas, pods, claims), indent=2))
         elif output == "yaml":
-            print(yaml.safe_dump(document(quotas, pods), sort_keys=False), end="")
+            print(yaml.safe_dump(document(quotas, pods, claims), sort_keys=False), end="")
         else:
-            print(render(quotas, pods, show_pods=not args.no_pods), end="")
+            print(render(quotas, pods, show_pods=not args.no_pods, claims=claims), end="")
     except (QuotaError, Unavailable, OSError) as exc:
         print(f"fracgpu quota: {exc}", file=sys.stderr)
         return 1
@@ -46,12 +47,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def _load(
     args: argparse.Namespace,
-) -> tuple[list[GPUQuota], dict[str, list[dict[str, Any]]]]:
+) -> tuple[list[GPUQuota], dict[str, list[dict[str, Any]]], ClaimSpecs | None]:
+    """The quotas, their namespaces' pods and (DRA mode) the claims those pods name: a pod in
+    DRA mode carries its share in its claims, not in its containers' resources."""
     namespace = None if args.all_namespaces else args.namespace
     if args.file:
         store = MemoryStore(load_quota_file(args.file))
         raws = await store.list(None if args.all_namespaces else (namespace or "default"))
-        return [GPUQuota(raw) for raw in raws], {}
+        return [GPUQuota(raw) for raw in raws], {}, None
     async with kube_client(args.kubeconfig, args.context) as api:
         if namespace is None and not args.all_namespaces:
             namespace = "default"
@@ -61,7 +64,9 @@ async def _load(
         for ns in sorted({q.namespace for q in quotas}):
             listed = await call_json(api, "GET", PODS.path(ns))
             pods[ns] = [p for p in listed.get("items") or [] if isinstance(p, dict)]
-        return quotas, pods
+        claims = ClaimSpecs(api, request_timeout_s=30)
+        await claims.load(ref for listed in pods.values() for p in listed for ref in claim_refs(p))
+        return quotas, pods, claims
 
 
 def render(
@@ -69,6 +74,7 @@ def render(
     pods: Mapping[str, Sequence[Mapping[str, Any]]],
     *,
     show_pods: bool = True,
+    claims: ClaimSpecs | None = None,
 ) -> str:
     """The table, then per quota the pods charged to it (cluster) or reserved in it (file)."""
     if not quotas:
@@ -115,7 +121,7 @@ def render(
     ]
     if show_pods:
         for quota in quotas:
-            lines.extend(_pod_lines(quota, pods.get(quota.namespace)))
+            lines.extend(_pod_lines(quota, pods.get(quota.namespace), claims))
     return "\n".join(lines) + "\n"
 
 
@@ -132,7 +138,9 @@ def _limits(gpu: int | None, gpumem: int | None, pods: int | None) -> dict[str, 
 
 
 def document(
-    quotas: Sequence[GPUQuota], pods: Mapping[str, Sequence[Mapping[str, Any]]]
+    quotas: Sequence[GPUQuota],
+    pods: Mapping[str, Sequence[Mapping[str, Any]]],
+    claims: ClaimSpecs | None = None,
 ) -> list[dict[str, Any]]:
     """What ``render`` shows, as objects (``-o json|yaml``): per quota its use and limits, per
     GPU model too, and who uses it (``pending``: admitted, not yet seen as a pod)."""
@@ -143,7 +151,7 @@ def document(
         users = []
         counted = set()
         for pod in pods.get(quota.namespace) or []:
-            demand = pod_demand(pod)
+            demand = pod_demand(pod, claims=claims)
             if demand is None or is_terminal(pod):
                 continue
             meta = pod.get("metadata") or {}
@@ -187,12 +195,14 @@ def _describe(demand: Demand) -> str:
     return text
 
 
-def _pod_lines(quota: GPUQuota, pods: Sequence[Mapping[str, Any]] | None) -> list[str]:
+def _pod_lines(
+    quota: GPUQuota, pods: Sequence[Mapping[str, Any]] | None, claims: ClaimSpecs | None
+) -> list[str]:
     ledger = Ledger.of(quota)
     lines = [f"\n{quota.namespace}/{quota.name}:"]
     counted = set()
     for pod in pods or []:
-        demand = pod_demand(pod)
+        demand = pod_demand(pod, claims=claims)
         if demand is None or is_terminal(pod):
             continue
         meta = pod.get("metadata") or {}

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from core import dra
 from quota.cli import add_parser
 from quota.demand import Demand
 from quota.ledger import Ledger
@@ -98,3 +99,36 @@ def test_the_view_as_objects(
     assert shown["used"] == {"cards": "1.50", "memoryMiB": 8192, "pods": 2}
     assert shown["limit"] == {"cards": "4.00", "memoryMiB": 65536, "pods": None}
     assert shown["models"]["A100"]["limit"]["cards"] == "2.00"
+
+
+async def test_cluster_view_lists_pods_whose_share_is_in_their_claims(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DRA mode: the pod's containers carry no fracgpu resource, its claim does; the view reads
+    the claim, as the quota controller does, and lists the pod with what it holds."""
+    async with FakeApiServer(namespaces=("default", "team-a")) as fake:
+        fake.put(gpu_quota(gpu=2))
+        fake.put({
+            "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaimTemplate",
+            "metadata": {"name": "fracgpu-c30-m2048", "namespace": "team-a"},
+            "spec": {"spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                "deviceClassName": dra.DEVICE_CLASS, "count": 1,
+                "capacity": {"requests": {"cores": "30", "memory": "2048Mi"}}}}]}}},
+        })  # fmt: skip
+        fake.put({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "notebook", "namespace": "team-a", "uid": "u-1"},
+            "spec": {
+                "resourceClaims": [{"name": "gpu",
+                                    "resourceClaimTemplateName": "fracgpu-c30-m2048"}],
+                "containers": [{"name": "main", "image": "x",
+                                "resources": {"claims": [{"name": "gpu"}]}}],
+            },
+        })  # fmt: skip
+        kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+        args = _parser().parse_args(["quota", "-n", "team-a", "--kubeconfig", str(kubeconfig)])
+        code = await asyncio.to_thread(args.run, args)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "  notebook  0.30 card, 2048 MiB" in out
+    assert "no GPU pods" not in out
