@@ -62,7 +62,7 @@ k8s_ld="-s -w -X k8s.io/component-base/version.gitVersion=$v -X k8s.io/component
 k8s_ld+=" -X k8s.io/component-base/version.gitMinor=$(cut -d. -f2 <<<"$KUBE_PATCH") -X k8s.io/component-base/version.gitTreeState=clean"
 k8s_ld+=" -X k8s.io/component-base/version.buildDate=1970-01-01T00:00:00Z"
 go_build "$MODULES/k8s-$KUBE_MINOR" "$KUBE_BIN" "$k8s_ld" "" \
-    kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl
+    kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kube-proxy
 
 etcd_v=$(mod_version "$MODULES/etcd/go.mod" go.etcd.io/etcd/server/v3)
 # The server module's main package is named after its folder (server); its own folder, and a link
@@ -86,4 +86,10 @@ cp /bin/busybox "$work/busybox/bin/busybox"
 for a in sh cat ls echo sleep env grep test true; do ln -s busybox "$work/busybox/bin/$a"; done
 python3 "$HACK/images/mkimage.py" --rootfs "$work/busybox" --out "$IMAGES/busybox.tar" \
     --name "$BUSYBOX_IMAGE" --cmd sh
+# kube-scheduler as an image too: the Helm chart's fracgpu-scheduler Deployment runs it in a pod,
+# the same binary the cluster runs (the stock image's name is the user's choice in the chart).
+mkdir -p "$work/kube-scheduler/usr/local/bin"
+cp "$KUBE_BIN/kube-scheduler" "$work/kube-scheduler/usr/local/bin/kube-scheduler"
+python3 "$HACK/images/mkimage.py" --rootfs "$work/kube-scheduler" --out "$IMAGES/kube-scheduler-$v.tar" \
+    --name "$SCHEDULER_IMAGE_REPO:$v" --entrypoint /usr/local/bin/kube-scheduler
 log "done in $((SECONDS - T0)) s: Kubernetes $v in $KUBE_BIN; etcd $etcd_v, containerd $ctd_v in $TOOLS_BIN"

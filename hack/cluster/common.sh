@@ -31,6 +31,14 @@ TOOLS_BIN="$C/cluster/tools"            # etcd, containerd, its shim, ctr: one b
 IMAGES="$C/cluster/images"
 PAUSE_IMAGE="localhost/fracgpu/pause:1.0"
 BUSYBOX_IMAGE="localhost/fracgpu/busybox:1.0"
+# fracgpu's own image (hack/image/build.sh, `make image`), tagged with the chart's appVersion, and
+# the base it is built on (Debian's Python, made by mmdebstrap).
+FRACGPU_VERSION="$(awk '$1 == "appVersion:" { gsub(/"/, "", $2); print $2 }' "$ROOT/deploy/helm/fracgpu/Chart.yaml")"
+FRACGPU_IMAGE="localhost/fracgpu:$FRACGPU_VERSION"
+BASE_IMAGE="localhost/fracgpu/python:3.11-bookworm"
+IMAGE_ARCHIVE="$IMAGES/fracgpu.tar"
+# kube-scheduler from this cluster's build, for the chart's scheduler Deployment (tagged v<patch>).
+SCHEDULER_IMAGE_REPO="localhost/fracgpu/kube-scheduler"
 # Names test suites use for the pause image; with no registry the local one stands in for them.
 PAUSE_ALIASES=(registry.k8s.io/pause:3.10)
 
@@ -59,13 +67,19 @@ NODE_NAME=127.0.0.1
 SERVICE_CIDR=10.96.0.0/16
 POD_CIDR=10.88.0.0/16
 BRIDGE=fracgpucni0
+# The bridge's own address, the pods' gateway. The API server listens there (and only there), so
+# that pods reach it through the kubernetes Service as in any cluster: up.sh makes the bridge
+# before the API server starts, and kube-proxy routes Service addresses to their endpoints.
+BRIDGE_IP=10.88.0.1
+CLUSTER_KUBE_PROXY_HEALTHZ_PORT=10256
+CLUSTER_KUBE_PROXY_METRICS_PORT=10249
 KUBELET_ROOT="$R/kubelet"
 # kubelet's device plugin folder is a constant of kubelet's and does not follow --root-dir.
 DEVICE_PLUGIN_DIR=/var/lib/kubelet/device-plugins
 CONTAINERD_SOCKET="$R/containerd/containerd.sock"
 CDI_DIR="$R/cdi"
 NODE_DIR="$R/node"                      # fracgpu's host files (hook, limits, fake devices)
-APISERVER_URL="https://127.0.0.1:$CLUSTER_APISERVER_PORT"
+APISERVER_URL="https://$BRIDGE_IP:$CLUSTER_APISERVER_PORT"
 
 log() { printf '[cluster %s] %s\n' "$(date +%H:%M:%S)" "$*"; }
 die() { printf '[cluster %s] ERROR: %s\n' "$(date +%H:%M:%S)" "$*" >&2; exit 1; }

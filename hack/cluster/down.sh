@@ -43,7 +43,12 @@ stop containerd 30
 for pid in $(shims); do kill -KILL "$pid" 2>/dev/null; done
 end=$((SECONDS + 10))
 while [[ -n $(shims) ]] && ((SECONDS < end)); do sleep 0.1; done
-# 4. The control plane.
+# 4. kube-proxy, then its rules (KUBE-* chains in iptables' nat and filter tables); the control plane.
+stop kube-proxy 30
+if [[ -x $KUBE_BIN/kube-proxy ]] && [[ -f $R/kube-proxy.yaml ]]; then
+    "$KUBE_BIN/kube-proxy" --cleanup --config "$R/kube-proxy.yaml" >>"$LOGS/kube-proxy.log" 2>&1 ||
+        log "kube-proxy --cleanup failed: see $LOGS/kube-proxy.log"
+fi
 stop kube-apiserver 30
 stop etcd 30
 

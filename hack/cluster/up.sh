@@ -24,7 +24,7 @@ if [[ -d $PIDS ]] && compgen -G "$PIDS/*.pid" >/dev/null; then
     fi
     die "a cluster (Kubernetes v$running) is already started under $R; run hack/cluster/down.sh first"
 fi
-for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl; do
+for b in kube-apiserver kube-controller-manager kube-scheduler kubelet kubectl kube-proxy; do
     [[ -x $KUBE_BIN/$b ]] || die "$KUBE_BIN/$b is missing: run 'make cluster KUBE_VERSION=$KUBE_MINOR'"
 done
 for b in etcd containerd containerd-shim-runc-v2 ctr; do
@@ -38,7 +38,8 @@ if [[ -S $DEVICE_PLUGIN_DIR/kubelet.sock ]] && ss -Hxl 2>/dev/null | grep -qF "$
     die "another kubelet listens on $DEVICE_PLUGIN_DIR/kubelet.sock: one kubelet per machine can own it"
 fi
 for p in "$CLUSTER_APISERVER_PORT" "$CLUSTER_ETCD_PORT" "$CLUSTER_ETCD_PEER_PORT" "$CLUSTER_KCM_PORT" \
-    "$CLUSTER_SCHEDULER_PORT" "$CLUSTER_KUBELET_PORT" "$CLUSTER_KUBELET_HEALTHZ_PORT"; do
+    "$CLUSTER_SCHEDULER_PORT" "$CLUSTER_KUBELET_PORT" "$CLUSTER_KUBELET_HEALTHZ_PORT" \
+    "$CLUSTER_KUBE_PROXY_HEALTHZ_PORT" "$CLUSTER_KUBE_PROXY_METRICS_PORT"; do
     ss -Hltn "sport = :$p" 2>/dev/null | grep -q . && die "port $p is in use: $(ss -Hltnp "sport = :$p" | head -1)"
 done
 if [[ -d $R ]]; then
@@ -111,10 +112,11 @@ wait_for() {
     ca ca fracgpu-cluster-ca
     ca front-proxy-ca fracgpu-cluster-front-proxy-ca
     cert apiserver /CN=kube-apiserver serverAuth \
-        "IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+        "IP:127.0.0.1,IP:$BRIDGE_IP,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
     cert admin /O=system:masters/CN=fracgpu-cluster-admin clientAuth
     cert kcm /CN=system:kube-controller-manager clientAuth
     cert scheduler /CN=system:kube-scheduler clientAuth
+    cert kube-proxy /CN=system:kube-proxy clientAuth
     cert apiserver-kubelet-client /O=system:masters/CN=kube-apiserver-kubelet-client clientAuth
     cert kubelet "/O=system:nodes/CN=system:node:$NODE_NAME" clientAuth
     cert kubelet-serving "/O=system:nodes/CN=system:node:$NODE_NAME" serverAuth "IP:127.0.0.1,DNS:localhost"
@@ -159,8 +161,21 @@ EOK
     fi
     chmod 600 "$1"
 }
-for c in kcm scheduler kubelet; do kubeconfig "$PKI/$c.kubeconfig" files "$c"; done
+for c in kcm scheduler kubelet kube-proxy; do kubeconfig "$PKI/$c.kubeconfig" files "$c"; done
 kubeconfig "$KUBECONFIG_OUT" embed admin
+
+# --- host settings: saved first (kubelet, kube-proxy and the bridge plugin change these) ---
+for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops \
+    kernel/keys/root_maxkeys kernel/keys/root_maxbytes net/ipv4/ip_forward \
+    net/ipv4/conf/all/route_localnet net/bridge/bridge-nf-call-iptables; do
+    [[ -r /proc/sys/$k ]] && echo "$k $(cat "/proc/sys/$k")"
+done >"$R/sysctl.orig"
+# The pods' bridge, with the address the API server listens on: made here, before the API server
+# starts (the bridge plugin takes it as it finds it). down.sh deletes it.
+ip link show "$BRIDGE" >/dev/null 2>&1 && die "bridge $BRIDGE exists already: run hack/cluster/down.sh"
+ip link add "$BRIDGE" type bridge
+ip addr add "$BRIDGE_IP/${POD_CIDR#*/}" dev "$BRIDGE"
+ip link set "$BRIDGE" up
 
 # --- etcd, kube-apiserver ---
 launch etcd "$TOOLS_BIN/etcd" --name fracgpu --data-dir "$R/etcd" \
@@ -173,7 +188,7 @@ wait_for etcd 30 curl -fsS "http://127.0.0.1:$CLUSTER_ETCD_PORT/health"
 
 launch kube-apiserver "$KUBE_BIN/kube-apiserver" \
     --etcd-servers "http://127.0.0.1:$CLUSTER_ETCD_PORT" \
-    --bind-address 127.0.0.1 --advertise-address 127.0.0.1 --secure-port "$CLUSTER_APISERVER_PORT" \
+    --bind-address "$BRIDGE_IP" --advertise-address "$BRIDGE_IP" --secure-port "$CLUSTER_APISERVER_PORT" \
     --tls-cert-file "$PKI/apiserver.crt" --tls-private-key-file "$PKI/apiserver.key" --client-ca-file "$PKI/ca.crt" \
     --service-account-issuer https://kubernetes.default.svc.cluster.local \
     --service-account-key-file "$PKI/sa.pub" --service-account-signing-key-file "$PKI/sa.key" \
@@ -185,8 +200,7 @@ launch kube-apiserver "$KUBE_BIN/kube-apiserver" \
     --requestheader-username-headers X-Remote-User --requestheader-group-headers X-Remote-Group \
     --requestheader-extra-headers-prefix X-Remote-Extra- \
     --proxy-client-cert-file "$PKI/front-proxy-client.crt" --proxy-client-key-file "$PKI/front-proxy-client.key" \
-    --allow-privileged=true --endpoint-reconciler-type none --profiling=false --v 1
-# --endpoint-reconciler-type none: the advertised 127.0.0.1 cannot be an Endpoints address.
+    --allow-privileged=true --profiling=false --v 1
 wait_for kube-apiserver 120 curl -fsS --cacert "$PKI/ca.crt" --cert "$PKI/admin.crt" --key "$PKI/admin.key" "$APISERVER_URL/readyz"
 
 # --- kube-controller-manager, kube-scheduler ---
@@ -200,11 +214,7 @@ launch kube-scheduler "$KUBE_BIN/kube-scheduler" --kubeconfig "$PKI/scheduler.ku
     --authentication-kubeconfig "$PKI/scheduler.kubeconfig" --authorization-kubeconfig "$PKI/scheduler.kubeconfig" \
     --bind-address 127.0.0.1 --secure-port "$CLUSTER_SCHEDULER_PORT" --leader-elect=false --profiling=false --v 1
 
-# --- containerd (host settings first: kubelet and the bridge plugin change these) ---
-for k in vm/overcommit_memory vm/panic_on_oom kernel/panic kernel/panic_on_oops \
-    kernel/keys/root_maxkeys kernel/keys/root_maxbytes net/ipv4/ip_forward; do
-    [[ -r /proc/sys/$k ]] && echo "$k $(cat "/proc/sys/$k")"
-done >"$R/sysctl.orig"
+# --- containerd ---
 [[ -d /var/lib/kubelet ]] || touch "$R/made-var-lib-kubelet"
 mkdir -p "$DEVICE_PLUGIN_DIR" "$R/containerd" "$R/cni/net.d" "$R/cni/ipam" "$R/pod-logs" "$KUBELET_ROOT"
 cat >"$R/containerd/config.toml" <<EOC
@@ -246,18 +256,22 @@ disabled_plugins = ["io.containerd.snapshotter.v1.btrfs", "io.containerd.snapsho
     bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$R/cni/net.d"
 EOC
-# Pods reach each other and the host's bridge address, nothing else: no default route, no masquerade.
+# Pods reach each other, the host's bridge address (the API server) and Service addresses (through
+# the bridge, where kube-proxy's rules turn them into endpoints), nothing else: no default route.
 cat >"$R/cni/net.d/10-fracgpu.conflist" <<EOC
 {"cniVersion": "1.0.0", "name": "fracgpu", "plugins": [
   {"type": "bridge", "bridge": "$BRIDGE", "isGateway": true, "ipMasq": false, "hairpinMode": true,
-   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR"}]], "dataDir": "$R/cni/ipam"}},
+   "ipam": {"type": "host-local", "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$BRIDGE_IP"}]],
+            "routes": [{"dst": "$SERVICE_CIDR"}], "dataDir": "$R/cni/ipam"}},
   {"type": "loopback"}]}
 EOC
 # containerd finds its shim on PATH; runc is Debian's
 launch containerd env PATH="$TOOLS_BIN:$PATH" "$TOOLS_BIN/containerd" --config "$R/containerd/config.toml"
 wait_for containerd 30 ctr_ version
-for img in pause busybox; do
-    ctr_ images import "$IMAGES/$img.tar" >>"$LOGS/images.log" 2>&1 || fail containerd "importing $IMAGES/$img.tar failed"
+# fracgpu's own image where `make image` built it, and this version's kube-scheduler image.
+for tar in "$IMAGES/pause.tar" "$IMAGES/busybox.tar" "$IMAGES/kube-scheduler-v$KUBE_PATCH.tar" "$IMAGE_ARCHIVE"; do
+    [[ -f $tar ]] || continue
+    ctr_ images import "$tar" >>"$LOGS/images.log" 2>&1 || fail containerd "importing $tar failed"
 done
 for alias in "${PAUSE_ALIASES[@]}"; do ctr_ images tag --force "$PAUSE_IMAGE" "$alias" >>"$LOGS/images.log" 2>&1; done
 
@@ -298,6 +312,27 @@ wait_for kubelet 30 test -S "$DEVICE_PLUGIN_DIR/kubelet.sock"
 wait_for kubelet 30 test -S "$KUBELET_ROOT/pod-resources/kubelet.sock"
 wait_for kube-scheduler 30 curl -fsSk "https://127.0.0.1:$CLUSTER_SCHEDULER_PORT/healthz"
 
+# --- kube-proxy: Service addresses to endpoints (the API server reaching a webhook's Service, a
+# pod reaching the API server through the kubernetes Service), iptables mode. masqueradeAll:
+# pods on one bridge reaching each other through a Service answer through the host, which can
+# then undo the translation (no br_netfilter needed). Conntrack limits are left as they are.
+cat >"$R/kube-proxy.yaml" <<EOC
+apiVersion: kubeproxy.config.k8s.io/v1alpha1
+kind: KubeProxyConfiguration
+clientConnection: {kubeconfig: "$PKI/kube-proxy.kubeconfig"}
+mode: iptables
+hostnameOverride: "$NODE_NAME"
+clusterCIDR: "$POD_CIDR"
+bindAddress: 127.0.0.1
+healthzBindAddress: "127.0.0.1:$CLUSTER_KUBE_PROXY_HEALTHZ_PORT"
+metricsBindAddress: "127.0.0.1:$CLUSTER_KUBE_PROXY_METRICS_PORT"
+nodePortAddresses: ["$BRIDGE_IP/32"]
+iptables: {masqueradeAll: true}
+conntrack: {maxPerCore: 0, min: 0, tcpEstablishedTimeout: 0s, tcpCloseWaitTimeout: 0s}
+EOC
+launch kube-proxy "$KUBE_BIN/kube-proxy" --config "$R/kube-proxy.yaml" --v 1
+wait_for kube-proxy 30 curl -fsS "http://127.0.0.1:$CLUSTER_KUBE_PROXY_HEALTHZ_PORT/healthz"
+
 ms=$((($(date +%s%N) - T0) / 1000000))
 # What the e2e suite needs to serve this node (docs/e2e.md); e2e.sh reads it too. The node
 # variables are left to the caller: FRACGPU_E2E_NODE or FRACGPU_E2E_DRA_NODE, never both.
@@ -310,7 +345,10 @@ export FRACGPU_E2E_NODE_DIR="$NODE_DIR"
 export FRACGPU_E2E_CDI_DIR="$CDI_DIR"
 export FRACGPU_E2E_IMAGE="\${FRACGPU_E2E_IMAGE:-$PAUSE_IMAGE}"
 export FRACGPU_E2E_SHELL_IMAGE="\${FRACGPU_E2E_SHELL_IMAGE:-$BUSYBOX_IMAGE}"
-# then: FRACGPU_E2E_NODE=$NODE_NAME (device-plugin mode) or FRACGPU_E2E_DRA_NODE=$NODE_NAME (DRA)
+export FRACGPU_E2E_RELEASE_IMAGE="\${FRACGPU_E2E_RELEASE_IMAGE:-$FRACGPU_IMAGE}"
+export FRACGPU_E2E_SCHEDULER_IMAGE="\${FRACGPU_E2E_SCHEDULER_IMAGE:-$SCHEDULER_IMAGE_REPO:v$KUBE_PATCH}"
+# then: FRACGPU_E2E_NODE=$NODE_NAME (device-plugin mode), FRACGPU_E2E_DRA_NODE=$NODE_NAME (DRA)
+# or FRACGPU_E2E_RELEASE_NODE=$NODE_NAME (the Helm release, test_e2e_release.py)
 EOE
 
 log "Kubernetes v$KUBE_PATCH up in $((ms / 1000)).$((ms % 1000 / 100)) s; node $NODE_NAME Ready"
@@ -321,7 +359,8 @@ cat <<EOM
   device plugins:  $DEVICE_PLUGIN_DIR (kubelet's fixed path)
   CDI specs:       $CDI_DIR
   node files:      $NODE_DIR
-  images:          $PAUSE_IMAGE (also ${PAUSE_ALIASES[*]}), $BUSYBOX_IMAGE
+  images:          $PAUSE_IMAGE (also ${PAUSE_ALIASES[*]}), $BUSYBOX_IMAGE,
+                   $SCHEDULER_IMAGE_REPO:v$KUBE_PATCH$([[ -f $IMAGE_ARCHIVE ]] && echo ", $FRACGPU_IMAGE")
   logs:            $LOGS/
   e2e settings:    source $R/e2e.env   (then FRACGPU_E2E_NODE or FRACGPU_E2E_DRA_NODE=$NODE_NAME)
   stop:            hack/cluster/down.sh

@@ -61,7 +61,7 @@ def descriptor(media_type: str, data: bytes) -> dict[str, object]:
 
 def archive(rootfs: Path, names: list[str], entrypoint: list[str], cmd: list[str]) -> bytes:
     blob = layer(rootfs)
-    run: dict[str, object] = {"Env": ["PATH=/usr/sbin:/usr/bin:/sbin:/bin"]}
+    run: dict[str, object] = {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
     if entrypoint:
         run["Entrypoint"] = entrypoint
     if cmd:
