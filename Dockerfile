@@ -30,7 +30,11 @@ COPY webhook/ webhook/
 COPY quota/ quota/
 COPY deviceplugin/ deviceplugin/
 COPY certs/ certs/
-RUN python -m venv /opt/venv \
+# A build behind a TLS-intercepting proxy passes its CA bundle as the secret pip-ca
+# (`make image` passes the build machine's); without it pip uses the base's certificates.
+RUN --mount=type=secret,id=pip-ca \
+    if [ -s /run/secrets/pip-ca ]; then export PIP_CERT=/run/secrets/pip-ca; fi \
+ && python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install -c constraints.txt . \
  && /opt/venv/bin/pip uninstall -y pip \
  && find /opt/venv -name __pycache__ -prune -exec rm -rf {} +

@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: setup native helm promtool run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
+.PHONY: setup native helm promtool image run test test-fast lint typecheck unit bench clean cluster cluster-up cluster-down cluster-clean e2e test-gpu
 
 setup: $(STAMP) native
 
@@ -102,8 +102,13 @@ cluster-down:
 cluster-clean:
 	@[ ! -d .build ] || { chmod -R u+w .build && rm -rf .build; }
 
+# fracgpu's image, built from the Dockerfile on a Debian base with no registry (hack/image/build.sh,
+# docs/install.md): an OCI archive in .build/cluster/images that cluster-up imports. As root.
+image:
+	hack/image/build.sh
+
 # The e2e suite on that cluster, device-plugin mode then DRA mode; nothing may be skipped.
-e2e: setup cluster helm
+e2e: setup cluster helm image
 	hack/cluster/e2e.sh
 
 bench: setup
