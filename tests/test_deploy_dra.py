@@ -185,6 +185,16 @@ def test_rbac_is_the_least_the_plugin_needs() -> None:
     assert driver_rule["resourceNames"] == [dra.DRIVER]
 
 
+def test_it_reads_only_the_daemonsets_of_its_namespace() -> None:
+    # whether its stop is an uninstall, and whether the other mode's agent is installed
+    # (deviceplugin/shared/uninstall.py); nothing else namespaced
+    grants, builtin = grants_of(render(OVERLAY), "fracgpu-dra-plugin")
+    assert {g for g in grants if g[0] != "cluster"} == {
+        (NAMESPACE, "apps", "daemonsets", "*any*", verb) for verb in ("get", "list", "watch")
+    }
+    assert builtin == set()
+
+
 def test_the_role_is_bound_to_the_pods_service_account() -> None:
     objs = render(OVERLAY)
     binding = find(objs, "ClusterRoleBinding", "fracgpu-dra-plugin")

@@ -92,18 +92,20 @@ def test_webhook_configuration_grants_name_the_deployed_configurations() -> None
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_device_plugin_may_only_read_and_patch_nodes_post_events_and_get_pods(
+def test_device_plugin_may_only_read_and_patch_nodes_post_events_get_pods_and_daemonsets(
     overlay: str,
 ) -> None:
     grants, builtin = grants_of(render(overlay), SA_PLUGIN)
     # nodes/status: the allocatable GPU resources (node.AllocatableMirror); events: the node
     # guard's reports on pods over their memory grant (guardevents.py); pods, get alone (no
-    # list, no watch): a bursting share's compute policy (classic/policies.py)
+    # list, no watch): a bursting share's compute policy (classic/policies.py); daemonsets in
+    # its own namespace: whether its stop is an uninstall (shared/uninstall.py)
     assert grants == (
         _all("cluster", "", "nodes", "get patch")
         | _all("cluster", "", "nodes/status", "patch")
         | _all("cluster", "", "events", "create")
         | _all("cluster", "", "pods", "get")
+        | _all(NAMESPACE, "apps", "daemonsets", "get list watch")
     )
     assert builtin == set()
 

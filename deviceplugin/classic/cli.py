@@ -16,9 +16,12 @@ from deviceplugin.classic.config import (
 from deviceplugin.shared.flags import (
     DEFAULT_IGNORED_XIDS,
     KUBELET_PODRESOURCES_SOCKET,
+    add_daemonset_flag,
     add_guard_flags,
     guard_settings,
 )
+
+DAEMONSET = "fracgpu-device-plugin"  # its DaemonSet in deploy/ and the Helm chart
 
 
 def _xids(text: str) -> frozenset[int]:
@@ -103,6 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="SECONDS",
         help="a card is Healthy again after this long without a critical event",
     )
+    add_daemonset_flag(parser, DAEMONSET)
     add_guard_flags(parser)
     parser.set_defaults(run=run)
 
@@ -124,6 +128,7 @@ def config_from(args: argparse.Namespace) -> Config:
         reconcile_interval_s=args.reconcile_interval,
         health_quiet_s=args.health_quiet,
         guard=guard_settings(args),
+        daemonset=args.daemonset,
     )
 
 

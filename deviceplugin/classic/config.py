@@ -15,6 +15,7 @@ from core.units import CORE, MEMORY
 from deviceplugin.shared.flags import (
     DEFAULT_IGNORED_XIDS,
     KUBELET_PODRESOURCES_SOCKET,
+    DaemonSetRef,
     GuardSettings,
 )
 from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
@@ -69,6 +70,10 @@ class Config:
     health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
     health_error_backoff_s: float = 1.0  # pause after an NVML error before rebuilding events
     guard: GuardSettings = field(default_factory=GuardSettings)  # the node guard (shared/guard.py)
+    # Its DaemonSet: stopped while that is gone or being deleted, the plugin removes its host
+    # files (shared/uninstall.py); None: never. uninstall_timeout_s bounds the question at stop.
+    daemonset: DaemonSetRef | None = None
+    uninstall_timeout_s: float = 5.0
 
     @property
     def core_resource(self) -> str:

@@ -8,6 +8,7 @@ event-loop thread this daemon owns (``shared.apiloop.ApiLoop``).
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import signal
 import threading
@@ -27,6 +28,7 @@ from deviceplugin.shared.guardevents import EventReporter
 from deviceplugin.shared.health import HealthMonitor
 from deviceplugin.shared.http import serve
 from deviceplugin.shared.podresources import PodResourcesError
+from deviceplugin.shared.uninstall import UninstallWatch, Verdict, clean_up
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,7 @@ class Daemon:
         self.guard: Guard | None = None
         self.events: EventReporter | None = None
         self.api: ApiLoop | None = None
+        self.uninstall: UninstallWatch | None = None
         self._stop = threading.Event()
         self._reconciler: threading.Thread | None = None
 
@@ -56,9 +59,15 @@ class Daemon:
         plugin.recover()
         plugin.checkpointer.start()
         plugin.start_verifier()
-        if config.node_name:
+        if config.node_name or config.daemonset:
             self.api = ApiLoop(config.kubeconfig)
             self.api.start()
+        if config.daemonset is not None and self.api is not None:
+            watch = self.uninstall = UninstallWatch(
+                config.daemonset, timeout_s=config.uninstall_timeout_s
+            )
+            self.api.submit(lambda: watch.run_with_client(config.kubeconfig))
+        if config.node_name and self.api is not None:
             self.publisher = NodePublisher(config, cards, plugin.allocator, self.api)
             self.publisher.start()
             if config.node_allocatable:
@@ -143,6 +152,17 @@ class Daemon:
             return False, "node guard thread is not running"
         return True, "ok"
 
+    def _uninstalled(self) -> Verdict | None:
+        """Whether this stop is an uninstall (None: not asked, no --daemonset)."""
+        if self.uninstall is None or self.api is None:
+            return None
+        # Two reads at most (its DaemonSet, the other agent's), each within the timeout.
+        wait_s = 2 * self.config.uninstall_timeout_s + 1
+        try:
+            return self.api.submit(self.uninstall.decide).result(timeout=wait_s)
+        except (concurrent.futures.TimeoutError, RuntimeError) as exc:
+            return Verdict(None, True, f"no answer within {wait_s} s: {exc or type(exc).__name__}")
+
     def stop(self) -> None:
         self._stop.set()
         if self.mirror is not None:
@@ -151,6 +171,7 @@ class Daemon:
             self.mirror.stop()
             if self.mirror.withdraw() and self.supervisor is not None:
                 time.sleep(self.config.stop_drain_s)
+        uninstalled = self._uninstalled()
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -170,6 +191,8 @@ class Daemon:
             self.plugin.stop_verifier()
             self.plugin.checkpointer.stop()
             self.plugin.podresources.close()
+            if uninstalled is not None:  # last: nothing of the plugin writes any more
+                clean_up(uninstalled, self.plugin.host_files(), self.plugin.running_dirs())
         inventory.shutdown_nvml()
         log.info("device plugin stopped")
 

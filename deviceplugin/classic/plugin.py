@@ -53,6 +53,7 @@ from deviceplugin.shared.guard import GrantError
 from deviceplugin.shared.hostfiles import install_preload, make_grant_dirs, write_limits
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
+from deviceplugin.shared.uninstall import AgentFiles
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,11 @@ class WaitingError(RuntimeError):
 def cdi_spec_path(cdi_root: Path, dir_name: str) -> Path:
     vendor, cls = CDI_KIND.split("/")
     return cdi_root / f"{vendor}-{cls}_{dir_name}.json"
+
+
+def endpoint_socket(plugin_dir: Path, kind: Kind) -> Path:
+    """The socket one resource is served on, in kubelet's device-plugin directory."""
+    return plugin_dir / f"fracgpu-{kind.name.lower()}.sock"
 
 
 class DevicePlugin:
@@ -115,6 +121,22 @@ class DevicePlugin:
         if self.config.cdi_root is not None:
             self.config.cdi_root.mkdir(parents=True, exist_ok=True)
         install_preload(self.config.ld_so_preload)
+
+    def host_files(self) -> AgentFiles:
+        """What this plugin writes on the node, which an uninstall removes (shared/uninstall)."""
+        config = self.config
+        return AgentFiles(
+            host_root=config.host_root,
+            grants=config.containers_dir,
+            cdi_root=config.cdi_root,
+            cdi_prefix=cdi_spec_path(Path(), "").name.removesuffix(".json"),
+            sockets=tuple(endpoint_socket(config.plugin_dir, kind) for kind in Kind),
+            checkpoint=config.checkpoint_path,
+        )
+
+    def running_dirs(self) -> set[str]:
+        """The directories of the containers the ledger holds (shares that may still run)."""
+        return {a.dir_name for a in self.allocator.allocations() if a.dir_name}
 
     def _container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
         base = self.config.containers_dir / container_dir_name(core)
@@ -557,4 +579,5 @@ __all__ = [
     "NotListedError",
     "PreStartError",
     "WaitingError",
+    "endpoint_socket",
 ]

@@ -25,7 +25,12 @@ from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
 from deviceplugin.classic.allocator import AllocationError
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.listing import ListedDevice
-from deviceplugin.classic.plugin import DevicePlugin, NotListedError, WaitingError
+from deviceplugin.classic.plugin import (
+    DevicePlugin,
+    NotListedError,
+    WaitingError,
+    endpoint_socket,
+)
 from deviceplugin.classic.prestart import PreStartError
 from deviceplugin.shared.podresources import PodResourcesError
 
@@ -246,7 +251,7 @@ class Supervisor:
         config = plugin.config
         self.kubelet_socket = config.plugin_dir / KUBELET_SOCKET
         self.endpoints = [
-            Endpoint(plugin, kind, config.plugin_dir / f"fracgpu-{kind.name.lower()}.sock")
+            Endpoint(plugin, kind, endpoint_socket(config.plugin_dir, kind))
             for kind in (Kind.CORE, Kind.MEMORY)
         ]
         self._stop = threading.Event()

@@ -19,7 +19,9 @@ from deviceplugin.dra.config import (
     DEFAULT_METRICS_PORT,
     DraConfig,
 )
-from deviceplugin.shared.flags import add_guard_flags, guard_settings
+from deviceplugin.shared.flags import add_daemonset_flag, add_guard_flags, guard_settings
+
+DAEMONSET = "fracgpu-dra-plugin"  # its DaemonSet in deploy/overlays/dra and the Helm chart
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -76,6 +78,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="kubelet's PodResources API, where the node guard learns which claims each "
         "container uses (default: <kubelet-root>/pod-resources/kubelet.sock)",
     )
+    add_daemonset_flag(parser, DAEMONSET)
     add_guard_flags(parser)
     parser.set_defaults(run=deferred("deviceplugin.dra.cli", "run"))
 
@@ -99,6 +102,7 @@ def config_from(args: argparse.Namespace) -> DraConfig:
         metrics_port=args.metrics_port,
         guard=guard_settings(args),
         podresources_socket=args.pod_resources_socket,
+        daemonset=args.daemonset,
     )
 
 

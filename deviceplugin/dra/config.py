@@ -23,6 +23,7 @@ from core import contract, dra
 from deviceplugin.shared.flags import (
     DEFAULT_IGNORED_XIDS,
     KUBELET_PODRESOURCES_SOCKET,
+    DaemonSetRef,
     GuardSettings,
 )
 from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
@@ -60,6 +61,10 @@ class DraConfig:
     # kubelet's PodResources API, the guard's view of claims; None: under kubelet_root
     podresources_socket: Path | None = None
     podresources_timeout_s: float = 5.0
+    # Its DaemonSet: stopped while that is gone or being deleted, the plugin removes its host
+    # files (shared/uninstall.py); None: never. uninstall_timeout_s bounds the question at stop.
+    daemonset: DaemonSetRef | None = None
+    uninstall_timeout_s: float = 5.0
 
     @property
     def registry_socket(self) -> Path:

@@ -38,6 +38,7 @@ from deviceplugin.shared.health import HealthMonitor
 from deviceplugin.shared.hostfiles import read_policy
 from deviceplugin.shared.http import serve
 from deviceplugin.shared.podresources import PodResourcesClient
+from deviceplugin.shared.uninstall import UninstallWatch, Verdict, clean_up
 
 log = logging.getLogger(__name__)
 MERGE_PATCH = "application/merge-patch+json"
@@ -60,6 +61,8 @@ class DraDaemon:
         self._reconciler: asyncio.Task[None] | None = None
         self._status_task: asyncio.Task[None] | None = None
         self.status: ClaimStatusWriter | None = None
+        self.uninstall: UninstallWatch | None = None
+        self._uninstall_task: asyncio.Task[None] | None = None
 
     async def _get_claim(self, ref: ClaimRef) -> dict[str, Any]:
         return await self._call("GET", RESOURCE_CLAIMS.path(ref.namespace, ref.name), None)
@@ -83,6 +86,11 @@ class DraDaemon:
         version = inventory.driver_version()
         self.board = board = CardBoard([CardState(c, inventory.details(c)) for c in cards])
         self.api = api = await self._stack.enter_async_context(kube_client(config.kubeconfig))
+        if config.daemonset is not None:
+            self.uninstall = UninstallWatch(config.daemonset, timeout_s=config.uninstall_timeout_s)
+            self._uninstall_task = asyncio.create_task(
+                self.uninstall.run(api), name="dra-uninstall-watch"
+            )
         self.driver = driver = DraDriver(config, cards, self._get_claim)
         driver.install_host_files()
         driver.restore()
@@ -208,9 +216,29 @@ class DraDaemon:
             self.podresources.close()
         if self.publisher is not None:
             await self.publisher.stop()
+        uninstalled = await self._uninstalled()
         await self._stack.aclose()
         inventory.shutdown_nvml()
+        if uninstalled is not None and self.driver is not None:  # last: nothing writes any more
+            clean_up(uninstalled, self.driver.host_files(), set(self.driver.prepared))
         log.info("DRA plugin stopped")
+
+    async def _uninstalled(self) -> Verdict | None:
+        """Whether this stop is an uninstall (None: not asked, no --daemonset); the watch ends."""
+        if self.uninstall is None:
+            return None
+        # Two reads at most (its DaemonSet, the other agent's), each within the timeout.
+        wait_s = 2 * self.config.uninstall_timeout_s + 1
+        try:
+            verdict = await asyncio.wait_for(self.uninstall.decide(), wait_s)
+        except TimeoutError:
+            verdict = Verdict(None, True, f"no answer within {wait_s} s")
+        if self._uninstall_task is not None:
+            self._uninstall_task.cancel()
+            with suppress(asyncio.CancelledError):
+                await self._uninstall_task
+            self._uninstall_task = None
+        return verdict
 
 
 async def _main(config: DraConfig) -> int:

@@ -51,6 +51,7 @@ from deviceplugin.shared.hostfiles import (
 )
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices
+from deviceplugin.shared.uninstall import AgentFiles
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +183,19 @@ class DraDriver:
         base = self.config.claims_dir / uid
         if base.exists():
             shutil.rmtree(base)
+
+    def host_files(self) -> AgentFiles:
+        """What this plugin writes on the node, which an uninstall removes (shared/uninstall)."""
+        config = self.config
+        return AgentFiles(
+            host_root=config.host_root,
+            grants=config.claims_dir,
+            cdi_root=config.cdi_root,
+            cdi_prefix=cdi.spec_path(Path(), config.driver_name, "").name.removesuffix(".json"),
+            sockets=(config.registry_socket, config.service_socket),
+            checkpoint=config.checkpoint_path,
+            own_dir=config.plugin_dir,
+        )
 
     def install_host_files(self) -> None:
         install_preload(self.config.ld_so_preload)

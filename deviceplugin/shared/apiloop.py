@@ -84,6 +84,15 @@ class ApiLoop:
             return failed
         return asyncio.run_coroutine_threadsafe(self._with_api(call), self._loop)
 
+    def submit(self, coroutine: Callable[[], Awaitable[T]]) -> concurrent.futures.Future[T]:
+        """Run ``coroutine()`` on the loop without this loop's client: for a long watch, which
+        keeps a client of its own (the loop's is dropped whenever any call fails)."""
+        if self._loop is None or not self.running:
+            failed: concurrent.futures.Future[T] = concurrent.futures.Future()
+            failed.set_exception(RuntimeError(f"{self.name} is not running"))
+            return failed
+        return asyncio.run_coroutine_threadsafe(_awaited(coroutine()), self._loop)
+
     def call(self, call: ApiCall[T], timeout_s: float) -> T:
         """Run ``call(api)`` on the loop and wait for its result (its exception is raised here;
         TimeoutError after ``timeout_s``, the call then cancelled)."""

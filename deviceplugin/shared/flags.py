@@ -1,14 +1,22 @@
 """Settings and flags both node agents take: the guard's, the XIDs that leave a card healthy,
-and where kubelet's PodResources API listens. Light on purpose: building the command line
-imports no NVML, gRPC or Prometheus."""
+where kubelet's PodResources API listens, and the DaemonSet whose deletion means uninstall.
+Light on purpose: building the command line imports no NVML, gRPC or Prometheus."""
 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 KUBELET_PODRESOURCES_SOCKET = Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+
+# The node agents' DaemonSets as deploy/ and the Helm chart name them, one per mode. An agent
+# that is being uninstalled leaves the hook files on the node while the other one's exists (a
+# `helm upgrade` that switches modes: both agents mount the same hook).
+NODE_AGENT_DAEMONSETS = ("fracgpu-device-plugin", "fracgpu-dra-plugin")
+# Where kubelet puts the pod's namespace beside its service account token.
+SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 # XIDs caused by the application (illegal address, MMU faults from user code, reset channel by
 # the program, preemptive cleanup, video processor): the card is fine, the program is not.
@@ -97,6 +105,52 @@ def add_guard_flags(parser: argparse.ArgumentParser) -> None:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class DaemonSetRef:
+    """The agent's own DaemonSet (``--daemonset NAMESPACE/NAME``)."""
+
+    namespace: str
+    name: str
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+def daemonset_ref(text: str) -> DaemonSetRef | None:
+    """``NAMESPACE/NAME``; empty: none (the agent then never removes its host files)."""
+    if not text:
+        return None
+    namespace, _, name = text.partition("/")
+    if not namespace or not name or "/" in name:
+        raise argparse.ArgumentTypeError(f"--daemonset {text!r}: expected NAMESPACE/NAME")
+    return DaemonSetRef(namespace, name)
+
+
+def pod_namespace() -> str:
+    """The namespace the agent's pod runs in ("" outside a pod): ``$POD_NAMESPACE``, else the
+    one kubelet writes beside the pod's service account token."""
+    if namespace := os.environ.get("POD_NAMESPACE", "").strip():
+        return namespace
+    try:
+        return SERVICE_ACCOUNT_NAMESPACE.read_text().strip()
+    except OSError:
+        return ""
+
+
+def add_daemonset_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """``--daemonset``: whose deletion tells the stopping agent that it is being uninstalled."""
+    namespace = pod_namespace()
+    parser.add_argument(
+        "--daemonset",
+        type=daemonset_ref,
+        default=f"{namespace}/{name}" if namespace else "",
+        metavar="NAMESPACE/NAME",
+        help="this agent's DaemonSet: stopped while it is gone or being deleted (an uninstall), "
+        "the agent removes what it wrote on the node; '' never (default: the pod's namespace "
+        f"and {name}, none outside a pod)",
+    )
+
+
 def guard_settings(args: argparse.Namespace) -> GuardSettings:
     return GuardSettings(
         interval_s=args.guard_interval,
@@ -112,7 +166,13 @@ __all__ = [
     "DEFAULT_IGNORED_XIDS",
     "DEFAULT_PROCESS_OVERHEAD_MIB",
     "KUBELET_PODRESOURCES_SOCKET",
+    "NODE_AGENT_DAEMONSETS",
+    "SERVICE_ACCOUNT_NAMESPACE",
+    "DaemonSetRef",
     "GuardSettings",
+    "add_daemonset_flag",
     "add_guard_flags",
+    "daemonset_ref",
     "guard_settings",
+    "pod_namespace",
 ]
