@@ -190,9 +190,13 @@ class Daemon:
         if self.plugin is not None:
             self.plugin.stop_verifier()
             self.plugin.checkpointer.stop()
+            running = set[str]()
+            if uninstalled is not None:
+                removing = uninstalled.uninstalled is True
+                running = self.plugin.listed_dirs() if removing else self.plugin.running_dirs()
             self.plugin.podresources.close()
             if uninstalled is not None:  # last: nothing of the plugin writes any more
-                clean_up(uninstalled, self.plugin.host_files(), self.plugin.running_dirs())
+                clean_up(uninstalled, self.plugin.host_files(), running)
         inventory.shutdown_nvml()
         log.info("device plugin stopped")
 

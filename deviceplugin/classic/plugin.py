@@ -138,6 +138,21 @@ class DevicePlugin:
         """The directories of the containers the ledger holds (shares that may still run)."""
         return {a.dir_name for a in self.allocator.allocations() if a.dir_name}
 
+    def listed_dirs(self) -> set[str]:
+        """At an uninstall: the directories of the containers kubelet lists now with this
+        plugin's devices. The ledger frees an ended container only after a second listing
+        confirms it gone, so a pod that ended just before the uninstall is still in it; kubelet's
+        own list is final here, as nothing is admitted any more. When kubelet cannot be asked,
+        the ledger's (more is kept, never less)."""
+        try:
+            containers = self._list()
+        except PodResourcesError as err:
+            log.warning("kubelet's PodResources unanswered at the stop; keeping the ledger's "
+                        "shares", extra={"error": str(err)})  # fmt: skip
+            return self.running_dirs()
+        core = self.config.core_resource
+        return {container_dir_name(c.ids(core)) for c in containers if c.ids(core)}
+
     def _container_dirs(self, core: Iterable[str]) -> tuple[Path, Path]:
         base = self.config.containers_dir / container_dir_name(core)
         return base / "limits", base / "shared"
