@@ -23,7 +23,7 @@ from deviceplugin.classic.plugin import DevicePlugin
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.driver import DraDriver
 from deviceplugin.shared.flags import DaemonSetRef, daemonset_ref
-from deviceplugin.shared.uninstall import AgentFiles, UninstallWatch, clean_up
+from deviceplugin.shared.uninstall import AgentFiles, UninstallWatch, clean_up, remove_host_files
 from testkit.apiserver import FakeApiServer
 
 NAMESPACE = "default"
@@ -359,3 +359,35 @@ async def test_the_device_plugin_removes_its_files_only_when_uninstalled(
             assert spec.exists() and config.checkpoint_path.exists()
         plugin_sockets = [p for p in config.plugin_dir.iterdir() if p.name.startswith("fracgpu-")]
         assert plugin_sockets == []
+
+
+@pytest.mark.parametrize("agent", ["classic", "dra"])
+@pytest.mark.parametrize(
+    ("idle", "other_agent", "removed"),
+    [
+        pytest.param(True, False, True, id="no-share-of-either-mode-runs"),
+        pytest.param(False, False, False, id="kubelet-lists-a-share"),
+        pytest.param(None, False, False, id="kubelet-not-asked"),
+        pytest.param(True, True, False, id="the-other-agent-is-installed"),
+    ],
+)
+def test_the_other_modes_leftovers_go_once_no_share_runs(
+    tmp_path: Path, agent: str, idle: bool | None, other_agent: bool, removed: bool
+) -> None:
+    """A helm upgrade that switched modes under a running share left that share's files (and
+    the old agent's checkpoint); the new agent, uninstalled later, removes them with their CDI
+    specs once kubelet lists no fracgpu share of either mode, and with them the hook."""
+    files = agent_files(agent, tmp_path)
+    other = agent_files("dra" if agent == "classic" else "classic", tmp_path)
+    lay_out(other, ["old-share"])
+    assert files.cdi_root is not None
+    spec = files.cdi_root / f"{other.cdi_prefix}old-share.json"
+    assert spec.exists()
+    kept = remove_host_files(files, set(), other_agent=other_agent, node_idle=idle)
+    assert kept == []
+    left = {str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")}
+    assert (other.grants.exists(), spec.exists()) == (not removed, not removed), left
+    assert (files.cdi_root / "nvidia.com-gpu.json").exists()  # never fracgpu's to remove
+    assert (files.host_root / "lib" / "libfracgpu.so").exists() == (not removed)
+    if agent == "dra":  # the device plugin's checkpoint lies under the host root
+        assert (files.host_root / "checkpoint.json").exists() == (not removed)

@@ -18,7 +18,7 @@ from deviceplugin.shared.flags import (
     DaemonSetRef,
     GuardSettings,
 )
-from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
+from deviceplugin.shared.hostfiles import DEVICE_PLUGIN_CHECKPOINT, hook_library, ld_so_preload
 
 KUBELET_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
 DEFAULT_RECONCILE_INTERVAL_S = 1.0
@@ -85,7 +85,7 @@ class Config:
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.host_root / "checkpoint.json"
+        return self.host_root / DEVICE_PLUGIN_CHECKPOINT
 
     @property
     def containers_dir(self) -> Path:

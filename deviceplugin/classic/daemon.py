@@ -190,13 +190,14 @@ class Daemon:
         if self.plugin is not None:
             self.plugin.stop_verifier()
             self.plugin.checkpointer.stop()
-            running = set[str]()
+            running, idle = set[str](), None
             if uninstalled is not None:
                 removing = uninstalled.uninstalled is True
                 running = self.plugin.listed_dirs() if removing else self.plugin.running_dirs()
+                idle = self.plugin.node_idle() if removing else None
             self.plugin.podresources.close()
             if uninstalled is not None:  # last: nothing of the plugin writes any more
-                clean_up(uninstalled, self.plugin.host_files(), running)
+                clean_up(uninstalled, self.plugin.host_files(), running, idle)
         inventory.shutdown_nvml()
         log.info("device plugin stopped")
 

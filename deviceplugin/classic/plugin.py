@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry
 
 from core import contract
 from core.contract import VISIBLE_DEVICES_ENV
+from core.dra import DRIVER
 from core.units import BLOCK_MIB, CORE_PER_CARD, ENV_MEMORY_MIB, cards_phrase
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin.classic import checkpoint
@@ -53,7 +54,7 @@ from deviceplugin.shared.guard import GrantError
 from deviceplugin.shared.hostfiles import install_preload, make_grant_dirs, write_limits
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesClient, PodResourcesError
-from deviceplugin.shared.uninstall import AgentFiles
+from deviceplugin.shared.uninstall import GRANT_DIRS, AgentFiles
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,21 @@ class DevicePlugin:
             cdi_prefix=cdi_spec_path(Path(), "").name.removesuffix(".json"),
             sockets=tuple(endpoint_socket(config.plugin_dir, kind) for kind in Kind),
             checkpoint=config.checkpoint_path,
+            foreign=tuple(
+                config.host_root / name
+                for name in GRANT_DIRS
+                if config.host_root / name != config.containers_dir
+            ),
         )
+
+    def node_idle(self) -> bool | None:
+        """Kubelet lists no container holding a fracgpu share of either mode (this plugin's
+        resources, or a claim of fracgpu's DRA driver); None when it cannot be asked."""
+        try:
+            held = self.podresources.list(set(self.resources.values()), DRIVER)
+        except PodResourcesError:
+            return None
+        return not held
 
     def running_dirs(self) -> set[str]:
         """The directories of the containers the ledger holds (shares that may still run)."""

@@ -22,7 +22,9 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from core.dra import DRIVER
 from core.kube import RESOURCE_CLAIMS, Api, KubeConfigError, call_json, kube_client
+from core.units import CORE, MEMORY
 from deviceplugin.dra.claims import ClaimRef
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.driver import DraDriver
@@ -37,7 +39,7 @@ from deviceplugin.shared.guardevents import EventReporter
 from deviceplugin.shared.health import HealthMonitor
 from deviceplugin.shared.hostfiles import read_policy
 from deviceplugin.shared.http import serve
-from deviceplugin.shared.podresources import PodResourcesClient
+from deviceplugin.shared.podresources import PodResourcesClient, PodResourcesError
 from deviceplugin.shared.uninstall import UninstallWatch, Verdict, clean_up
 
 log = logging.getLogger(__name__)
@@ -212,16 +214,28 @@ class DraDaemon:
             await asyncio.to_thread(self.health.stop)
         if self.guard is not None:
             await asyncio.to_thread(self.guard.stop)
-        if self.podresources is not None:
-            self.podresources.close()
         if self.publisher is not None:
             await self.publisher.stop()
         uninstalled = await self._uninstalled()
+        idle: bool | None = None
+        if self.podresources is not None:
+            if uninstalled is not None and uninstalled.uninstalled:
+                idle = await asyncio.to_thread(self._node_idle, self.podresources)
+            self.podresources.close()
         await self._stack.aclose()
         inventory.shutdown_nvml()
         if uninstalled is not None and self.driver is not None:  # last: nothing writes any more
-            clean_up(uninstalled, self.driver.host_files(), set(self.driver.prepared))
+            clean_up(uninstalled, self.driver.host_files(), set(self.driver.prepared), idle)
         log.info("DRA plugin stopped")
+
+    @staticmethod
+    def _node_idle(podresources: PodResourcesClient) -> bool | None:
+        """Kubelet lists no container holding a fracgpu share of either mode (the device
+        plugin's resources, or a claim of fracgpu's driver); None when it cannot be asked."""
+        try:
+            return not podresources.list({CORE, MEMORY}, DRIVER)
+        except PodResourcesError:
+            return None
 
     async def _uninstalled(self) -> Verdict | None:
         """Whether this stop is an uninstall (None: not asked, no --daemonset); the watch ends."""

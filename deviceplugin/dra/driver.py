@@ -43,6 +43,7 @@ from deviceplugin.shared import checkpoint as versioned
 from deviceplugin.shared.checkpoint import CheckpointError
 from deviceplugin.shared.guard import GrantError
 from deviceplugin.shared.hostfiles import (
+    DEVICE_PLUGIN_CHECKPOINT,
     boot_id,
     install_preload,
     make_grant_dirs,
@@ -51,7 +52,7 @@ from deviceplugin.shared.hostfiles import (
 )
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices
-from deviceplugin.shared.uninstall import AgentFiles
+from deviceplugin.shared.uninstall import GRANT_DIRS, AgentFiles
 
 log = logging.getLogger(__name__)
 
@@ -195,6 +196,14 @@ class DraDriver:
             sockets=(config.registry_socket, config.service_socket),
             checkpoint=config.checkpoint_path,
             own_dir=config.plugin_dir,
+            foreign=(
+                *(
+                    config.host_root / name
+                    for name in GRANT_DIRS
+                    if config.host_root / name != config.claims_dir
+                ),
+                config.host_root / DEVICE_PLUGIN_CHECKPOINT,
+            ),
         )
 
     def install_host_files(self) -> None:

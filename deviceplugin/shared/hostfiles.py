@@ -29,6 +29,9 @@ from core.policy import HARD_CAP, PolicyError, SharePolicy
 
 log = logging.getLogger(__name__)
 POLICY_FILE = "policy"
+# The device plugin's checkpoint, under the host root (the DRA plugin keeps its own in its
+# kubelet plugin folder); named here because a DRA plugin removes it after a mode switch.
+DEVICE_PLUGIN_CHECKPOINT = "checkpoint.json"
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 

@@ -158,6 +158,10 @@ class AgentFiles:
     sockets: tuple[Path, ...] = ()  # removed whatever still runs
     checkpoint: Path | None = None  # removed once no share is kept
     own_dir: Path | None = None  # a directory of its own only (DRA: plugins/<driver>/), likewise
+    # What the other mode's agent leaves under the host root when a helm upgrade switched modes
+    # under running shares (its grant directory, its checkpoint): removed with their CDI specs
+    # once no share of either mode runs on the node.
+    foreign: tuple[Path, ...] = ()
 
 
 def _entries(directory: Path | None) -> Iterator[Path]:
@@ -172,9 +176,15 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def clean_up(verdict: Verdict, files: AgentFiles, running: Collection[str]) -> None:
+def clean_up(
+    verdict: Verdict,
+    files: AgentFiles,
+    running: Collection[str],
+    node_idle: bool | None = None,
+) -> None:
     """The agent's last step at its stop: remove its host files if it is being uninstalled,
-    ``running`` being the names of its shares that still run."""
+    ``running`` being the names of its shares that still run; ``node_idle``: kubelet lists no
+    container holding a fracgpu share of either mode (None: not known)."""
     if verdict.uninstalled is None:
         log.warning("stopping; host files left as they are", extra={"why": verdict.why})
         return
@@ -183,16 +193,21 @@ def clean_up(verdict: Verdict, files: AgentFiles, running: Collection[str]) -> N
         return
     log.info("removing this agent's host files", extra={"why": verdict.why})
     try:
-        remove_host_files(files, running, other_agent=verdict.other_agent)
+        remove_host_files(files, running, other_agent=verdict.other_agent, node_idle=node_idle)
     except OSError as exc:
         log.error("host files not all removed", extra={"error": str(exc)})
 
 
 def remove_host_files(
-    files: AgentFiles, running: Collection[str], *, other_agent: bool
+    files: AgentFiles,
+    running: Collection[str],
+    *,
+    other_agent: bool,
+    node_idle: bool | None = None,
 ) -> list[str]:
     """Remove what an uninstalled agent wrote, but the files of ``running`` shares; the shares
-    kept, by name."""
+    kept, by name. With no other agent installed and ``node_idle``, what the other mode's agent
+    left too."""
     kept = sorted(e.name for e in _entries(files.grants) if e.name in running)
     for entry in _entries(files.grants):
         if entry.name not in running:
@@ -215,8 +230,30 @@ def remove_host_files(
     if files.own_dir is not None:
         shutil.rmtree(files.own_dir, ignore_errors=True)
     _rmdir(files.grants)
+    if not other_agent:
+        _remove_foreign(files, node_idle)
     _remove_hook(files.host_root, other_agent=other_agent)
     return kept
+
+
+def _remove_foreign(files: AgentFiles, node_idle: bool | None) -> None:
+    """The other mode's leftovers, with the CDI spec of each of its shares (named
+    ``<prefix>_<share>.json``), once kubelet lists no fracgpu share on the node."""
+    left = [p for p in files.foreign if p.exists()]
+    if not left:
+        return
+    if node_idle is not True:
+        why = "kubelet lists a share" if node_idle is False else "kubelet could not be asked"
+        log.info("the other mode's files stay on the node", extra={"why": why})
+        return
+    shares = {e.name for p in left if p.is_dir() for e in _entries(p)}
+    for spec in _entries(files.cdi_root):
+        name = spec.name
+        if "fracgpu" in name and name.endswith(".json") and name[:-5].rpartition("_")[2] in shares:
+            spec.unlink(missing_ok=True)
+    for path in left:
+        _remove(path)
+    log.info("uninstalled; the other mode's leftovers removed", extra={"shares": sorted(shares)})
 
 
 def _remove_hook(root: Path, *, other_agent: bool) -> None:
