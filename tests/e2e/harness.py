@@ -75,6 +75,11 @@ ENV_DEVICE_PLUGIN_DIR = "FRACGPU_E2E_DEVICE_PLUGIN_DIR"
 ENV_NODE_DIR = "FRACGPU_E2E_NODE_DIR"
 ENV_DRA_NODE = "FRACGPU_E2E_DRA_NODE"
 ENV_CDI_DIR = "FRACGPU_E2E_CDI_DIR"
+# The installed release's scenarios (test_e2e_release.py): the node given the release's node
+# agent, fracgpu's image (`make image`) and a kube-scheduler image the nodes hold.
+ENV_RELEASE_NODE = "FRACGPU_E2E_RELEASE_NODE"
+ENV_RELEASE_IMAGE = "FRACGPU_E2E_RELEASE_IMAGE"
+ENV_SCHEDULER_IMAGE = "FRACGPU_E2E_SCHEDULER_IMAGE"
 # The image every scenario's containers run: on an air-gapped cluster, one its nodes already hold.
 ENV_IMAGE = "FRACGPU_E2E_IMAGE"
 DEFAULT_IMAGE = "registry.k8s.io/pause:3.10"
@@ -164,6 +169,11 @@ class Settings:
     # then its --root-dir (plugins_registry/, plugins/) as this machine sees it.
     dra_node: str | None = None
     cdi_dir: Path = Path("/var/run/cdi")  # where that node's runtime reads CDI specs, from here
+    # The node on which the installed release's node agent runs (test_e2e_release.py), and the
+    # images it runs: fracgpu's, and kube-scheduler for the chart's scheduler profile.
+    release_node: str | None = None
+    release_image: str | None = None
+    scheduler_image: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Settings | None:
@@ -194,6 +204,9 @@ class Settings:
             node_dir=Path(env.get(ENV_NODE_DIR) or "/var/lib/fracgpu-e2e"),
             dra_node=env.get(ENV_DRA_NODE) or None,
             cdi_dir=Path(env.get(ENV_CDI_DIR) or "/var/run/cdi"),
+            release_node=env.get(ENV_RELEASE_NODE) or None,
+            release_image=env.get(ENV_RELEASE_IMAGE) or None,
+            scheduler_image=env.get(ENV_SCHEDULER_IMAGE) or None,
         )
 
 
