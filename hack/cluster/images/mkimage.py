@@ -17,6 +17,8 @@ import tarfile
 from pathlib import Path
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+# The usual search path: a binary in /usr/local/bin (kube-scheduler's) is found by name.
+PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _entry(name: str, mode: int, kind: bytes, size: int = 0, link: str = "") -> tarfile.TarInfo:
@@ -61,7 +63,7 @@ def descriptor(media_type: str, data: bytes) -> dict[str, object]:
 
 def archive(rootfs: Path, names: list[str], entrypoint: list[str], cmd: list[str]) -> bytes:
     blob = layer(rootfs)
-    run: dict[str, object] = {"Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
+    run: dict[str, object] = {"Env": [f"PATH={PATH}"]}
     if entrypoint:
         run["Entrypoint"] = entrypoint
     if cmd:
