@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_certs_parser(sub)
     add_deviceplugin_parser(sub)
     add_dra_parser(sub)
+    _add_node_cleanup(sub)
     return parser
 
 
@@ -148,6 +149,28 @@ def _add_fit(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("-o", "--output", choices=["text", "json", "yaml"], default="text")
     add_kube_flags(p)
     p.set_defaults(run=deferred("fracgpu.top", "run_fit"))
+
+
+def _add_node_cleanup(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "node-cleanup",
+        help="after an uninstall: remove the node agents' labels, annotations and ResourceSlices",
+        description="Removes what fracgpu's node agents published in the API: their labels "
+        "and annotations on every Node (fracgpu.io/gpu.product, gpu.memory-mib, gpu.count, "
+        "gpu.inventory, gpu.free) and the ResourceSlices of fracgpu's DRA driver. Waits first "
+        "until no node agent pod is left in --namespace (one still running could publish "
+        "again). The Helm chart runs it when the release is uninstalled; run it after "
+        "`kubectl delete -k`.",
+    )
+    p.add_argument("-n", "--namespace", required=True, help="the release's namespace")
+    p.add_argument(
+        "--wait-s",
+        type=float,
+        default=120.0,
+        help="how long to wait for the node agents' pods to end (default 120)",
+    )
+    add_kube_flags(p)
+    p.set_defaults(run=deferred("fracgpu.cleanup", "run"))
 
 
 def _run_mode(args: argparse.Namespace) -> int:

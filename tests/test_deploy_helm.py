@@ -100,8 +100,13 @@ def comparable(objs: list[Obj]) -> dict[tuple[str, str, str], Any]:
     return out
 
 
+def is_hook(obj: Obj) -> bool:
+    """A Helm hook (the post-delete node cleanup): kustomize has none to compare it with."""
+    return "helm.sh/hook" in (obj.get("metadata", {}).get("annotations") or {})
+
+
 def _differences(chart: list[Obj], overlay: list[Obj]) -> list[str]:
-    mine, theirs = comparable(chart), comparable(overlay)
+    mine, theirs = comparable([o for o in chart if not is_hook(o)]), comparable(overlay)
     problems = [f"only in the chart: {k}" for k in sorted(mine.keys() - theirs.keys())]
     problems += [f"only in the overlay: {k}" for k in sorted(theirs.keys() - mine.keys())]
     for key in sorted(mine.keys() & theirs.keys()):
@@ -319,3 +324,22 @@ def test_every_object_validates(kube: str) -> None:
             kubernetes_validate.validate(obj, kube, strict=True)
         except kubernetes_validate.ValidationError as exc:
             pytest.fail(f"{obj['kind']} {obj['metadata']['name']}: {exc.message} {list(exc.path)}")
+
+
+def test_the_uninstall_hook_cleans_nodes_once_the_release_is_gone() -> None:
+    """Only hook objects, run after the release's objects are deleted, removed once the Job
+    succeeded; the Job runs fracgpu's image as non-root with the release's namespace."""
+    hooks = [o for o in render_chart({}) if is_hook(o)]
+    assert {o["kind"] for o in hooks} == {
+        "ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding", "Job",
+    }  # fmt: skip
+    for obj in hooks:
+        annotations = obj["metadata"]["annotations"]
+        assert annotations["helm.sh/hook"] == "post-delete"
+        assert annotations["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+    (job,) = [o for o in hooks if o["kind"] == "Job"]
+    pod = job["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["containers"][0]["args"] == ["node-cleanup", "--namespace", "fracgpu"]
+    weights = {o["kind"]: int(o["metadata"]["annotations"]["helm.sh/hook-weight"]) for o in hooks}
+    assert weights["Job"] > max(w for k, w in weights.items() if k != "Job")

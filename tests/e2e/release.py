@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from core import contract
+from core.dra import DRIVER
 from testkit.nvml import FakeCard, FakeNvml, build_cached
 from tests.deploy_render import CHART, helm
 from tests.e2e.harness import CARD_MIB, CARD_PRODUCT, Kubectl, Settings
@@ -382,3 +383,20 @@ def webhooks_settled(kubectl: Kubectl) -> bool:
     ))["items"]  # fmt: skip
     addresses = {a for e in slices for p in e.get("endpoints") or [] for a in p["addresses"]}
     return addresses == {p["status"]["podIP"] for p in pods}
+
+
+def published_left(kubectl: Kubectl) -> list[str]:
+    """What the node agents published in the API and is still there: their keys on the Nodes
+    and fracgpu's ResourceSlices (the chart's post-delete hook removes them)."""
+    left = []
+    for node in json.loads(kubectl.ok("get", "nodes", "-o", "json"))["items"]:
+        meta = node["metadata"]
+        for where in ("labels", "annotations"):
+            for key in meta.get(where) or {}:
+                if key.startswith("fracgpu.io/gpu."):
+                    left.append(f"node {meta['name']} {where[:-1]} {key}")
+    slices = json.loads(kubectl.ok(
+        "get", "resourceslices", "-o", "json", "--field-selector", f"spec.driver={DRIVER}",
+    ))["items"]  # fmt: skip
+    left += [f"ResourceSlice {s['metadata']['name']}" for s in slices]
+    return left

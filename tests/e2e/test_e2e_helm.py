@@ -3,9 +3,8 @@ the real API server, which creates, changes and removes every object (it compile
 and webhook configurations' CEL, checks RBAC escalation and the schemas).
 
 Mode auto is decided by Helm from what this API server serves: DRA on 1.36 and 1.37. The
-workloads' pods do not run here: this cluster has no fracgpu image and no route from a pod to
-the API server (its API server listens on loopback); the webhook itself is exercised by every
-other e2e test, run beside the cluster.
+workloads' pods do not run here (the release names an image the cluster does not hold): this
+test is about the objects; test_e2e_release.py runs the release with fracgpu's image.
 """
 
 from __future__ import annotations
@@ -184,7 +183,9 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
         history = json.loads(await asyncio.to_thread(run, "history", release, "-o", "json"))
         assert [h["status"] for h in history] == ["superseded", "superseded", "deployed"]
 
-        await asyncio.to_thread(run, "uninstall", release, "--wait")
+        # --no-hooks: the post-delete node cleanup would run fracgpu's image, which this test's
+        # release does not name (test_e2e_release.py uninstalls with it).
+        await asyncio.to_thread(run, "uninstall", release, "--wait", "--no-hooks")
         # Nothing of the release is left, least of all a fail-closed webhook configuration
         # that would deny GPU pods with no webhook to answer.
         for obj in upgraded + installed:
@@ -192,6 +193,8 @@ async def test_install_upgrade_and_uninstall(settings: Settings, kube_api: Any) 
             assert left is None, f"{obj['kind']} {obj['metadata']} outlived the uninstall"
     finally:
         with contextlib.suppress(AssertionError):
-            await asyncio.to_thread(run, "uninstall", release, "--wait", "--ignore-not-found")
+            await asyncio.to_thread(
+                run, "uninstall", release, "--wait", "--ignore-not-found", "--no-hooks"
+            )
         with contextlib.suppress(KubeNotFound):
             await call_json(kube_api, "DELETE", NAMESPACES.path(name=namespace))

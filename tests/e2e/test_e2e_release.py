@@ -48,6 +48,7 @@ from tests.e2e.release import (
     installed,
     limits_inside,
     pods_of,
+    published_left,
     ready,
     release_node_of,
     release_state,
@@ -371,7 +372,9 @@ def test_helm_uninstall_leaves_nothing_of_the_release(
         ]
 
     wait_for(no_share_left, 120, lambda: kubectl("get", "pods", "-A").stdout)
-    release.helm("uninstall", RELEASE, "--wait", "--timeout", "120s")
+    # --wait: until the release's objects are gone; then the post-delete hook's Job cleans
+    # what the agents published, and Helm waits for it too.
+    release.helm("uninstall", RELEASE, "--wait", "--timeout", "240s", timeout=300)
     release.uninstalled = True
     for obj in release.installed:
         meta = obj["metadata"]
@@ -384,6 +387,7 @@ def test_helm_uninstall_leaves_nothing_of_the_release(
         return not pods_of(kubectl, "app.kubernetes.io/part-of=fracgpu")
 
     wait_for(agents_gone, 120, lambda: release_state(kubectl))
+    assert published_left(kubectl) == []
     left = release.left_on_node()
     assert left == [], f"left on the node after helm uninstall: {left}"
     # Without fracgpu the API server itself judges the request (a fraction of an extended

@@ -26,6 +26,7 @@ from tests.e2e.release import (
     installed,
     limits_inside,
     pods_of,
+    published_left,
     ready,
     release_node_of,
     release_state,
@@ -91,9 +92,12 @@ def test_helm_upgrade_to_dra_mode_keeps_running_shares_then_uninstall_leaves_not
 
         kubectl.ok("delete", "pod", "-n", namespace, "kept", "new", "--wait=true")
 
-    release.helm("uninstall", RELEASE, "--wait", "--timeout", "120s")
+    # --wait: until the release's objects are gone; then the post-delete hook's Job cleans
+    # what the agents published, and Helm waits for it too.
+    release.helm("uninstall", RELEASE, "--wait", "--timeout", "240s", timeout=300)
     release.uninstalled = True
     wait_for(lambda: not pods_of(kubectl, "app.kubernetes.io/part-of=fracgpu"), 120,
              lambda: release_state(kubectl))  # fmt: skip
+    assert published_left(kubectl) == []
     left = release.left_on_node()
     assert left == [], f"left on the node after the upgrade and helm uninstall: {left}"
