@@ -790,3 +790,46 @@ def test_pods_that_the_scheduler_places_are_admitted_through_churn() -> None:
         assert placed >= 10
         assert failed == 0
         assert not kubelet.violations
+
+
+@pytest.mark.parametrize(
+    ("delay_s", "spacing_s"),
+    [
+        pytest.param(30.0, 0.05, id="waiting-for-its-first-look"),
+        pytest.param(0.0, 30.0, id="waiting-between-looks"),
+    ],
+)
+def test_a_verifier_stop_returns_at_once_and_the_verifier_has_ended(
+    tmp_path: Path, delay_s: float, spacing_s: float
+) -> None:
+    """The early verifier waits before each look at PodResources; a stop (the plugin's, or a
+    test's end) ends it wherever it waits, so it never logs after its owner has gone."""
+    from deviceplugin.classic.plugin import DevicePlugin
+
+    config = Config(
+        plugin_dir=tmp_path / "device-plugins",
+        host_root=tmp_path / "host",
+        verify_delay_s=delay_s,
+        verify_spacing_s=spacing_s,
+    )
+    plugin = DevicePlugin(config, [])
+    looks: list[float] = []
+
+    def not_yet(allocation: object) -> bool:
+        looks.append(time.monotonic())
+        return False  # not listed yet: look again after verify_spacing_s
+
+    plugin._verify_one = not_yet  # type: ignore[method-assign]
+    plugin.start_verifier()
+    thread = plugin._verifier
+    assert thread is not None
+    allocation = SimpleNamespace(verified=False)
+    plugin._verify.put((allocation, time.monotonic() + delay_s))  # type: ignore[arg-type]
+    deadline = time.monotonic() + 2
+    while delay_s == 0 and not looks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    started = time.monotonic()
+    plugin.stop_verifier()
+    assert time.monotonic() - started < 1.0
+    assert not thread.is_alive()
+    assert len(looks) == (0 if delay_s else 1)

@@ -109,6 +109,8 @@ class DevicePlugin:
         self._young_dirs = False  # the last collection left directories to look at again
         self._orphans: dict[str, float] = {}  # directory -> when first found unnamed
         self._verify: queue.Queue[tuple[Allocation, float] | None] = queue.Queue()
+        # Set at stop_verifier: the verifier's waits end at once, and it takes no more work.
+        self._verifier_stop = threading.Event()
         self._verifier: threading.Thread | None = None
 
     def resource(self, kind: Kind) -> str:
@@ -439,22 +441,31 @@ class DevicePlugin:
         the List it needs can usually be done in between; PreStartContainer then only checks the
         limits file. When the verifier has not finished, PreStartContainer lists by itself.
         """
+        self._verifier_stop.clear()
         self._verifier = threading.Thread(target=self._run_verifier, name="verify", daemon=True)
         self._verifier.start()
 
     def stop_verifier(self) -> None:
+        """Returns once the verifier has ended: it waits in an Event, never in a sleep, so it
+        ends at once, wherever it is, and logs nothing afterwards. Only a PodResources call in
+        flight (its own timeout) can hold it; a warning says so."""
         if self._verifier is not None:
+            self._verifier_stop.set()
             self._verify.put(None)
-            self._verifier.join(timeout=5)
+            self._verifier.join(timeout=self.config.podresources_timeout_s + 1)
+            if self._verifier.is_alive():
+                log.warning("the verifier outlived its stop (a PodResources call in flight)")
             self._verifier = None
 
     def _run_verifier(self) -> None:
+        stop = self._verifier_stop
         while (item := self._verify.get()) is not None:
             allocation, due = item
-            time.sleep(max(0.0, due - time.monotonic()))
+            if stop.wait(max(0.0, due - time.monotonic())):
+                return
             for attempt in range(self.config.verify_retries):
-                if attempt:
-                    time.sleep(self.config.verify_spacing_s * 2 ** (attempt - 1))
+                if attempt and stop.wait(self.config.verify_spacing_s * 2 ** (attempt - 1)):
+                    return
                 if allocation.verified:
                     break  # PreStartContainer came first and listed it itself
                 try:
