@@ -377,12 +377,16 @@ def webhooks_settled(kubectl: Kubectl) -> bool:
     pods = pods_of(kubectl, WEBHOOK_SELECTOR)
     if counts != (want, want, want) or len(pods) != want or not all(ready(p) for p in pods):
         return False
+    return webhook_endpoints(kubectl) == {p["status"]["podIP"] for p in pods}
+
+
+def webhook_endpoints(kubectl: Kubectl) -> set[str]:
+    """The addresses the webhook's Service sends the API server's calls to."""
     slices = json.loads(kubectl.ok(
         "get", "endpointslices", "-n", NAMESPACE,
         "-l", "kubernetes.io/service-name=fracgpu-webhook", "-o", "json",
     ))["items"]  # fmt: skip
-    addresses = {a for e in slices for p in e.get("endpoints") or [] for a in p["addresses"]}
-    return addresses == {p["status"]["podIP"] for p in pods}
+    return {a for s in slices for e in s.get("endpoints") or [] for a in e["addresses"]}
 
 
 def published_left(kubectl: Kubectl) -> list[str]:

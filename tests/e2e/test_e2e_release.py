@@ -55,6 +55,7 @@ from tests.e2e.release import (
     restarts,
     share_pod,
     wait_for,
+    webhook_endpoints,
 )
 from tests.e2e.release import (
     user_namespace as user_namespace_of,
@@ -109,12 +110,7 @@ def test_the_release_comes_up_with_certificates_issued_in_the_cluster(
     configurations; one of them holds the quota Lease; the node agent and the scheduler run."""
     webhooks = pods_of(kubectl, WEBHOOK_SELECTOR)
     assert len(webhooks) == 2 and all(ready(p) for p in webhooks), release_state(kubectl)
-    endpoints = json.loads(kubectl.ok(
-        "get", "endpointslices", "-n", NAMESPACE,
-        "-l", "kubernetes.io/service-name=fracgpu-webhook", "-o", "json",
-    ))["items"]  # fmt: skip
-    addresses = {a for s in endpoints for e in s.get("endpoints") or [] for a in e["addresses"]}
-    assert addresses == {p["status"]["podIP"] for p in webhooks}
+    assert webhook_endpoints(kubectl) == {p["status"]["podIP"] for p in webhooks}
     secret = kubectl.get("secret", "fracgpu-webhook-tls", NAMESPACE)
     ca = secret["data"]["ca.crt"]
     for kind in ("mutatingwebhookconfiguration", "validatingwebhookconfiguration"):
