@@ -398,7 +398,7 @@ def test_a_bug_in_early_verification_leaves_the_verifier_running(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with gpu_node(cards(1)) as node:
-        verify = node.plugin._verify_one
+        verify = node.plugin.verifier.verify_one
         failures = []
 
         def first_fails(allocation: object) -> bool:
@@ -407,7 +407,7 @@ def test_a_bug_in_early_verification_leaves_the_verifier_running(
                 raise RuntimeError("injected")
             return bool(verify(allocation))
 
-        monkeypatch.setattr(node.plugin, "_verify_one", first_fails)
+        monkeypatch.setattr(node.plugin.verifier, "verify_one", first_fails)
         node.kubelet.admit(pod("first", (20, 10)))
         held = node.kubelet.admit(pod("second", (20, 10)))["c0"]
         path = node.config.containers_dir / container_dir_name(held[CORE]) / "limits" / "limits"
@@ -800,36 +800,30 @@ def test_pods_that_the_scheduler_places_are_admitted_through_churn() -> None:
     ],
 )
 def test_a_verifier_stop_returns_at_once_and_the_verifier_has_ended(
-    tmp_path: Path, delay_s: float, spacing_s: float
+    delay_s: float, spacing_s: float
 ) -> None:
     """The early verifier waits before each look at PodResources; a stop (the plugin's, or a
     test's end) ends it wherever it waits, so it never logs after its owner has gone."""
-    from deviceplugin.classic.plugin import DevicePlugin
+    from deviceplugin.classic.verifier import EarlyVerifier
 
-    config = Config(
-        plugin_dir=tmp_path / "device-plugins",
-        host_root=tmp_path / "host",
-        verify_delay_s=delay_s,
-        verify_spacing_s=spacing_s,
-    )
-    plugin = DevicePlugin(config, [])
     looks: list[float] = []
 
     def not_yet(allocation: object) -> bool:
         looks.append(time.monotonic())
-        return False  # not listed yet: look again after verify_spacing_s
+        return False  # not listed yet: look again after spacing_s
 
-    plugin._verify_one = not_yet  # type: ignore[method-assign]
-    plugin.start_verifier()
-    thread = plugin._verifier
+    verifier = EarlyVerifier(
+        not_yet, delay_s=delay_s, retries=5, spacing_s=spacing_s, stop_within_s=6.0
+    )
+    verifier.start()
+    thread = verifier._thread
     assert thread is not None
-    allocation = SimpleNamespace(verified=False)
-    plugin._verify.put((allocation, time.monotonic() + delay_s))  # type: ignore[arg-type]
+    verifier.submit(SimpleNamespace(verified=False))  # type: ignore[arg-type]
     deadline = time.monotonic() + 2
     while delay_s == 0 and not looks and time.monotonic() < deadline:
         time.sleep(0.01)
     started = time.monotonic()
-    plugin.stop_verifier()
+    verifier.stop()
     assert time.monotonic() - started < 1.0
     assert not thread.is_alive()
     assert len(looks) == (0 if delay_s else 1)

@@ -22,9 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import shutil
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -48,6 +46,7 @@ from deviceplugin.classic.config import Config
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.metrics import Metrics
 from deviceplugin.classic.prestart import PreStartError, limits_for
+from deviceplugin.classic.verifier import EarlyVerifier
 from deviceplugin.shared.cdispec import CDI_VERSION, CONTROL_DEVICES
 from deviceplugin.shared.cdispec import write as write_cdi
 from deviceplugin.shared.guard import GrantError
@@ -108,10 +107,13 @@ class DevicePlugin:
         self._collected_at = -1  # allocator version at the last directory collection
         self._young_dirs = False  # the last collection left directories to look at again
         self._orphans: dict[str, float] = {}  # directory -> when first found unnamed
-        self._verify: queue.Queue[tuple[Allocation, float] | None] = queue.Queue()
-        # Set at stop_verifier: the verifier's waits end at once, and it takes no more work.
-        self._verifier_stop = threading.Event()
-        self._verifier: threading.Thread | None = None
+        self.verifier = EarlyVerifier(
+            self._verify_one,
+            delay_s=config.verify_delay_s,
+            retries=config.verify_retries,
+            spacing_s=config.verify_spacing_s,
+            stop_within_s=config.podresources_timeout_s + 1,
+        )
 
     def resource(self, kind: Kind) -> str:
         return self.resources[kind]
@@ -207,9 +209,9 @@ class DevicePlugin:
                 raise AllocationError(f"{self.resource(kind)}: {self._no_card(allocation)}")
             self._static_response(allocation.core, response)
             self._card_response(allocation, response)
-        if complete and allocation.cards and self._verifier is not None:
+        if complete and allocation.cards and self.verifier.running:
             # both halves are in (or whole cards, which need no memory): prepare PreStart
-            self._verify.put((allocation, time.monotonic() + self.config.verify_delay_s))
+            self.verifier.submit(allocation)
         self.save()
         return response
 
@@ -435,48 +437,12 @@ class DevicePlugin:
     # ---- ahead of PreStartContainer -----------------------------------------------------
 
     def start_verifier(self) -> None:
-        """Verify new allocations through PodResources before kubelet asks for PreStart.
-
-        kubelet calls PreStartContainer well after admission (after the pod sandbox exists), so
-        the List it needs can usually be done in between; PreStartContainer then only checks the
-        limits file. When the verifier has not finished, PreStartContainer lists by itself.
-        """
-        self._verifier_stop.clear()
-        self._verifier = threading.Thread(target=self._run_verifier, name="verify", daemon=True)
-        self._verifier.start()
+        """Verify new allocations through PodResources before kubelet asks for PreStart
+        (deviceplugin/classic/verifier.py)."""
+        self.verifier.start()
 
     def stop_verifier(self) -> None:
-        """Returns once the verifier has ended: it waits in an Event, never in a sleep, so it
-        ends at once, wherever it is, and logs nothing afterwards. Only a PodResources call in
-        flight (its own timeout) can hold it; a warning says so."""
-        if self._verifier is not None:
-            self._verifier_stop.set()
-            self._verify.put(None)
-            self._verifier.join(timeout=self.config.podresources_timeout_s + 1)
-            if self._verifier.is_alive():
-                log.warning("the verifier outlived its stop (a PodResources call in flight)")
-            self._verifier = None
-
-    def _run_verifier(self) -> None:
-        stop = self._verifier_stop
-        while (item := self._verify.get()) is not None:
-            allocation, due = item
-            if stop.wait(max(0.0, due - time.monotonic())):
-                return
-            for attempt in range(self.config.verify_retries):
-                if attempt and stop.wait(self.config.verify_spacing_s * 2 ** (attempt - 1)):
-                    return
-                if allocation.verified:
-                    break  # PreStartContainer came first and listed it itself
-                try:
-                    if self._verify_one(allocation):
-                        break
-                except (PodResourcesError, PreStartError, OSError) as exc:
-                    log.info("early verification skipped", extra={"error": str(exc)})
-                    break
-                except Exception:  # a bug here must not stop verifying later containers
-                    log.exception("early verification failed")
-                    break
+        self.verifier.stop()
 
     def _verify_one(self, allocation: Allocation) -> bool:
         """True once PodResources lists one container with exactly this allocation's IDs.
