@@ -238,7 +238,8 @@ def test_the_flag_defaults_to_the_pods_namespace(
     parser = argparse.ArgumentParser()
     cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["dra-plugin", "--node-name", "n"])
-    assert (str(args.daemonset) if args.daemonset else None) == expected
+    resolved = flags.resolve_daemonset(args.daemonset, "fracgpu-dra-plugin")
+    assert (str(resolved) if resolved else None) == expected
 
 
 # ---- the daemons' stop paths, end to end ------------------------------------------------------

@@ -19,6 +19,7 @@ from deviceplugin.shared.flags import (
     add_daemonset_flag,
     add_guard_flags,
     guard_settings,
+    resolve_daemonset,
 )
 
 DAEMONSET = "fracgpu-device-plugin"  # its DaemonSet in deploy/ and the Helm chart
@@ -128,7 +129,7 @@ def config_from(args: argparse.Namespace) -> Config:
         reconcile_interval_s=args.reconcile_interval,
         health_quiet_s=args.health_quiet,
         guard=guard_settings(args),
-        daemonset=args.daemonset,
+        daemonset=resolve_daemonset(args.daemonset, DAEMONSET),
     )
 
 

@@ -19,7 +19,12 @@ from deviceplugin.dra.config import (
     DEFAULT_METRICS_PORT,
     DraConfig,
 )
-from deviceplugin.shared.flags import add_daemonset_flag, add_guard_flags, guard_settings
+from deviceplugin.shared.flags import (
+    add_daemonset_flag,
+    add_guard_flags,
+    guard_settings,
+    resolve_daemonset,
+)
 
 DAEMONSET = "fracgpu-dra-plugin"  # its DaemonSet in deploy/overlays/dra and the Helm chart
 
@@ -102,7 +107,7 @@ def config_from(args: argparse.Namespace) -> DraConfig:
         metrics_port=args.metrics_port,
         guard=guard_settings(args),
         podresources_socket=args.pod_resources_socket,
-        daemonset=args.daemonset,
+        daemonset=resolve_daemonset(args.daemonset, DAEMONSET),
     )
 
 

@@ -137,18 +137,31 @@ def pod_namespace() -> str:
         return ""
 
 
+# --daemonset not given: the pod's namespace and the agent's DaemonSet name, found when the
+# agent starts (building the command line reads no file).
+FROM_POD = object()
+
+
 def add_daemonset_flag(parser: argparse.ArgumentParser, name: str) -> None:
     """``--daemonset``: whose deletion tells the stopping agent that it is being uninstalled."""
-    namespace = pod_namespace()
     parser.add_argument(
         "--daemonset",
         type=daemonset_ref,
-        default=f"{namespace}/{name}" if namespace else "",
+        default=FROM_POD,
         metavar="NAMESPACE/NAME",
         help="this agent's DaemonSet: stopped while it is gone or being deleted (an uninstall), "
         "the agent removes what it wrote on the node; '' never (default: the pod's namespace "
         f"and {name}, none outside a pod)",
     )
+
+
+def resolve_daemonset(flag: object, name: str) -> DaemonSetRef | None:
+    """What ``--daemonset`` says, its default resolved now (inside the pod)."""
+    if flag is FROM_POD:
+        namespace = pod_namespace()
+        return DaemonSetRef(namespace, name) if namespace else None
+    assert flag is None or isinstance(flag, DaemonSetRef)
+    return flag
 
 
 def guard_settings(args: argparse.Namespace) -> GuardSettings:
@@ -175,4 +188,5 @@ __all__ = [
     "daemonset_ref",
     "guard_settings",
     "pod_namespace",
+    "resolve_daemonset",
 ]

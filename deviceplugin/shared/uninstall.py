@@ -277,7 +277,7 @@ def _rmdir(path: Path) -> None:
     try:
         path.rmdir()
     except FileNotFoundError:
-        pass
+        return  # gone already
     except OSError as exc:
         # EBUSY: the host root is this pod's mount point, and stays as an empty directory.
         level = logging.DEBUG if exc.errno == errno.EBUSY else logging.INFO
