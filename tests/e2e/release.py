@@ -18,8 +18,7 @@ import os
 import shutil
 import stat
 import subprocess
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from core.dra import DRIVER
 from testkit.nvml import FakeCard, FakeNvml, build_cached
 from tests.deploy_render import CHART, helm
 from tests.e2e.harness import CARD_MIB, CARD_PRODUCT, Kubectl, Settings
+from tests.e2e.nodeagent import wait_for
 from tests.e2e.scenarios import SHELL_IMAGE, manifest
 
 Obj = dict[str, Any]
@@ -173,14 +173,6 @@ def namespace_usable(kubectl: Kubectl, name: str) -> bool:
     """Not being deleted (an earlier e2e session's webhook identity lived in ``fracgpu``)."""
     out = kubectl("get", "namespace", name, "-o", "jsonpath={.status.phase}")
     return out.returncode != 0 or out.stdout.strip() != "Terminating"
-
-
-def wait_for(check: Callable[[], bool], within_s: float, explain: Callable[[], str]) -> None:
-    end = time.monotonic() + within_s
-    while not check():
-        if time.monotonic() > end:
-            raise AssertionError(f"not within {within_s:g}s:\n{explain()}")
-        time.sleep(0.5)
 
 
 def pods_of(kubectl: Kubectl, selector: str, namespace: str = NAMESPACE) -> list[Obj]:
