@@ -11,13 +11,16 @@
  * Module globals: the driver loads a module's __device__ variables onto the card at
  * cuModuleLoadData and offers no call that says how many bytes that took. The hook measures it:
  * the card's free memory before and after the load, with loads serialised in the process. */
+#include "graph.h"
+
 #include <pthread.h>
 #include <stdlib.h>
 
-#include "hook.h"
 #include "memory.h"
 #include "rectable.h"
 #include "region.h"
+#include "state.h"
+#include "throttle.h"
 
 #define ENFORCED() (fg.mode != FG_MODE_INERT)
 

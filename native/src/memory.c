@@ -3,10 +3,10 @@
  * allocation charged, looked up in a per-process table keyed by pointer or handle.
  *
  * This file is what every path shares: which granted card a call lands on, the charge, and the
- * one shape of every charged allocation. The families are apart: linear allocations
+ * one shape of every charged allocation. The families are apart, above it: linear allocations
  * (memory_linear.c), stream-ordered pools (memory_pool.c), virtual memory management
  * (memory_vmm.c), arrays (memory_array.c), and what the container is told it has
- * (memory_info.c). */
+ * (memory_info.c); the reset after fork of all their tables is above them (memory_fork.c). */
 #include <stdio.h>
 #include <string.h>
 
@@ -116,11 +116,4 @@ CUresult fg_free_recorded(fg_rec_kind kind, uint64_t key, CUresult (*do_free)(ui
     else
         fg_rec_put(&rec);
     return r;
-}
-
-void fg_memory_after_fork(void) {
-    /* The parent's allocations are not the child's to free: start from empty tables. */
-    fg_pools_after_fork();
-    fg_vmm_after_fork();
-    fg_rec_after_fork();
 }

@@ -6,7 +6,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "hook.h"
+#include "state.h"
 #include "memory.h"
 #include "rectable.h"
 
@@ -38,7 +38,7 @@ CUresult fg_alloc_charged(const fg_alloc_ops *ops, void *args, int idx, uint64_t
 /* Free key with do_free and release what its record of kind charged (once the driver agrees). */
 CUresult fg_free_recorded(fg_rec_kind kind, uint64_t key, CUresult (*do_free)(uint64_t));
 
-/* ---- each family's own table, emptied in a forked child ----------------------------------- */
+/* ---- each family's own table, emptied in a forked child (memory_fork.c) ------------------- */
 
 void fg_pools_after_fork(void); /* memory_pool.c */
 void fg_vmm_after_fork(void);   /* memory_vmm.c */

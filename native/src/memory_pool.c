@@ -2,6 +2,7 @@
  * charged by what their pool reserves; their frees, and pool creation, trim and destroy. */
 #include <pthread.h>
 
+#include "graph.h"
 #include "memory_internal.h"
 #include "region.h"
 

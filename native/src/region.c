@@ -57,6 +57,8 @@ static pthread_mutex_t slot_mu = PTHREAD_MUTEX_INITIALIZER;
 static _Atomic bool need_slots; /* after fork: take fresh slots through fresh descriptions */
 /* Set at exit: frees that run after the slots were given back must not touch new ones. */
 static _Atomic bool closed;
+/* Whom to tell of a child no fork handler ran in (fg_region_open); set before any slot exists. */
+static void (*child_detected)(void);
 
 /* ---- slot locks: liveness that pid namespaces, zombies and reused pids cannot fool ---------- */
 
@@ -321,8 +323,9 @@ static void join_held_regions(const char *path) {
 
 static void mark_lineage(void);
 
-int fg_region_open(const char *path, char *why, size_t why_len) {
+int fg_region_open(const char *path, void (*on_child)(void), char *why, size_t why_len) {
     if (atomic_load(&nmaps) > 0) return 0;
+    child_detected = on_child;
     int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
     bool created = fd >= 0;
     if (!created && errno == EEXIST) fd = open(path, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
@@ -378,7 +381,7 @@ static bool own_slots(void) {
     if (FG_LIKELY_SLOT(!atomic_load_explicit(&need_slots, memory_order_relaxed))) {
         if (FG_LIKELY_SLOT(!a_child_of_the_owner())) return atomic_load(&nmaps) > 0;
         /* A child no fork handler told: what its parent recorded is not its own to free. */
-        fg_child_detected();
+        if (child_detected) child_detected();
         atomic_store(&need_slots, true);
     }
     if (atomic_load(&closed)) return false;

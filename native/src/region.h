@@ -16,13 +16,12 @@
 
 #define FG_REGION_SLOTS 256
 
-/* Map (creating if needed) the region at path and take a slot for this process. 0 or -errno. */
-int fg_region_open(const char *path, char *why, size_t why_len);
+/* Map (creating if needed) the region at path and take a slot for this process. 0 or -errno.
+ * on_child (may be NULL) is called when the region finds itself in a child no fork handler ran
+ * in (a raw clone): the hook forgets what the parent recorded, as after a fork. */
+int fg_region_open(const char *path, void (*on_child)(void), char *why, size_t why_len);
 /* Forget the mapping's slot in a forked child; the child takes a fresh slot on first use. */
 void fg_region_after_fork(void);
-/* Called by the region when it finds itself in a child no fork handler ran in (a raw clone):
- * the hook forgets what the parent recorded, as after a fork. Defined by the hook. */
-void fg_child_detected(void);
 /* Give the slot back (normal exit): its counters go to zero. */
 void fg_region_close(void);
 

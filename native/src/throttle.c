@@ -24,11 +24,14 @@
  * compute_percent: the node may lend, never take) replaces compute_percent as the target. The
  * file is read every period; stale, missing or malformed, the controller is exactly the one
  * above. Only a share of one card steers by it: the file holds one figure per share. */
+#include "throttle.h"
+
 #include <pthread.h>
 #include <stdatomic.h>
 #include <time.h>
 
-#include "hook.h"
+#include "memory.h"
+#include "state.h"
 #include "usage.h"
 
 #define PERIOD_NS 50000000L /* refill and sample every 50 ms */

@@ -1,6 +1,7 @@
 /* Unit test of what every memory path shares (src/memory.c): which granted card a call lands
- * on, the charge, the one shape of a charged allocation (fg_alloc_charged), fg_free_recorded and
- * the reset after fork. Linked with tests/memory_unit.c; the families' tables are stubs here. */
+ * on, the charge, the one shape of a charged allocation (fg_alloc_charged), fg_free_recorded; and
+ * the reset after fork (src/memory_fork.c). Linked with tests/memory_unit.c; the families' tables
+ * are stubs here. */
 #include <string.h>
 
 #include "memory_unit.h"

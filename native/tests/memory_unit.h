@@ -1,14 +1,16 @@
-/* What the memory files' unit tests (memory_*_test.c) share: the hook's state without hook.c, a
- * region that counts in process memory instead of the shared file, graph stubs, and a fake
- * context. Each test links one memory family with the core (src/memory.c), the real record
- * table (src/rectable.c) and this (tests/memory_unit.c), and sets the fg_real entries of its
- * family to fake driver functions of its own, so it calls the hook's entry points directly.
+/* What the memory files' unit tests (memory_*_test.c) share: the hook's state without state.c
+ * and real.c, a region that counts in process memory instead of the shared file, graph stubs, and
+ * a fake context. Each test links one memory family with the core (src/memory.c), the reset after
+ * fork (src/memory_fork.c), the real record table (src/rectable.c) and this
+ * (tests/memory_unit.c), and sets the fg_real entries of its family to fake driver functions of
+ * its own, so it calls the hook's entry points directly.
  * Each case prints "ok <name>" or "FAIL <name>: <why>" and the exit status counts failures. */
 #ifndef FRACGPU_MEMORY_UNIT_H
 #define FRACGPU_MEMORY_UNIT_H
 
 #include <stdio.h>
 
+#include "graph.h"
 #include "memory_internal.h"
 #include "region.h"
 
