@@ -29,9 +29,10 @@ from typing import TypedDict
 import aiohttp
 from aiohttp import web
 
+from quota.decision import Decision
 from quota.demand import Demand
 from quota.metrics import QuotaMetrics
-from quota.reserver import Decision, Reserver
+from quota.reserver import Reserver
 
 log = logging.getLogger(__name__)
 

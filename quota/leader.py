@@ -11,7 +11,7 @@ the Lease: it writes an empty holder, as client-go's ``ReleaseOnCancel`` does, s
 replica, restarted or already running, takes over at its next try instead of waiting out the
 whole lease duration. After a crash nothing is released and the Lease expires by itself; until
 then admissions are not held up (a quota nobody has counted is counted by the replica whose pod
-needs it, :meth:`quota.reserver.Reserver._counted`), only the matching of admissions to pods.
+needs it, :meth:`quota.usable.UsableQuotas.counted`), only the matching of admissions to pods.
 """
 
 from __future__ import annotations

@@ -13,9 +13,17 @@ _BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 
 
 class QuotaMetrics:
+    """Every quota metric, declared by family in the order the registry lists them."""
+
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        r = self.registry
+        self._declare_usage(registry)
+        self._declare_decisions(registry)
+        self._declare_control(registry)
+        self._declare_forwarding(registry)
+
+    def _declare_usage(self, r: CollectorRegistry) -> None:
+        """What each quota limits and charges, labelled by quota (forgotten with it)."""
         labels = ["namespace", "quota", "resource"]
         self.limit = Gauge(
             "fracgpu_quota_limit",
@@ -43,6 +51,9 @@ class QuotaMetrics:
             ["namespace", "quota"],
             registry=r,
         )
+
+    def _declare_decisions(self, r: CollectorRegistry) -> None:
+        """What admission and the controller did: writes, decisions, releases, passes."""
         self.conflicts = Counter(
             "fracgpu_quota_cas_conflicts",
             "GPUQuota status writes refused with 409 Conflict (re-read and retried).",
@@ -83,6 +94,9 @@ class QuotaMetrics:
             ["result"],
             registry=r,
         )
+
+    def _declare_control(self, r: CollectorRegistry) -> None:
+        """Whether quota can work at all: the Lease, the controller, the CRD."""
         self.leader = Gauge(
             "fracgpu_quota_leader",
             "1 while this replica holds the quota controller's Lease.",
@@ -107,6 +121,8 @@ class QuotaMetrics:
             registry=r,
         )
 
+    def _declare_forwarding(self, r: CollectorRegistry) -> None:
+        """Decisions sent to the leader, and made there for other replicas."""
         self.forwarded = Counter(
             "fracgpu_quota_forwarded",
             "Quota decisions this replica sent to the leader, by outcome: 'answered', or "

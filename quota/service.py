@@ -134,8 +134,8 @@ class QuotaService:
         self.metrics.crd_installed.set(1)
 
     async def _count(self, raw: Mapping[str, Any]) -> None:
-        """Count a quota nobody has counted (:meth:`Reserver._counted`): with a controller of
-        its own whose watches never start, so the count reads pods live."""
+        """Count a quota nobody has counted (:meth:`quota.usable.UsableQuotas.counted`): with a
+        controller of its own whose watches never start, so the count reads pods live."""
         if self._counter is None:
             self._counter = self.controller(shared=False)
         await self._counter.count(raw)
