@@ -33,7 +33,7 @@ from bench._load import Result, closed_loop, open_loop, server_process
 
 EXAMPLE = Path(__file__).parent.parent / "examples" / "admissionreview-pod.json"
 MODELS = {"NVIDIA-H100-80GB-HBM3": 81559}
-DISTINCT = 8192  # twice what the mutator remembers (webhook.mutation.MEMO_SIZE)
+DISTINCT = 8192  # twice what the mutator remembers (webhook.normaliser.MEMO_SIZE)
 
 
 def distinct_gpu_bodies(count: int = DISTINCT) -> list[bytes]:

@@ -31,9 +31,9 @@ from fracgpu.review import (
 )
 from quota.cli import add_parser as add_quota_parser
 from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
+from webhook.dialects import OPTIONAL_DIALECTS, Dialect
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
-from webhook.resources import OPTIONAL_DIALECTS, Dialect
 
 
 def build_parser() -> argparse.ArgumentParser:

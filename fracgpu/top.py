@@ -26,7 +26,7 @@ from core.units import BLOCK_MIB, CORE_PER_CARD, UnitError, cards_phrase, cards_
 from core.units import parse_mib as parse_memory
 from fracgpu import usage
 from fracgpu.cards import DEVICE_PLUGIN, CardView, ClusterCards, Share, apply_live, read
-from webhook.waiting import Ask, FreeCard, explain
+from webhook.waiting import CardNeed, FreeCard, explain
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,9 +104,9 @@ def why_none(shape: Shape, view: ClusterCards) -> str:
     ]
     memory = shape.memory_mib if shape.memory_mib is not None else 0
     ask = (
-        Ask(cards=shape.cards)
+        CardNeed(cards=shape.cards)
         if shape.cards
-        else Ask(cores=shape.cores, memory_mib=memory, count=shape.count)
+        else CardNeed(cores=shape.cores, memory_mib=memory, count=shape.count)
     )
     return explain([ask], free, device_plugin=view.mode == DEVICE_PLUGIN)
 

@@ -42,7 +42,7 @@ from core.kube import (
 )
 from webhook.waiting import (
     REASON,
-    Ask,
+    CardNeed,
     FreeCard,
     asks_of,
     asks_of_pod,
@@ -147,7 +147,7 @@ def diagnose(pod: Obj, cluster: Cluster) -> Diagnosis:
     namespace, name = str(meta.get("namespace") or ""), str(meta.get("name") or "")
     phase = str(status.get("phase") or "Pending")
     node = str(spec.get("nodeName") or "")
-    asks: list[Ask] = asks_of_pod(pod)
+    asks: list[CardNeed] = asks_of_pod(pod)
     mode = "device-plugin" if asks else ""
     if not asks and cluster.claims:
         for claim in cluster.claims:
@@ -200,7 +200,7 @@ def diagnose(pod: Obj, cluster: Cluster) -> Diagnosis:
     return replace(base, state="starting", message=f"placed on node {node}; {detail}")
 
 
-def _no_card(mode: str, asks: list[Ask], cluster: Cluster) -> str:
+def _no_card(mode: str, asks: list[CardNeed], cluster: Cluster) -> str:
     free: list[FreeCard] | None = None
     if mode == "device-plugin" and cluster.nodes is not None:
         free = free_cards_of_nodes(cluster.nodes)

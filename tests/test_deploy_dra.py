@@ -37,7 +37,7 @@ from tests.support import eventually
 from webhook.claims import SliceModels, plan_claim
 from webhook.claimstore import TemplateStore, referenced_templates, slice_informer
 from webhook.config import AdmissionConfig
-from webhook.resources import Ask
+from webhook.parsing import ContainerAsk
 from webhook.waitwatch import WaitExplainer
 
 OVERLAY = "dra"
@@ -352,7 +352,7 @@ async def _dra_admission_requests(tmp_path: Path) -> list[RequestRecord]:
     ):
         now = [1000.0]
         store = TemplateStore(api, grace_s=0, touch_interval_s=0, clock=lambda: now[0])
-        plan = plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16)
+        plan = plan_claim("c", ContainerAsk(core=30, memory_mib=8192), {}, max_cards=16)
         await store.ensure("team-a", plan, dry_run=False)
         now[0] += 60
         await TemplateStore(api, clock=lambda: now[0]).ensure("team-a", plan, dry_run=False)

@@ -24,9 +24,7 @@ from core.units import ENV_GPU, ENV_MEMORY_MIB
 from tests.deploy_render import NAMESPACE, OVERLAYS, Obj, find, of_kind, render
 from webhook import server
 from webhook.config import AdmissionConfig, ServerConfig
-from webhook.inventory import Inventory
-from webhook.mutation import EPHEMERAL, TEMPLATE_PATHS, Mutator
-from webhook.resources import (
+from webhook.dialects import (
     ALWAYS_ON,
     DIALECT_RESOURCES,
     OPTIONAL_DIALECTS,
@@ -34,6 +32,8 @@ from webhook.resources import (
     enabled,
     input_resources,
 )
+from webhook.inventory import Inventory
+from webhook.mutation import EPHEMERAL, TEMPLATE_PATHS, Mutator
 
 MUTATE_NAME = "mutate.fracgpu.io"
 QUOTA_NAME = "quota.fracgpu.io"
@@ -373,13 +373,13 @@ def test_quota_condition_sends_gpu_pods_as_the_mutating_webhook_left_them(
     """kube-apiserver evaluates a validating webhook's conditions on the object after every
     mutation; in DRA mode the mutation has replaced the fracgpu.io/ keys with claims, and a
     condition on the keys alone would never call the quota webhook (seen on a real 1.36 server)."""
-    from webhook.resources import Card
+    from webhook.gpumodels import GpuModel
 
     config = AdmissionConfig(allocation="dra")
     mutator = Mutator(
         config,
         Inventory({"Tesla T4": 15360}),
-        claim_models=lambda: {"Tesla T4": Card("Tesla T4", 15360)},
+        claim_models=lambda: {"Tesla T4": GpuModel("Tesla T4", 15360)},
     )
     made = pod(containers=[container(limits)])
     outcome = mutator.mutate(made, "", "Pod")

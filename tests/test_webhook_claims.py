@@ -17,10 +17,11 @@ from core.kube import RESOURCE_CLAIM_TEMPLATES, Api, call_json
 from core.labels import ModelSet
 from webhook.claims import ClaimPlan, SliceModels, TemplateError, plan_claim
 from webhook.claimstore import LAST_USED_ANNOTATION, TemplateStore, referenced_templates
-from webhook.resources import Ask, Card, RequestError
+from webhook.gpumodels import GpuModel
+from webhook.parsing import ContainerAsk, RequestError
 
-SMALL = Card("NVIDIA-L4", 23034)  # 89 blocks
-LARGE = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
+SMALL = GpuModel("NVIDIA-L4", 23034)  # 89 blocks
+LARGE = GpuModel("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
 MODELS = {SMALL.product: SMALL, LARGE.product: LARGE}
 
 
@@ -36,24 +37,28 @@ def _capacity(request: dict[str, Any]) -> dict[str, str] | None:
 
 # name, ask, models, template name (prefix), exact request or per-model (product, cores, memory)
 EXACT = [
-    pytest.param(Ask(core=100), {}, "fracgpu-cards-1", {"count": 1}, id="a whole card, no model"),
-    pytest.param(Ask(core=300), MODELS, "fracgpu-cards-3", {"count": 3}, id="three whole cards"),
     pytest.param(
-        Ask(core=30, memory_mib=8192),
+        ContainerAsk(core=100), {}, "fracgpu-cards-1", {"count": 1}, id="a whole card, no model"
+    ),
+    pytest.param(
+        ContainerAsk(core=300), MODELS, "fracgpu-cards-3", {"count": 3}, id="three whole cards"
+    ),
+    pytest.param(
+        ContainerAsk(core=30, memory_mib=8192),
         {},
         "fracgpu-c30-m8192",
         {"count": 1, "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}}},
         id="a share with its memory needs no model",
     ),
     pytest.param(
-        Ask(core=5, memory_blocks=2),
+        ContainerAsk(core=5, memory_blocks=2),
         {},
         "fracgpu-c5-m512",
         {"count": 1, "capacity": {"requests": {"cores": "5", "memory": "512Mi"}}},
         id="canonical blocks",
     ),
     pytest.param(
-        Ask(core=30, memory_mib=8192, count=2),
+        ContainerAsk(core=30, memory_mib=8192, count=2),
         {},
         "fracgpu-c30-m8192-n2",
         {"count": 2, "capacity": {"requests": {"cores": "30", "memory": "8192Mi"}}},
@@ -64,7 +69,7 @@ EXACT = [
 
 @pytest.mark.parametrize(("ask", "models", "name", "request_fields"), EXACT)
 def test_exact_requests(
-    ask: Ask, models: dict[str, Card], name: str, request_fields: dict[str, Any]
+    ask: ContainerAsk, models: dict[str, GpuModel], name: str, request_fields: dict[str, Any]
 ) -> None:
     plan = plan_claim("c", ask, models, max_cards=16)
     assert plan.name == name
@@ -76,22 +81,22 @@ def test_exact_requests(
 
 PER_MODEL = [
     pytest.param(
-        Ask(core=50),
+        ContainerAsk(core=50),
         [(SMALL, "50", "11264Mi"), (LARGE, "50", "40704Mi")],
         id="a fraction gets that fraction of whichever card it lands on",
     ),
     pytest.param(
-        Ask(memory_percent=25),
+        ContainerAsk(memory_percent=25),
         [(SMALL, "25", "5632Mi"), (LARGE, "25", "20224Mi")],
         id="a percentage is of the card it lands on",
     ),
     pytest.param(
-        Ask(memory_mib=40960),
+        ContainerAsk(memory_mib=40960),
         [(LARGE, "51", "40960Mi")],
         id="memory alone: only cards that hold it, with the share of compute to match",
     ),
     pytest.param(
-        Ask(core=10, memory_percent=50),
+        ContainerAsk(core=10, memory_percent=50),
         [(SMALL, "10", "11264Mi"), (LARGE, "10", "40704Mi")],
         id="a fraction with a percentage of memory",
     ),
@@ -100,7 +105,7 @@ PER_MODEL = [
 
 @pytest.mark.parametrize(("ask", "alternatives"), PER_MODEL)
 def test_model_dependent_requests_offer_one_alternative_per_model(
-    ask: Ask, alternatives: list[tuple[Card, str, str]]
+    ask: ContainerAsk, alternatives: list[tuple[GpuModel, str, str]]
 ) -> None:
     request = _request(plan_claim("c", ask, MODELS, max_cards=16))
     offered = [
@@ -114,19 +119,19 @@ def test_model_dependent_requests_offer_one_alternative_per_model(
 
 
 def test_a_share_of_several_cards_sized_per_model_asks_for_that_many_of_the_model() -> None:
-    plan = plan_claim("c", Ask(core=50, count=2), MODELS, max_cards=16)
+    plan = plan_claim("c", ContainerAsk(core=50, count=2), MODELS, max_cards=16)
     assert plan.name.startswith("fracgpu-c50-n2-h")
     assert [alt["count"] for alt in _request(plan)["firstAvailable"]] == [2, 2]
 
 
 def test_a_template_name_changes_when_the_models_change() -> None:
-    one = plan_claim("c", Ask(core=50), {SMALL.product: SMALL}, max_cards=16)
-    both = plan_claim("c", Ask(core=50), MODELS, max_cards=16)
+    one = plan_claim("c", ContainerAsk(core=50), {SMALL.product: SMALL}, max_cards=16)
+    both = plan_claim("c", ContainerAsk(core=50), MODELS, max_cards=16)
     assert one.name != both.name
 
 
 def test_rounded_memory_is_said() -> None:
-    plan = plan_claim("train", Ask(core=30, memory_mib=3000), {}, max_cards=16)
+    plan = plan_claim("train", ContainerAsk(core=30, memory_mib=3000), {}, max_cards=16)
     assert _capacity(_request(plan)["exactly"]) == {"cores": "30", "memory": "3072Mi"}
     assert plan.warnings == (
         'container "train": 3000 MiB of GPU memory rounded up to 3072 MiB (GPU memory is '
@@ -137,13 +142,18 @@ def test_rounded_memory_is_said() -> None:
 @pytest.mark.parametrize(
     ("ask", "models", "message"),
     [
-        pytest.param(Ask(core=50), {}, "no GPU models are published", id="no model known"),
-        pytest.param(Ask(memory_percent=10), {}, "no GPU models are published", id="percent"),
+        pytest.param(ContainerAsk(core=50), {}, "no GPU models are published", id="no model known"),
         pytest.param(
-            Ask(memory_mib=200000), MODELS, "more GPU memory than any card", id="too much memory"
+            ContainerAsk(memory_percent=10), {}, "no GPU models are published", id="percent"
         ),
         pytest.param(
-            Ask(core=2000, core_key="fracgpu.io/gpu", core_shown="20"),
+            ContainerAsk(memory_mib=200000),
+            MODELS,
+            "more GPU memory than any card",
+            id="too much memory",
+        ),
+        pytest.param(
+            ContainerAsk(core=2000, core_key="fracgpu.io/gpu", core_shown="20"),
             {},
             "more whole cards than a node has",
             id="more cards than admission.max_cards",
@@ -151,7 +161,7 @@ def test_rounded_memory_is_said() -> None:
     ],
 )
 def test_requests_that_cannot_be_sized_are_denied(
-    ask: Ask, models: dict[str, Card], message: str
+    ask: ContainerAsk, models: dict[str, GpuModel], message: str
 ) -> None:
     with pytest.raises(RequestError, match=message):
         plan_claim("c", ask, models, max_cards=16)
@@ -160,12 +170,12 @@ def test_requests_that_cannot_be_sized_are_denied(
 @pytest.mark.parametrize(
     "ask",
     [
-        pytest.param(Ask(core=200), id="whole cards"),
-        pytest.param(Ask(core=30, memory_mib=8192), id="share"),
-        pytest.param(Ask(memory_percent=25), id="first available"),
+        pytest.param(ContainerAsk(core=200), id="whole cards"),
+        pytest.param(ContainerAsk(core=30, memory_mib=8192), id="share"),
+        pytest.param(ContainerAsk(memory_percent=25), id="first available"),
     ],
 )
-def test_templates_are_valid_kubernetes_1_36_objects(ask: Ask) -> None:
+def test_templates_are_valid_kubernetes_1_36_objects(ask: ContainerAsk) -> None:
     template = dict(plan_claim("c", ask, MODELS, max_cards=16).template)
     template["metadata"] = {**template["metadata"], "namespace": "team-a"}
     kubernetes_validate.validate(template, "1.36.0", strict=True)
@@ -181,12 +191,17 @@ PRODUCT = f'device.attributes["{dra.DRIVER}"].productName'
 @pytest.mark.parametrize(
     ("ask", "chosen", "expression"),
     [
-        pytest.param(Ask(core=100), ONLY_SMALL, f'{PRODUCT} in ["NVIDIA-L4"]', id="whole-card-in"),
         pytest.param(
-            Ask(core=200), NOT_SMALL, f'!({PRODUCT} in ["NVIDIA-L4"])', id="whole-cards-not-in"
+            ContainerAsk(core=100), ONLY_SMALL, f'{PRODUCT} in ["NVIDIA-L4"]', id="whole-card-in"
         ),
         pytest.param(
-            Ask(core=30, memory_mib=8192),
+            ContainerAsk(core=200),
+            NOT_SMALL,
+            f'!({PRODUCT} in ["NVIDIA-L4"])',
+            id="whole-cards-not-in",
+        ),
+        pytest.param(
+            ContainerAsk(core=30, memory_mib=8192),
             ModelSet(frozenset({SMALL.product, LARGE.product})),
             f'{PRODUCT} in ["NVIDIA-H100-80GB-HBM3", "NVIDIA-L4"]',
             id="share-with-memory-two-models",
@@ -194,7 +209,7 @@ PRODUCT = f'device.attributes["{dra.DRIVER}"].productName'
     ],
 )
 def test_exact_requests_select_the_chosen_models_by_cel(
-    ask: Ask, chosen: ModelSet, expression: str
+    ask: ContainerAsk, chosen: ModelSet, expression: str
 ) -> None:
     plan = plan_claim("c", ask, MODELS, max_cards=16, chosen=chosen)
     assert _request(plan)["exactly"]["selectors"] == [{"cel": {"expression": expression}}]
@@ -203,26 +218,26 @@ def test_exact_requests_select_the_chosen_models_by_cel(
 @pytest.mark.parametrize(
     ("ask", "chosen"),
     [
-        pytest.param(Ask(core=100), ONLY_SMALL, id="whole-card-only"),
-        pytest.param(Ask(core=100), NOT_SMALL, id="whole-card-exclude"),
-        pytest.param(Ask(core=30, memory_mib=8192), ONLY_SMALL, id="share-with-memory"),
-        pytest.param(Ask(core=50), ONLY_SMALL, id="first-available"),
+        pytest.param(ContainerAsk(core=100), ONLY_SMALL, id="whole-card-only"),
+        pytest.param(ContainerAsk(core=100), NOT_SMALL, id="whole-card-exclude"),
+        pytest.param(ContainerAsk(core=30, memory_mib=8192), ONLY_SMALL, id="share-with-memory"),
+        pytest.param(ContainerAsk(core=50), ONLY_SMALL, id="first-available"),
     ],
 )
-def test_a_model_choice_changes_the_template_name(ask: Ask, chosen: ModelSet) -> None:
+def test_a_model_choice_changes_the_template_name(ask: ContainerAsk, chosen: ModelSet) -> None:
     models = {SMALL.product: SMALL} if chosen is ONLY_SMALL else MODELS
     plain = plan_claim("c", ask, models, max_cards=16)
     assert plan_claim("c", ask, models, max_cards=16, chosen=chosen).name != plain.name
 
 
 def test_two_choices_never_share_a_template() -> None:
-    one = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
-    other = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=NOT_SMALL)
+    one = plan_claim("c", ContainerAsk(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
+    other = plan_claim("c", ContainerAsk(core=100), MODELS, max_cards=16, chosen=NOT_SMALL)
     assert one.name != other.name
 
 
 def test_a_template_name_with_a_choice_keeps_its_shape_readable() -> None:
-    plan = plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
+    plan = plan_claim("c", ContainerAsk(core=100), MODELS, max_cards=16, chosen=ONLY_SMALL)
     assert plan.name.startswith("fracgpu-cards-1-g")
 
 
@@ -238,7 +253,9 @@ def test_the_largest_model_choice_fits_the_cel_limit() -> None:
     [pytest.param(ONLY_SMALL, id="only"), pytest.param(NOT_SMALL, id="exclude")],
 )
 def test_templates_with_a_choice_are_valid_kubernetes_1_36_objects(chosen: ModelSet) -> None:
-    template = dict(plan_claim("c", Ask(core=100), MODELS, max_cards=16, chosen=chosen).template)
+    template = dict(
+        plan_claim("c", ContainerAsk(core=100), MODELS, max_cards=16, chosen=chosen).template
+    )
     template["metadata"] = {**template["metadata"], "namespace": "team-a"}
     kubernetes_validate.validate(template, "1.36.0", strict=True)
 
@@ -262,7 +279,7 @@ async def _templates(api: Api, namespace: str) -> list[dict[str, Any]]:
 
 async def test_ensure_creates_once_and_never_on_dry_run(team_api: Api) -> None:
     store = TemplateStore(team_api, clock=Clock())
-    plan = plan_claim("c", Ask(core=30, memory_mib=8192), {}, max_cards=16)
+    plan = plan_claim("c", ContainerAsk(core=30, memory_mib=8192), {}, max_cards=16)
     await store.ensure("team-a", plan, dry_run=True)
     assert await _templates(team_api, "team-a") == []
     await store.ensure("team-a", plan, dry_run=False)
@@ -272,7 +289,7 @@ async def test_ensure_creates_once_and_never_on_dry_run(team_api: Api) -> None:
 
 async def test_a_template_another_replica_made_is_touched(team_api: Api) -> None:
     clock = Clock()
-    plan = plan_claim("c", Ask(core=100), {}, max_cards=16)
+    plan = plan_claim("c", ContainerAsk(core=100), {}, max_cards=16)
     await TemplateStore(team_api, clock=clock).ensure("team-a", plan, dry_run=False)
     clock.now += 300
     await TemplateStore(team_api, clock=clock).ensure("team-a", plan, dry_run=False)
@@ -283,9 +300,9 @@ async def test_a_template_another_replica_made_is_touched(team_api: Api) -> None
 async def test_collect_deletes_only_idle_templates_no_pod_uses(team_api: Api) -> None:
     clock = Clock()
     store = TemplateStore(team_api, grace_s=600, clock=clock)
-    used = plan_claim("c", Ask(core=100), {}, max_cards=16)
-    idle = plan_claim("c", Ask(core=200), {}, max_cards=16)
-    fresh = plan_claim("c", Ask(core=300), {}, max_cards=16)
+    used = plan_claim("c", ContainerAsk(core=100), {}, max_cards=16)
+    idle = plan_claim("c", ContainerAsk(core=200), {}, max_cards=16)
+    fresh = plan_claim("c", ContainerAsk(core=300), {}, max_cards=16)
     await store.ensure("team-a", used, dry_run=False)
     await store.ensure("team-a", idle, dry_run=False)
     clock.now += 601
@@ -314,10 +331,12 @@ def _slice(products: list[tuple[str, str]], driver: str = dra.DRIVER) -> dict[st
     ("slices", "models"),
     [
         pytest.param({}, {}, id="no slice"),
-        pytest.param({"a": _slice([("L4", "22784Mi")])}, {"L4": Card("L4", 22784)}, id="one model"),
+        pytest.param(
+            {"a": _slice([("L4", "22784Mi")])}, {"L4": GpuModel("L4", 22784)}, id="one model"
+        ),
         pytest.param(
             {"a": _slice([("L4", "22784Mi")]), "b": _slice([("L4", "22528Mi")])},
-            {"L4": Card("L4", 22528)},
+            {"L4": GpuModel("L4", 22528)},
             id="the smallest report of a model wins",
         ),
         pytest.param(
@@ -331,7 +350,7 @@ def _slice(products: list[tuple[str, str]], driver: str = dra.DRIVER) -> dict[st
     ],
 )
 def test_models_come_from_the_slices(
-    slices: dict[str, dict[str, Any]], models: dict[str, Card]
+    slices: dict[str, dict[str, Any]], models: dict[str, GpuModel]
 ) -> None:
     known = SliceModels()
     for name, spec in slices.items():
@@ -409,5 +428,7 @@ async def test_a_template_that_cannot_be_created_is_a_template_error(team_api: A
     store = TemplateStore(team_api, clock=Clock())
     with pytest.raises(TemplateError, match="could not create the ResourceClaimTemplate"):
         await store.ensure(
-            "no-such-namespace", plan_claim("c", Ask(core=100), {}, max_cards=16), dry_run=False
+            "no-such-namespace",
+            plan_claim("c", ContainerAsk(core=100), {}, max_cards=16),
+            dry_run=False,
         )

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from core.labels import ModelSet, pinned_products
+from webhook.gpumodels import GpuModel
 from webhook.inventory import Inventory
-from webhook.resources import Card
 
 H100 = {"fracgpu.io/gpu.product": "NVIDIA-H100-80GB-HBM3", "fracgpu.io/gpu.memory-mib": "81559"}
 L4_GFD = {"nvidia.com/gpu.product": "NVIDIA-L4", "nvidia.com/gpu.memory": "23034"}
@@ -25,9 +25,9 @@ def inventory() -> Inventory:
 
 def test_models_from_labels_and_config() -> None:
     assert inventory().models() == {
-        "Static-GPU": Card("Static-GPU", 16384),
-        "NVIDIA-H100-80GB-HBM3": Card("NVIDIA-H100-80GB-HBM3", 81559),
-        "NVIDIA-L4": Card("NVIDIA-L4", 23034),
+        "Static-GPU": GpuModel("Static-GPU", 16384),
+        "NVIDIA-H100-80GB-HBM3": GpuModel("NVIDIA-H100-80GB-HBM3", 81559),
+        "NVIDIA-L4": GpuModel("NVIDIA-L4", 23034),
     }
 
 
@@ -40,8 +40,8 @@ def test_node_removal_and_relabel() -> None:
 
 def test_unpinned_mixed_cluster_takes_smallest_and_warns() -> None:
     choice = inventory().choose({})
-    assert choice.card == Card("Static-GPU", 16384)
-    assert choice.largest == Card("NVIDIA-H100-80GB-HBM3", 81559)
+    assert choice.card == GpuModel("Static-GPU", 16384)
+    assert choice.largest == GpuModel("NVIDIA-H100-80GB-HBM3", 81559)
     assert choice.card is not None
     assert "the smallest of 3 GPU models" in str(choice.warning(choice.card))
 
@@ -169,10 +169,10 @@ def test_choice_is_kept_until_gpu_labels_change() -> None:
     inv.remove_node("gone")  # unknown: nothing changes
     assert inv.choose({}) is before
     inv.remove_node("h1")
-    assert inv.choose({}).largest == Card("NVIDIA-L4", 24000)
+    assert inv.choose({}).largest == GpuModel("NVIDIA-L4", 24000)
     inv.replace_nodes([("h1", H100)])
-    assert inv.choose({}).card == Card("Static-GPU", 16384)
-    assert inv.choose({}).largest == Card("NVIDIA-H100-80GB-HBM3", 81559)
+    assert inv.choose({}).card == GpuModel("Static-GPU", 16384)
+    assert inv.choose({}).largest == GpuModel("NVIDIA-H100-80GB-HBM3", 81559)
 
 
 def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
@@ -186,7 +186,7 @@ def test_pinned_choices_are_cached_per_pin_and_bounded() -> None:
         assert choice.card is None
         assert f"model-{i}" in choice.unknown
     assert len(inv._choices) <= _MAX_CHOICES
-    assert inv.choose(pin).card == Card("NVIDIA-H100-80GB-HBM3", 81559)
+    assert inv.choose(pin).card == GpuModel("NVIDIA-H100-80GB-HBM3", 81559)
 
 
 @pytest.mark.parametrize(

@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from core.admission import AdmissionRequest
 from webhook.config import AdmissionConfig
+from webhook.dialects import Dialect
 from webhook.inventory import Inventory
 from webhook.mutation import TEMPLATE_PATHS, Mutator
-from webhook.resources import Dialect
 
 INVENTORY = {"NVIDIA-H100-80GB-HBM3": 81559}
 
@@ -478,14 +478,16 @@ def test_values_that_hash_alike_are_not_confused(first: Any, second: Any) -> Non
 
 
 def test_memo_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import webhook.mutation
+    import webhook.normaliser
+    import webhook.podpatch
 
-    monkeypatch.setattr(webhook.mutation, "MEMO_SIZE", 8)
+    monkeypatch.setattr(webhook.normaliser, "MEMO_SIZE", 8)
+    monkeypatch.setattr(webhook.podpatch, "ENV_MEMO_SIZE", 8)
     m = mutator()
     for i in range(50):
         apply(m, pod(container(f"c{i}", {"fracgpu.io/gpu": "0.25"})))
-        assert len(m._memo) <= 8
-        assert len(m._env) <= 8
+        assert len(m.normaliser._memo) <= 8
+        assert len(m.patcher._env) <= 8
 
 
 # A small vocabulary, so that a long-lived mutator mostly answers from what it remembers.

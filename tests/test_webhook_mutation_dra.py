@@ -16,11 +16,12 @@ from core import dra
 from core.admission import AdmissionRequest
 from webhook.claims import ClaimPlan, TemplateError
 from webhook.config import AdmissionConfig
+from webhook.dialects import Dialect
+from webhook.gpumodels import GpuModel
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
-from webhook.resources import Card, Dialect
 
-SLICE_MODELS = {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
+SLICE_MODELS = {"NVIDIA-L4": GpuModel("NVIDIA-L4", 23034)}
 
 
 class Templates:
@@ -36,7 +37,9 @@ class Templates:
         self.ensured.append((namespace, plan.name, dry_run))
 
 
-def mutator(models: dict[str, Card] | None = None, templates: Templates | None = None) -> Mutator:
+def mutator(
+    models: dict[str, GpuModel] | None = None, templates: Templates | None = None
+) -> Mutator:
     known = SLICE_MODELS if models is None else models
     return Mutator(
         AdmissionConfig(allocation="dra"),
@@ -143,7 +146,7 @@ def test_the_mutated_pod_is_a_valid_kubernetes_1_36_pod() -> None:
     ],
 )
 def test_what_needs_no_model_is_admitted_with_none_known(
-    limits: dict[str, str], models: dict[str, Card], template: str
+    limits: dict[str, str], models: dict[str, GpuModel], template: str
 ) -> None:
     out = apply(mutator(models), pod(limits))
     assert out["spec"]["resourceClaims"][0]["resourceClaimTemplateName"] == template
@@ -225,8 +228,8 @@ async def test_a_template_that_cannot_be_made_denies_the_pod() -> None:
 # Choosing the GPU model in pod annotations (issue #28 item 4) ------------------------------
 
 TWO_MODELS = {
-    "NVIDIA-L4": Card("NVIDIA-L4", 23034),
-    "NVIDIA H100 80GB HBM3": Card("NVIDIA H100 80GB HBM3", 81559),
+    "NVIDIA-L4": GpuModel("NVIDIA-L4", 23034),
+    "NVIDIA H100 80GB HBM3": GpuModel("NVIDIA H100 80GB HBM3", 81559),
 }
 PRODUCT = f'device.attributes["{dra.DRIVER}"].productName'
 

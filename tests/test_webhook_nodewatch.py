@@ -6,9 +6,9 @@ from typing import Any
 
 from testkit.apiserver import FakeApiServer
 from tests.support import eventually
+from webhook.gpumodels import GpuModel
 from webhook.inventory import Inventory
 from webhook.nodewatch import node_informer
-from webhook.resources import Card
 
 
 def node(name: str, **labels: str) -> dict[str, Any]:
@@ -25,7 +25,7 @@ async def test_inventory_follows_nodes_across_a_410_relist() -> None:
         inventory = Inventory()
         async with node_informer(api, inventory) as informer:
             await informer.wait_synced(5)
-            assert inventory.models() == {"NVIDIA-L4": Card("NVIDIA-L4", 23034)}
+            assert inventory.models() == {"NVIDIA-L4": GpuModel("NVIDIA-L4", 23034)}
             fake.put(
                 node(
                     "gpu-2", **{"nvidia.com/gpu.product": "A100", "nvidia.com/gpu.memory": "40960"}

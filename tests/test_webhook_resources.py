@@ -24,17 +24,14 @@ from core.policy import Priority
 from core.quantity import parse_quantity
 from core.units import BLOCK_MIB, CORE, MEMORY, Grant, card_blocks
 from webhook.config import AdmissionConfig
-from webhook.resources import (
-    DEFAULT_MAX_CARDS,
-    Ask,
-    Card,
-    CardChoice,
-    Dialect,
-    normalise_container,
-)
+from webhook.dialects import Dialect
+from webhook.gpumodels import CardChoice, GpuModel
+from webhook.parsing import ContainerAsk
+from webhook.resources import normalise_container
+from webhook.sizing import DEFAULT_MAX_CARDS
 
-H100 = Card("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
-L4 = Card("NVIDIA-L4", 23034)  # 89 blocks
+H100 = GpuModel("NVIDIA-H100-80GB-HBM3", 81559)  # 318 blocks
+L4 = GpuModel("NVIDIA-L4", 23034)  # 89 blocks
 KNOWN = CardChoice((H100,))
 UNKNOWN = CardChoice()
 MIXED = CardChoice((L4, H100))
@@ -677,7 +674,7 @@ def test_max_cards_configuration_is_bounded(value: int) -> None:
     [
         pytest.param(
             {"fracgpu.io/gpu": "0.3", "fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpu-count": "2"},
-            Ask(
+            ContainerAsk(
                 30,
                 8192,
                 core_key="fracgpu.io/gpu",
@@ -689,22 +686,24 @@ def test_max_cards_configuration_is_bounded(value: int) -> None:
         ),
         pytest.param(
             {"fracgpu.io/gpumem": "8Gi", "fracgpu.io/gpu-count": "2"},
-            Ask(memory_mib=8192, count=2, count_key="fracgpu.io/gpu-count"),
+            ContainerAsk(memory_mib=8192, count=2, count_key="fracgpu.io/gpu-count"),
             id="memory-only",
         ),
         pytest.param(
             {"nvidia.com/gpu": "2", "nvidia.com/gpumem": "8000"},
-            Ask(memory_mib=8000, count=2, count_key="nvidia.com/gpu"),
+            ContainerAsk(memory_mib=8000, count=2, count_key="nvidia.com/gpu"),
             id="hami-memory-of-each",
         ),
         pytest.param(
             {"nvidia.com/gpu": "4", "nvidia.com/gpucores": "25", "nvidia.com/gpumem": "8000"},
-            Ask(25, 8000, count=4, count_key="nvidia.com/gpu"),
+            ContainerAsk(25, 8000, count=4, count_key="nvidia.com/gpu"),
             id="hami-share-of-each",
         ),
     ],
 )
-def test_a_share_of_several_cards_is_asked_in_dra_mode(limits: dict[str, Any], ask: Ask) -> None:
+def test_a_share_of_several_cards_is_asked_in_dra_mode(
+    limits: dict[str, Any], ask: ContainerAsk
+) -> None:
     result = normalise_container("train", {"limits": limits}, ALL, KNOWN, sized=False)
     assert (result.errors, result.ask) == ([], ask)
 

@@ -32,21 +32,19 @@ from certs.config import CertsConfig
 from certs.serving import open_serving
 from core.admission import AdmissionRequest, AdmissionResponse
 from tests.support import eventually
+from webhook.bodies import (
+    LARGE_BODY_BYTES,
+    MAX_PIECE_BYTES,
+    MIN_PIECE_BYTES,
+    LoopShare,
+    _next_piece,
+)
 from webhook.config import AdmissionConfig, ServerLimits
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mutation import Mutator
 from webhook.server import build_app
-from webhook.transport import (
-    LARGE_BODY_BYTES,
-    LINGER_S,
-    MAX_PIECE_BYTES,
-    MIN_PIECE_BYTES,
-    LoopShare,
-    _Connection,
-    _next_piece,
-    listen,
-)
+from webhook.transport import LINGER_S, _Connection, listen
 
 EXAMPLE = json.loads(
     (Path(__file__).parent.parent / "examples" / "admissionreview-pod.json").read_text()

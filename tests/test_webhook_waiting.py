@@ -16,7 +16,7 @@ from core.labels import FREE_ANNOTATION
 from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 from tests.support import eventually
 from webhook.waiting import (
-    Ask,
+    CardNeed,
     FreeCard,
     asks_of,
     asks_of_pod,
@@ -101,14 +101,14 @@ def test_another_drivers_devices_and_results_do_not_count() -> None:
 @pytest.mark.parametrize(
     ("spec", "asks"),
     [
-        pytest.param(_share("50", "8Gi"), [Ask(50, 8 * GIB)], id="a share"),
+        pytest.param(_share("50", "8Gi"), [CardNeed(50, 8 * GIB)], id="a share"),
         pytest.param(
             {
                 "devices": {
                     "requests": [{"exactly": {"deviceClassName": dra.DEVICE_CLASS, "count": 2}}]
                 }
             },
-            [Ask(cards=2)],
+            [CardNeed(cards=2)],
             id="whole cards",
         ),
         pytest.param(
@@ -130,7 +130,7 @@ def test_another_drivers_devices_and_results_do_not_count() -> None:
                     ]
                 }
             },
-            [Ask(25, 6 * GIB)],
+            [CardNeed(25, 6 * GIB)],
             id="the smallest alternative",
         ),
         pytest.param(
@@ -147,7 +147,7 @@ def test_another_drivers_devices_and_results_do_not_count() -> None:
                     ]
                 }
             },
-            [Ask(30, 8 * GIB, count=2)],
+            [CardNeed(30, 8 * GIB, count=2)],
             id="a share of two cards",
         ),
         pytest.param(
@@ -157,7 +157,7 @@ def test_another_drivers_devices_and_results_do_not_count() -> None:
         ),
     ],
 )
-def test_what_a_claim_asks(spec: dict[str, Any], asks: list[Ask]) -> None:
+def test_what_a_claim_asks(spec: dict[str, Any], asks: list[CardNeed]) -> None:
     assert asks_of(spec) == asks
 
 
@@ -165,21 +165,21 @@ def test_what_a_claim_asks(spec: dict[str, Any], asks: list[Ask]) -> None:
     ("asks", "free", "message"),
     [
         pytest.param(
-            [Ask(50, 8 * GIB)],
+            [CardNeed(50, 8 * GIB)],
             [FreeCard(40, 12 * GIB, "node-a", "gpu-1"), FreeCard(40, 4 * GIB, "node-b", "gpu-0")],
             "largest free share on any node: 0.40 card and 12288 MiB on gpu-1 of node-a; "
             "this pod asks 0.50 card and 8192 MiB",
             id="fragmented",
         ),
         pytest.param(
-            [Ask(cards=2)],
+            [CardNeed(cards=2)],
             [FreeCard(100, 24 * GIB, "a", "gpu-0"), FreeCard(100, 24 * GIB, "b", "gpu-0")],
             "whole cards free on the cluster: 2, at most 1 on one node; "
             "this pod asks 2 whole cards",
             id="whole cards spread over nodes",
         ),
         pytest.param(
-            [Ask(30, 8 * GIB, count=2)],
+            [CardNeed(30, 8 * GIB, count=2)],
             [
                 FreeCard(40, 12 * GIB, "node-a", "gpu-0"),
                 FreeCard(20, 12 * GIB, "node-a", "gpu-1"),
@@ -191,14 +191,14 @@ def test_what_a_claim_asks(spec: dict[str, Any], asks: list[Ask]) -> None:
             id="a share of two cards: one card per node has room",
         ),
         pytest.param(
-            [Ask(30, 8 * GIB, count=2)],
+            [CardNeed(30, 8 * GIB, count=2)],
             [FreeCard(10, 12 * GIB, "node-a", "gpu-0")],
             "cards of one node that could each take 0.30 card and 8192 MiB: at most 0; "
             "this pod asks 0.30 card and 8192 MiB on each of 2 cards",
             id="a share of two cards: no card has room",
         ),
         pytest.param(
-            [Ask(50, 8 * GIB)],
+            [CardNeed(50, 8 * GIB)],
             [],
             "no node publishes fracgpu GPUs (no ResourceSlice of gpu.fracgpu.io); this pod asks "
             "0.50 card and 8192 MiB; check that fracgpu dra-plugin runs on the GPU nodes",
@@ -206,7 +206,7 @@ def test_what_a_claim_asks(spec: dict[str, Any], asks: list[Ask]) -> None:
         ),
     ],
 )
-def test_explanations(asks: list[Ask], free: list[FreeCard], message: str) -> None:
+def test_explanations(asks: list[CardNeed], free: list[FreeCard], message: str) -> None:
     assert explain(asks, free) == message
 
 
@@ -378,15 +378,17 @@ def _dp_pod(*limits: dict[str, str], message: str = "0/1 nodes are available: 1 
     [
         pytest.param(
             _dp_pod({"fracgpu.io/core": "50", "fracgpu.io/memory": "32"}),
-            [Ask(cores=50, memory_mib=8192)],
+            [CardNeed(cores=50, memory_mib=8192)],
             id="a share",
         ),
-        pytest.param(_dp_pod({"fracgpu.io/core": "200"}), [Ask(cards=2)], id="whole cards"),
-        pytest.param(_dp_pod({"cpu": "1"}, {"fracgpu.io/core": "100"}), [Ask(cards=1)], id="mixed"),
+        pytest.param(_dp_pod({"fracgpu.io/core": "200"}), [CardNeed(cards=2)], id="whole cards"),
+        pytest.param(
+            _dp_pod({"cpu": "1"}, {"fracgpu.io/core": "100"}), [CardNeed(cards=1)], id="mixed"
+        ),
         pytest.param(_dp_pod({"fracgpu.io/core": "bad"}), [], id="unreadable: none"),
     ],
 )
-def test_what_a_device_plugin_pod_asks(pod: dict[str, Any], asks: list[Ask]) -> None:
+def test_what_a_device_plugin_pod_asks(pod: dict[str, Any], asks: list[CardNeed]) -> None:
     assert asks_of_pod(pod) == asks
 
 
@@ -403,7 +405,7 @@ def test_which_device_plugin_pods_wait_for_a_card(message: str, waits: bool) -> 
 
 
 def test_a_device_plugin_explanation_with_no_node_publishing() -> None:
-    assert explain([Ask(cores=50, memory_mib=8192)], [], device_plugin=True) == (
+    assert explain([CardNeed(cores=50, memory_mib=8192)], [], device_plugin=True) == (
         f"no node publishes what its cards have free (Node annotation {FREE_ANNOTATION}); this "
         "pod asks 0.50 card and 8192 MiB; check that fracgpu device-plugin runs on the GPU nodes "
         "with --node-name"

@@ -25,7 +25,8 @@ from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
 from core.policy import POLICY_ANNOTATION, PRIORITY_ANNOTATION
 from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
 from webhook.config import AdmissionConfig
-from webhook.resources import ContainerResult, container_ref, quote
+from webhook.resources import ContainerResult
+from webhook.wording import container_ref, quote
 
 # The NVIDIA container runtime hands cards to any container that sets this variable; only the
 # device plugin may set it. These values expose no card.

@@ -22,7 +22,7 @@ How each request becomes a device request:
 * a share whose other half depends on the card (a fraction without memory, a percentage,
   memory without a fraction): ``firstAvailable``, one alternative per GPU model the cluster's
   ResourceSlices show, each selecting its model by CEL and sized for it with the same defaults
-  as device-plugin mode (``webhook.resources``), so a percentage is of the card the pod really
+  as device-plugin mode (``webhook.sizing``), so a percentage is of the card the pod really
   gets.
 * a share of several cards (``fracgpu.io/gpu: 0.3``, ``fracgpu.io/gpu-count: 2``; HAMi's
   ``nvidia.com/gpu: 2`` with a share): the same request with ``count: 2``. The devices of one
@@ -54,7 +54,10 @@ from core.units import (
     CORE_PER_CARD,
     MIB,
 )
-from webhook.resources import Ask, Card, CardChoice, RequestError, container_ref, resolve
+from webhook.gpumodels import CardChoice, GpuModel
+from webhook.parsing import ContainerAsk, RequestError
+from webhook.sizing import resolve
+from webhook.wording import container_ref
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +80,8 @@ class ClaimPlan:
 
 def plan_claim(
     container: str,
-    ask: Ask,
-    models: Mapping[str, Card],
+    ask: ContainerAsk,
+    models: Mapping[str, GpuModel],
     *,
     max_cards: int,
     chosen: ModelSet | None = None,
@@ -86,7 +89,7 @@ def plan_claim(
     """The claim template for one container's request; RequestError names what is wrong.
 
     Whole cards and shares whose memory is given go through the same rules as device-plugin
-    mode (``webhook.resources``: the bound on whole cards, memory rounded up to blocks with a
+    mode (``webhook.sizing``: the bound on whole cards, memory rounded up to blocks with a
     warning, memory no known card has refused); the rest is sized once per model. ``models``
     are those the pod may get; ``chosen``, the pod's own choice, if it made one.
     """
@@ -129,7 +132,9 @@ def plan_claim(
     return _plan(f"{shape}-h{digest}", {"firstAvailable": alternatives}, warnings)
 
 
-def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict[str, Any]]:
+def _per_model(
+    container: str, ask: ContainerAsk, ordered: tuple[GpuModel, ...]
+) -> list[dict[str, Any]]:
     """One alternative per known model, smallest card first, sized by the device-plugin rules."""
     if not ordered:
         raise RequestError(
@@ -138,7 +143,7 @@ def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict
             f"(for example 0.5 and 8Gi), or ask for whole cards"
         )
     alternatives: list[dict[str, Any]] = []
-    too_small: list[Card] = []
+    too_small: list[GpuModel] = []
     for card in ordered:
         try:
             grant = resolve(container, ask, CardChoice((card,)), 0, [])
@@ -164,7 +169,7 @@ def _per_model(container: str, ask: Ask, ordered: tuple[Card, ...]) -> list[dict
     return alternatives
 
 
-def _cards_part(ask: Ask) -> str:
+def _cards_part(ask: ContainerAsk) -> str:
     """The shape's card count, for a share of several cards (``-n2``); one card says nothing,
     so the names of one-card templates are what they always were."""
     return f"-n{ask.count}" if ask.count > 1 else ""
@@ -278,9 +283,9 @@ class SliceModels:
         ]
         return max(sizes, default=None)
 
-    def models(self) -> dict[str, Card]:
+    def models(self) -> dict[str, GpuModel]:
         smallest: dict[str, int] = {}
         for products in self._slices.values():
             for product, mib in products.items():
                 smallest[product] = min(mib, smallest.get(product, mib))
-        return {product: Card(product, mib) for product, mib in smallest.items()}
+        return {product: GpuModel(product, mib) for product, mib in smallest.items()}

@@ -21,7 +21,8 @@ from pydantic import (
 
 from core.contract import MAX_DEVICES, VISIBLE_DEVICES_ENV
 from core.units import SYSTEM_ENV_PREFIX
-from webhook.resources import DEFAULT_MAX_CARDS, OPTIONAL_DIALECTS, Dialect
+from webhook.dialects import OPTIONAL_DIALECTS, Dialect
+from webhook.sizing import DEFAULT_MAX_CARDS
 
 SCHEDULER_PROFILE = "fracgpu-scheduler"
 """The optional packing profile deploy/ runs; ``scheduler_name`` names it to use it."""

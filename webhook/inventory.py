@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.labels import LABEL_PAIRS, PRODUCT_LABEL, PRODUCT_LABELS, ModelSet, pinned_products
-from webhook.resources import Card, CardChoice
+from webhook.gpumodels import CardChoice, GpuModel
 
 _MAX_CHOICES = 256
 
@@ -54,7 +54,7 @@ class Inventory:
     """Known GPU models: static configuration plus what nodes report, kept current by a watch."""
 
     def __init__(self, static: Mapping[str, int] | None = None) -> None:
-        self._static = {name: Card(name, mib) for name, mib in (static or {}).items()}
+        self._static = {name: GpuModel(name, mib) for name, mib in (static or {}).items()}
         self._nodes: dict[str, NodeCards] = {}
         # placement (the pinned label key and products, or None; the models the pod chose, or
         # None) → choice
@@ -91,7 +91,7 @@ class Inventory:
         ]
         return max(sizes, default=None)
 
-    def models(self, label_key: str | None = None) -> dict[str, Card]:
+    def models(self, label_key: str | None = None) -> dict[str, GpuModel]:
         """Known models by product name (under one label key's spelling, if given)."""
         found = dict(self._static)
         for cards in self._nodes.values():
@@ -103,7 +103,7 @@ class Inventory:
                 known = found.get(product)
                 # Nodes are the truth; take the smallest report in case drivers differ.
                 if known is None or cards.memory_mib < known.memory_mib:
-                    found[product] = Card(product, cards.memory_mib)
+                    found[product] = GpuModel(product, cards.memory_mib)
         return found
 
     def choose(self, pod_spec: Mapping[str, Any], chosen: ModelSet | None = None) -> CardChoice:
@@ -111,7 +111,7 @@ class Inventory:
         node_name = pod_spec.get("nodeName")
         if isinstance(node_name, str) and node_name in self._nodes:
             cards = self._nodes[node_name]
-            card = Card(next(iter(cards.products.values())), cards.memory_mib)
+            card = GpuModel(next(iter(cards.products.values())), cards.memory_mib)
             return CardChoice((card,))
         pinned = pinned_products(pod_spec)
         choice = self._choices.get((pinned, chosen))
@@ -148,6 +148,6 @@ class Inventory:
         )
 
     @staticmethod
-    def _among(candidates: Mapping[str, Card], key: str | None) -> CardChoice:
+    def _among(candidates: Mapping[str, GpuModel], key: str | None) -> CardChoice:
         ordered = sorted(candidates.values(), key=lambda c: (c.memory_mib, c.product))
         return CardChoice(tuple(ordered), key or PRODUCT_LABEL)

@@ -1,257 +1,41 @@
-"""How admission requests reach the app: connections, bodies, TLS and listening.
+"""How admission requests reach the app: connections, TLS and listening.
 
-What a client can hold is bounded (``ServerLimits``): ``listen`` puts a thin protocol in front
-of aiohttp's for each connection, which caps the number of connections and enforces the
-header timeout; aiohttp closes idle keep-alive connections; asyncio drops slow TLS handshakes;
-the endpoint bounds each body's size and read time, and all bodies together by a byte budget
-(``BodyBudget``). An abuser therefore costs a bounded amount of memory, and the API server's
-own connections, which send a request as soon as they connect, keep being served.
+What a client can hold of the server is bounded (``ServerLimits``): ``listen`` puts a thin
+protocol in front of aiohttp's for each connection, which caps the number of connections and
+enforces the header timeout; aiohttp closes idle keep-alive connections; asyncio drops slow TLS
+handshakes. The endpoint bounds each body (``webhook.bodies``). An abuser therefore costs a
+bounded amount of memory, and the API server's own connections, which send a request as soon as
+they connect, keep being served.
 
-What a client can make the event loop do in one piece is bounded too, because every ordinary
-review waiting meanwhile waits that long: a body over ``LARGE_BODY_BYTES`` is parsed in pieces as
-it arrives (``webhook.jsonstream``), the pieces of all such bodies together taking at most
-``LARGE_BODY_LOOP_SHARE`` of the loop (``LoopShare``); the unread rest of a large body answered
-early (413, 408, 503, 400) is not read, since decrypting it would cost the loop for nothing; and
-connections are read into one shared buffer. Our per-connection objects hold no reference
-cycle, so a closed connection is freed at once, not by a full run of the cyclic collector with
-hundreds of others (tens of milliseconds in one piece).
+What a client can make the event loop do in one piece is bounded too: the unread rest of a
+large body answered early (413, 408, 503, 400) is not read, since decrypting it would cost the
+loop for nothing; and connections are read into one shared buffer. Our per-connection objects
+hold no reference cycle, so a closed connection is freed at once, not by a full run of the
+cyclic collector with hundreds of others (tens of milliseconds in one piece).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import ctypes.util
 import gc
 import logging
 import ssl
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
 from aiohttp import web
 
-from core.admission import AdmissionReview, ReviewError
-from webhook.config import MIB, ServerLimits
-from webhook.jsonstream import JSONError, JSONStream
+from webhook.bodies import LARGE_BODY_BYTES
+from webhook.config import ServerLimits
+from webhook.heap import return_large_blocks_at_once
 from webhook.metrics import AdmissionMetrics
 
 log = logging.getLogger(__name__)
 
-# Bodies above this may hold only half of the in-flight budget together, and are parsed in
-# pieces; ordinary pods are far below it.
-LARGE_BODY_BYTES = MIB
-# The share of the event loop that parsing large bodies may take, all of them together: an
-# 8 MiB pod costs about 30 ms of parsing in pieces, a document of one-byte tokens over a second.
-LARGE_BODY_LOOP_SHARE = 0.25
-# How much parsing may run ahead of that share before a piece waits.
-LOOP_SHARE_BURST_S = 0.005
-# A large body is parsed in pieces sized to take about this long each (between the sizes
-# below): the cost per byte differs fiftyfold between long strings and one-digit numbers.
-PIECE_TARGET_S = 0.0005
-MIN_PIECE_BYTES = 1024
-FIRST_PIECE_BYTES = 16 * 1024
-MAX_PIECE_BYTES = 64 * 1024
-# After the last large body is answered, wait this long for another before giving memory back.
-TRIM_DELAY_S = 1.0
 # After an early answer (413, 408), how long to read and discard what the client still sends,
 # so that it sees the answer instead of a reset (never longer than the body timeout).
 LINGER_S = 2.0
-
-
-def _glibc(function: str) -> Callable[..., int] | None:
-    """A glibc memory-tuning function (other C libraries, such as musl, have none)."""
-    try:
-        found: Callable[..., int] = getattr(ctypes.CDLL(ctypes.util.find_library("c")), function)
-    except (OSError, AttributeError):
-        return None
-    return found
-
-
-_malloc_trim = _glibc("malloc_trim")
-_mallopt = _glibc("mallopt")
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD_BYTES = 128 * 1024
-
-
-def _return_large_blocks_at_once() -> None:
-    """Makes every allocation of 128 KiB or more (TLS buffers, 256 KiB per connection; bodies)
-    its own mapping, unmapped when freed. glibc's default raises that threshold to the largest
-    block freed so far, so after one large body such blocks stay in its heap, and resident
-    memory never comes back down after a flood of connections or bodies."""
-    if _mallopt is not None:
-        _mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-
-
-class BodyTooLarge(Exception):
-    """A body over the limit: answered 413 before it is read."""
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The body, refused as soon as it grows past ``limit``. Joined once from the chunks as they
-    arrived: ``Request.read`` grows a bytearray and copies it again, which for a large body
-    costs the event loop several milliseconds more in one piece."""
-    chunks = [chunk async for chunk in _chunks(request, limit)]
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-async def _chunks(request: web.Request, limit: int) -> AsyncIterator[bytes]:
-    """The body's chunks as they arrive, until it grows past ``limit`` (then BodyTooLarge)."""
-    size = 0
-    async for chunk in request.content.iter_any():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        yield chunk
-
-
-async def read_review_in_pieces(
-    request: web.Request, limit: int, share: LoopShare
-) -> AdmissionReview:
-    """A large body parsed as it arrives, a piece at a time within ``share``: never held whole
-    as bytes, and never costing the event loop more than one piece at once."""
-    stream = JSONStream()
-    piece = FIRST_PIECE_BYTES
-    try:
-        async for chunk in _chunks(request, limit):
-            start = 0
-            while start < len(chunk):
-                spent = await share.run(stream.feed, chunk[start : start + piece])
-                start += piece
-                piece = _next_piece(piece, spent)
-        value = stream.close()
-    except JSONError as exc:
-        raise ReviewError(f"not an AdmissionReview: body: Invalid JSON: {exc}") from None
-    return AdmissionReview.from_value(value)
-
-
-def _next_piece(size: int, spent: float) -> int:
-    """The next piece's size: halved after a piece that took over twice the target, doubled
-    after one that took under half."""
-    if spent > 2 * PIECE_TARGET_S:
-        return max(MIN_PIECE_BYTES, size // 2)
-    if spent < PIECE_TARGET_S / 2:
-        return min(MAX_PIECE_BYTES, size * 2)
-    return size
-
-
-class LoopShare:
-    """Runs pieces of work one at a time so that together they take at most ``share`` of the
-    event loop's time (a token bucket of loop seconds, ``burst`` deep), yielding to the loop
-    after each piece so that whatever else is ready runs in between."""
-
-    def __init__(self, share: float, burst: float) -> None:
-        self.share = share
-        self.burst = burst
-        self._tokens = burst
-        self._stamp: float | None = None
-        self._turn = asyncio.Lock()
-
-    async def run(self, work: Callable[[bytes], None], piece: bytes) -> float:
-        """Runs ``work(piece)`` in its turn; the seconds it took."""
-        async with self._turn:
-            loop = asyncio.get_running_loop()
-            now = loop.time()
-            if self._stamp is not None:
-                self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.share)
-            self._stamp = now
-            if self._tokens < 0:
-                await asyncio.sleep(-self._tokens / self.share)
-                self._tokens, self._stamp = 0.0, loop.time()
-            started = time.perf_counter()
-            try:
-                work(piece)
-            finally:
-                spent = time.perf_counter() - started
-                self._tokens -= spent
-        await asyncio.sleep(0)
-        return spent
-
-
-class BodyBudget:
-    """Bytes of request bodies being read or reviewed at once, by declared size.
-
-    A body holds its share from before it is read until its answer is built (the parsed pod is
-    several times the size of its JSON). Bodies over ``LARGE_BODY_BYTES`` may hold only half of
-    the budget together, so a flood of them never makes an ordinary review wait for room; and
-    they are let in one at a time at ``large_body_bytes_per_second``, because each costs the
-    event loop milliseconds in one piece (parsing), which every review waiting then shares. No
-    ordinary pod comes near that size: only an exceptional pod or an abuser waits here.
-    """
-
-    def __init__(self, limits: ServerLimits, metrics: AdmissionMetrics) -> None:
-        self.total = limits.max_inflight_body_bytes
-        self.large_total = self.total // 2
-        self.used = 0
-        self.large_used = 0
-        self._metrics = metrics
-        self._changed = asyncio.Condition()
-        self._trim: asyncio.TimerHandle | None = None
-        self._trimming: asyncio.Future[None] | None = None  # held: an unreferenced task may vanish
-        self._rate = limits.large_body_bytes_per_second
-        self._burst = max(limits.max_body_bytes, self._rate)
-        self._tokens = float(self._burst)
-        self._stamp: float | None = None
-        self._pacing = asyncio.Lock()
-
-    def _fits(self, size: int, large: bool) -> bool:
-        if large and self.large_used + size > self.large_total:
-            return False
-        return self.used + size <= self.total
-
-    async def _pace(self, size: int) -> None:
-        async with self._pacing:
-            loop = asyncio.get_running_loop()
-            while True:
-                now = loop.time()
-                if self._stamp is not None:
-                    self._tokens = min(self._burst, self._tokens + (now - self._stamp) * self._rate)
-                self._stamp = now
-                if self._tokens >= size:
-                    self._tokens -= size
-                    return
-                await asyncio.sleep((size - self._tokens) / self._rate)
-
-    @contextlib.asynccontextmanager
-    async def hold(self, size: int) -> AsyncIterator[None]:
-        large = size > LARGE_BODY_BYTES
-        if large:
-            await self._pace(size)
-        async with self._changed:
-            await self._changed.wait_for(lambda: self._fits(size, large))
-            self.used += size
-            self.large_used += size if large else 0
-            self._metrics.inflight_body_bytes.set(self.used)
-        try:
-            yield
-        finally:
-            self.used -= size
-            self.large_used -= size if large else 0
-            self._metrics.inflight_body_bytes.set(self.used)
-            if large and not self.large_used and self._trim is None:
-                self._trim = asyncio.get_running_loop().call_later(TRIM_DELAY_S, self._give_back)
-            async with self._changed:
-                self._changed.notify_all()
-
-    def _give_back(self) -> None:
-        """Returns the memory large bodies used to the system once none is in flight. Their
-        bytes and parsed objects are freed, but the C allocator keeps freed pages inside its
-        heap for reuse, and a replica's resident memory would stay near its peak for good.
-        Trimming a fragmented heap takes tens of milliseconds: it runs on a thread (ctypes
-        releases the GIL), so only an allocation that needs the allocator's lock meanwhile
-        waits, not the event loop."""
-        self._trim = None
-        if self.large_used or _malloc_trim is None:
-            return
-        self._trimming = asyncio.ensure_future(asyncio.to_thread(_timed, _malloc_trim))
-
-
-def _timed(trim: Callable[[int], int]) -> None:
-    started = time.perf_counter()
-    trim(0)
-    log.debug("memory given back", extra={"ms": round((time.perf_counter() - started) * 1e3)})
 
 
 class _ReadGate:
@@ -282,7 +66,7 @@ class _ReadGate:
 
 # What a connection's data is read into before it is handed on (see _Connection.get_buffer):
 # as large as one read of asyncio's TLS layer, and handed on in pieces below glibc's threshold
-# for mapping allocations of their own (128 KiB here, see _return_large_blocks_at_once).
+# for mapping allocations of their own (128 KiB here, see webhook.heap).
 READ_BUFFER_BYTES = 256 * 1024
 HANDED_ON_BYTES = 64 * 1024
 
@@ -513,7 +297,7 @@ async def listen(
     # tens of milliseconds while large bodies churn allocations.
     gc.collect()
     gc.freeze()
-    _return_large_blocks_at_once()
+    return_large_blocks_at_once()
     guard = app[GUARD]
     limits = guard.limits
     # Handlers are not cancelled when their client goes away (aiohttp's handler_cancellation

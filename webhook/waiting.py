@@ -50,9 +50,11 @@ class FreeCard:
 
 
 @dataclass(frozen=True, slots=True)
-class Ask:
-    """What one device request of a claim needs from a card (``cards`` > 0: whole cards), on
-    ``count`` distinct cards of one node for a share of several cards."""
+class CardNeed:
+    """What one device request of a claim (or one GPU container of a device-plugin pod) needs
+    from a card (``cards`` > 0: whole cards), on ``count`` distinct cards of one node for a share
+    of several cards. Not ``webhook.parsing.ContainerAsk``: this is read back from what
+    admission wrote, to say why a pod waits."""
 
     cores: int = 0
     memory_mib: int = 0
@@ -108,10 +110,10 @@ def free_cards(
     return free
 
 
-def asks_of(claim_spec: Mapping[str, Any]) -> list[Ask]:
+def asks_of(claim_spec: Mapping[str, Any]) -> list[CardNeed]:
     """What each device request of a claim (or template) spec needs; for ``firstAvailable``,
     the smallest alternative (the one most likely to fit)."""
-    asks: list[Ask] = []
+    asks: list[CardNeed] = []
     for request in (claim_spec.get("devices") or {}).get("requests") or []:
         options = (
             [request["exactly"]] if "exactly" in request else request.get("firstAvailable") or []
@@ -124,18 +126,18 @@ def asks_of(claim_spec: Mapping[str, Any]) -> list[Ask]:
     return asks
 
 
-def _ask(option: Mapping[str, Any]) -> Ask:
+def _ask(option: Mapping[str, Any]) -> CardNeed:
     wanted = (option.get("capacity") or {}).get("requests") or {}
     if not wanted:
-        return Ask(cards=int(option.get("count") or 1))
-    return Ask(
+        return CardNeed(cards=int(option.get("count") or 1))
+    return CardNeed(
         cores=quantity_int(wanted.get(dra.CORES)) or CORE_PER_CARD,
         memory_mib=(quantity_int(wanted.get(dra.MEMORY)) or 0) // MIB,
         count=int(option.get("count") or 1),
     )
 
 
-def explain(asks: list[Ask], free: list[FreeCard], *, device_plugin: bool = False) -> str:
+def explain(asks: list[CardNeed], free: list[FreeCard], *, device_plugin: bool = False) -> str:
     """The sentence a waiting pod's event carries."""
     wanted = "; ".join(ask.phrase() for ask in asks) or "a GPU"
     if not free and device_plugin:
@@ -227,11 +229,11 @@ def free_cards_of_nodes(nodes: Iterable[Mapping[str, Any]]) -> list[FreeCard]:
     return free
 
 
-def asks_of_pod(pod: Mapping[str, Any]) -> list[Ask]:
+def asks_of_pod(pod: Mapping[str, Any]) -> list[CardNeed]:
     """What each GPU container of a device-plugin pod needs from a card, from the canonical
     resources the webhook wrote (``fracgpu.io/core`` in hundredths, ``fracgpu.io/memory`` in
     256 MiB blocks; whole cards carry core alone)."""
-    asks: list[Ask] = []
+    asks: list[CardNeed] = []
     for container in (pod.get("spec") or {}).get("containers") or []:
         limits = (container.get("resources") or {}).get("limits") or {}
         core = quantity_int(limits.get(CORE)) or 0
@@ -239,9 +241,9 @@ def asks_of_pod(pod: Mapping[str, Any]) -> list[Ask]:
             continue
         memory = quantity_int(limits.get(MEMORY)) or 0
         if core % CORE_PER_CARD == 0:
-            asks.append(Ask(cards=core // CORE_PER_CARD))
+            asks.append(CardNeed(cards=core // CORE_PER_CARD))
         else:
-            asks.append(Ask(cores=core, memory_mib=memory * BLOCK_MIB))
+            asks.append(CardNeed(cores=core, memory_mib=memory * BLOCK_MIB))
     return asks
 
 

@@ -22,7 +22,7 @@ from core.informer import Informer, Informers
 from core.kube import NODES, PODS, RESOURCE_CLAIMS, RESOURCE_SLICES, Api, KubeError, RawBody
 from webhook.waiting import (
     REASON,
-    Ask,
+    CardNeed,
     FreeCard,
     asks_of,
     asks_of_pod,
@@ -85,11 +85,11 @@ class WaitExplainer:
     def _waits(self, pod: RawBody) -> bool:
         return waits_for_share(pod) if self.device_plugin else waits_for_gpu(pod)
 
-    def _asks(self, pod: RawBody) -> list[Ask]:
+    def _asks(self, pod: RawBody) -> list[CardNeed]:
         if self.device_plugin:
             return asks_of_pod(pod)
         namespace = str((pod.get("metadata") or {}).get("namespace") or "")
-        asks: list[Ask] = []
+        asks: list[CardNeed] = []
         for entry in (pod.get("status") or {}).get("resourceClaimStatuses") or []:
             claim = self.claims.get(str(entry.get("resourceClaimName") or ""), namespace)
             if claim is not None:

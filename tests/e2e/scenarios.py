@@ -23,7 +23,7 @@ from tests.e2e.harness import (
 )
 from webhook.config import AdmissionConfig
 from webhook.inventory import Inventory
-from webhook.mutation import Mutator, Outcome
+from webhook.mutation import MutationOutcome, Mutator
 
 Obj = dict[str, Any]
 IMAGE = os.environ.get(ENV_IMAGE) or DEFAULT_IMAGE
@@ -89,7 +89,7 @@ def local_mutator() -> Mutator:
     return Mutator(config, Inventory(config.inventory.models))
 
 
-def expected(obj: Obj) -> tuple[Outcome, Obj]:
+def expected(obj: Obj) -> tuple[MutationOutcome, Obj]:
     """What the webhook decides for an object, and the object after its patch.
 
     The API server hands the webhook quantities in its canonical form (``300m`` for ``0.3``);

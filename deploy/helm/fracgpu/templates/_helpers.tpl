@@ -37,7 +37,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{ .Values.image.repository }}:{{ .Values.image.tag | default .Chart.AppVersion }}
 {{- end -}}
 
-{{/* The resource names of the dialects in .Values.dialects (webhook/mutation's tables). */}}
+{{/* The resource names of the dialects in .Values.dialects (webhook/dialects.py). */}}
 {{- define "fracgpu.dialectResources" -}}
 {{- $names := list -}}
 {{- if has "hami" .Values.dialects -}}
