@@ -58,7 +58,9 @@ class Target:
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class Injection:
+    """What injecting the CA bundle did to one webhook configuration."""
+
     target: Target
     result: str  # "injected", "unchanged", "absent"
     webhooks: int = 0
@@ -95,11 +97,11 @@ class CaBundleInjector:
 
     async def inject(
         self, bundle_pem: bytes, objects: dict[Target, dict[str, Any] | None] | None = None
-    ) -> list[Outcome]:
+    ) -> list[Injection]:
         """One pass over every target. ``objects`` are the informers' copies; without them
         (the CLI) each target is read first. Raises on the first failed write, after trying
         the others."""
-        outcomes: list[Outcome] = []
+        outcomes: list[Injection] = []
         failure: Exception | None = None
         for target in self.targets:
             try:
@@ -125,12 +127,12 @@ class CaBundleInjector:
 
     async def _inject_one(
         self, target: Target, obj: dict[str, Any] | None, bundle_pem: bytes
-    ) -> Outcome:
+    ) -> Injection:
         if obj is None:
-            return Outcome(target, "absent")
+            return Injection(target, "absent")
         desired, changed = with_bundle(obj, bundle_pem)
         if not changed:
-            return Outcome(target, "unchanged", len(desired["webhooks"]))
+            return Injection(target, "unchanged", len(desired["webhooks"]))
         await call_json(self.api, "PUT", target.resource.path(name=target.name), body=desired)
         if self.metrics:
             self.metrics.injections.labels(target.kind, target.name).inc()
@@ -138,7 +140,7 @@ class CaBundleInjector:
             "caBundle injected",
             extra={"target": str(target), "webhooks_changed": changed},
         )
-        return Outcome(target, "injected", changed)
+        return Injection(target, "injected", changed)
 
     async def run(self, bundle: Callable[[], bytes], changed: asyncio.Event) -> None:
         """Injects now, then again whenever the bundle or a target changes, until cancelled."""
@@ -188,7 +190,7 @@ class CaBundleInjector:
                     wake.set()
 
 
-def summary(outcomes: Sequence[Outcome]) -> list[str]:
+def summary(outcomes: Sequence[Injection]) -> list[str]:
     lines = []
     for o in outcomes:
         if o.result == "absent":

@@ -16,20 +16,22 @@ import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
-from certs.serving import ServingError, open_serving
+from certs.serving import ServingCertificates, ServingError, open_serving
 from core.informer import Informers
 from core.kube import Api, kube_client
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
-from quota.service import open_quota
+from quota.service import QuotaService, open_quota
 from webhook.claims import SliceModels
 from webhook.claimstore import TemplateStore, slice_informer
 from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
@@ -115,11 +117,30 @@ def serve(
         return 2
 
 
+@dataclass
+class _Wiring:
+    """What ``run_server`` builds as it opens each part of the server: the cluster client (none
+    standalone), what each path answers, what readiness waits for, and the jobs that run until
+    the stop."""
+
+    stack: contextlib.AsyncExitStack
+    registry: CollectorRegistry
+    api: Api | None = None
+    informers: Informers | None = None  # one watch per kind for everything below
+    reviewers: dict[str, Reviewer] = field(default_factory=dict)
+    waiting: dict[str, Callable[[], bool]] = field(default_factory=dict)  # readiness, by what
+    background: list[Awaitable[Any]] = field(default_factory=list)
+    stopping: list[str] = field(default_factory=list)
+
+    def readiness(self) -> str | None:
+        why = self.stopping + [name for name, ready in self.waiting.items() if not ready()]
+        return ", ".join(why) or None
+
+
 async def run_server(
     config: ServeConfig, *, standalone: bool, stop: asyncio.Event | None = None
 ) -> int:
     """Serve until ``stop`` is set (by default: until SIGTERM or SIGINT); the exit status."""
-    registry = CollectorRegistry()
     inventory = Inventory(config.admission.inventory.models)
     admission = config.admission
     # Where a scheduler is configured, pods are handed to it only while its Lease is renewed.
@@ -128,107 +149,127 @@ async def run_server(
         if admission.scheduler_name and admission.scheduler_lease and not standalone
         else None
     )
-    reviewers: dict[str, Reviewer] = {}
-    waiting: dict[str, Callable[[], bool]] = {}  # readiness conditions, by what they wait for
-    stopping: list[str] = []
-
-    def readiness() -> str | None:
-        why = stopping + [name for name, ready in waiting.items() if not ready()]
-        return ", ".join(why) or None
-
     async with contextlib.AsyncExitStack() as stack:
-        api = None
-        informers = None
+        wiring = _Wiring(stack, CollectorRegistry())
         if not standalone:
             api = await stack.enter_async_context(kube_client(config.kubeconfig, config.context))
-            informers = Informers(api)  # one watch per kind for everything below
+            wiring.api, wiring.informers = api, Informers(api)
         certificates = await open_serving(
-            config.certs, standalone=standalone, registry=registry, api=api
+            config.certs, standalone=standalone, registry=wiring.registry, api=wiring.api
         )
         stack.push_async_callback(certificates.close)
-        waiting["serving certificate"] = certificates.ready
-        background: list[Awaitable[Any]] = [certificates.run()]
-        mode = await resolve_mode(admission.allocation, api)
-        log.info("admission mode", extra={"allocation": mode.allocation, "why": mode.why})
-        admission = admission.model_copy(update={"allocation": mode.allocation})
-        # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
-        dra = mode.allocation == "dra" and api is not None
-        models = SliceModels() if dra else None
-        templates = TemplateStore(api) if dra and api is not None else None
-        card_memory = models.largest_card_mib if models else inventory.largest_card_mib
-        quota = await open_quota(
-            _with_advertise(config.quota, config.server.port),
-            api,
-            registry=registry,
-            card_memory=card_memory,
-            planned_templates=templates.planned if templates else None,
-            most_cards=models.most_cards_on_a_node if models else None,
-            peer_ca=certificates.ca_bundle_pem,
-            peer_name=config.certs.service_dns_names()[2],
-            informers=informers,
-        )
-        stack.push_async_callback(quota.close)
-        reviewers[VALIDATE_PATH] = quota.reviewer
-        # Jobs of one replica at a time: beside the usage controller, on the quota's leader.
-        leading: list[Callable[[], Coroutine[Any, Any, None]]] = []
-        reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
-        if api is not None and informers is not None:
-            # A pod no card can host waits Pending; say why, in its units (the driver's
-            # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode).
-            explainer = WaitExplainer(api, device_plugin=models is None, informers=informers)
-            leading.append(explainer.run)
-        if api is not None and models is not None and templates is not None:
-            reviewers[MUTATE_PATH] = await _dra_admission(
-                stack,
-                api,
-                models=models,
-                templates=templates,
-                admission=admission,
-                inventory=inventory,
-                presence=presence,
-                waiting=waiting,
-                background=background,
-                informers=informers,
-            )
-        # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
-        # the quota service logs it once and denies GPU pods with the command that installs it.
-        background.append(quota.run(leading))
-        if api is not None and config.admission.inventory.watch_nodes:
-            informer = node_informer(api, inventory, informers)
-            await stack.enter_async_context(informer)
-            waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
-        if api is not None and presence is not None:
-            lease = scheduler_informer(api, presence)
-            await stack.enter_async_context(lease)
-            waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
-
-        app = build_app(
-            reviewers,
-            metrics=AdmissionMetrics(registry),
-            readiness=readiness,
-            limits=config.server.limits,
-            handlers={DECIDE_PATH: quota.decide_endpoint},
-        )
-        listener = await listen(app, config.server.host, config.server.port, certificates.context)
-        stack.push_async_callback(listener.close)
-        log.info(
-            "serving admission",
-            extra={
-                "host": config.server.host,
-                "port": config.server.port,
-                "standalone": standalone,
-                "paths": sorted(reviewers),
-            },
-        )
-        if standalone:
-            _print_try_it(config, config.certs.directory / CA_BUNDLE)
-        status = await _until_stopped(background, stop)
-        stopping.append("shutting down")
+        wiring.waiting["serving certificate"] = certificates.ready
+        wiring.background.append(certificates.run())
+        quota = await _open_admission(wiring, config, inventory, presence, certificates)
+        await _watch_cluster(wiring, config, inventory, presence)
+        await _listen(wiring, config, standalone, certificates, quota.decide_endpoint)
+        status = await _until_stopped(wiring.background, stop)
+        wiring.stopping.append("shutting down")
         delay = config.shutdown_delay_seconds if status == 0 else 0.0
         log.info("shutting down", extra={"delay_s": delay})
         await asyncio.sleep(delay)
     log.info("stopped")
     return status
+
+
+async def _open_admission(
+    wiring: _Wiring,
+    config: ServeConfig,
+    inventory: Inventory,
+    presence: SchedulerPresence | None,
+    certificates: ServingCertificates,
+) -> QuotaService:
+    """The mode, the quota service and the mutator for it; the quota service."""
+    api, informers = wiring.api, wiring.informers
+    mode = await resolve_mode(config.admission.allocation, api)
+    log.info("admission mode", extra={"allocation": mode.allocation, "why": mode.why})
+    admission = config.admission.model_copy(update={"allocation": mode.allocation})
+    # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
+    dra = mode.allocation == "dra" and api is not None
+    models = SliceModels() if dra else None
+    templates = TemplateStore(api) if dra and api is not None else None
+    quota = await open_quota(
+        _with_advertise(config.quota, config.server.port),
+        api,
+        registry=wiring.registry,
+        card_memory=models.largest_card_mib if models else inventory.largest_card_mib,
+        planned_templates=templates.planned if templates else None,
+        most_cards=models.most_cards_on_a_node if models else None,
+        peer_ca=certificates.ca_bundle_pem,
+        peer_name=config.certs.service_dns_names()[2],
+        informers=informers,
+    )
+    wiring.stack.push_async_callback(quota.close)
+    wiring.reviewers[VALIDATE_PATH] = quota.reviewer
+    # Jobs of one replica at a time: beside the usage controller, on the quota's leader.
+    leading: list[Callable[[], Coroutine[Any, Any, None]]] = []
+    wiring.reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
+    if api is not None and informers is not None:
+        # A pod no card can host waits Pending; say why, in its units (the driver's
+        # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode).
+        explainer = WaitExplainer(api, device_plugin=models is None, informers=informers)
+        leading.append(explainer.run)
+    if api is not None and models is not None and templates is not None:
+        wiring.reviewers[MUTATE_PATH] = await _dra_admission(
+            wiring,
+            api,
+            models=models,
+            templates=templates,
+            admission=admission,
+            inventory=inventory,
+            presence=presence,
+        )
+    # Not a readiness condition: mutation needs no quota. While the GPUQuota CRD is missing
+    # the quota service logs it once and denies GPU pods with the command that installs it.
+    wiring.background.append(quota.run(leading))
+    return quota
+
+
+async def _watch_cluster(
+    wiring: _Wiring,
+    config: ServeConfig,
+    inventory: Inventory,
+    presence: SchedulerPresence | None,
+) -> None:
+    """The Nodes' GPU inventory and the scheduler's Lease, each a readiness condition."""
+    api = wiring.api
+    if api is not None and config.admission.inventory.watch_nodes:
+        informer = node_informer(api, inventory, wiring.informers)
+        await wiring.stack.enter_async_context(informer)
+        wiring.waiting["GPU inventory (Node list)"] = lambda: informer.has_synced
+    if api is not None and presence is not None:
+        lease = scheduler_informer(api, presence)
+        await wiring.stack.enter_async_context(lease)
+        wiring.waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
+
+
+async def _listen(
+    wiring: _Wiring,
+    config: ServeConfig,
+    standalone: bool,
+    certificates: ServingCertificates,
+    decide: Callable[[web.Request], Awaitable[web.Response]],
+) -> None:
+    app = build_app(
+        wiring.reviewers,
+        metrics=AdmissionMetrics(wiring.registry),
+        readiness=wiring.readiness,
+        limits=config.server.limits,
+        handlers={DECIDE_PATH: decide},
+    )
+    listener = await listen(app, config.server.host, config.server.port, certificates.context)
+    wiring.stack.push_async_callback(listener.close)
+    log.info(
+        "serving admission",
+        extra={
+            "host": config.server.host,
+            "port": config.server.port,
+            "standalone": standalone,
+            "paths": sorted(wiring.reviewers),
+        },
+    )
+    if standalone:
+        _print_try_it(config, config.certs.directory / CA_BUNDLE)
 
 
 def _with_advertise(quota: QuotaConfig, port: int) -> QuotaConfig:
@@ -244,7 +285,7 @@ def _with_advertise(quota: QuotaConfig, port: int) -> QuotaConfig:
 
 
 async def _dra_admission(
-    stack: contextlib.AsyncExitStack,
+    wiring: _Wiring,
     api: Api,
     *,
     models: SliceModels,
@@ -252,16 +293,13 @@ async def _dra_admission(
     admission: AdmissionConfig,
     inventory: Inventory,
     presence: SchedulerPresence | None,
-    waiting: dict[str, Callable[[], bool]],
-    background: list[Awaitable[Any]],
-    informers: Informers | None,
 ) -> Mutator:
     """DRA mode: GPU models from the driver's ResourceSlices, and claim templates made on
     demand and collected when unused."""
-    slices = slice_informer(api, models, informers)
-    await stack.enter_async_context(slices)
-    waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced
-    background.append(templates.collect_forever())
+    slices = slice_informer(api, models, wiring.informers)
+    await wiring.stack.enter_async_context(slices)
+    wiring.waiting["GPU models (ResourceSlice list)"] = lambda: slices.has_synced
+    wiring.background.append(templates.collect_forever())
     return Mutator(admission, inventory, presence, claim_models=models.models, templates=templates)
 
 
