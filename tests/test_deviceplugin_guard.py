@@ -20,27 +20,21 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from core.contract import Limits
-from deviceplugin.classic.allocator import container_dir_name
+from deviceplugin.classic.allocation import container_dir_name
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.plugin import DevicePlugin
 from deviceplugin.classic.prestart import limits_for
 from deviceplugin.shared import inventory
-from deviceplugin.shared.flags import GuardSettings
-from deviceplugin.shared.guard import (
-    ContainerRef,
-    Grant,
-    GrantError,
-    Guard,
-    GuardMetrics,
-    Owners,
-    ProcReader,
-    card_processes,
-    grant_from,
-    kill_verified,
-    parse_cgroup,
-)
+from deviceplugin.shared.guard import Guard
+from deviceplugin.shared.guardkill import kill_verified
+from deviceplugin.shared.guardmetrics import GuardMetrics
+from deviceplugin.shared.guardowners import Grant, GrantError, Owners, grant_from
+from deviceplugin.shared.guardproc import ProcReader, parse_cgroup
+from deviceplugin.shared.guardscan import card_processes
+from deviceplugin.shared.guardtypes import ContainerRef
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
+from deviceplugin.shared.settings import GuardSettings
 from testkit.gpunode import cards as fake_cards
 from testkit.gpunode import gpu_node
 from testkit.kubelet import Container, Pod
@@ -559,7 +553,9 @@ NOBODY = 65534
 KILL_AS_NOBODY = """
 import os, sys
 from pathlib import Path
-from deviceplugin.shared.guard import ContainerRef, ProcReader, kill_verified
+from deviceplugin.shared.guardkill import kill_verified
+from deviceplugin.shared.guardproc import ProcReader
+from deviceplugin.shared.guardtypes import ContainerRef
 os.setgid({uid})
 os.setuid({uid})  # from root to another user: no capability left, CAP_KILL included
 print(kill_verified(ProcReader(Path(sys.argv[1])), {pid}, {start}, ContainerRef(*sys.argv[2:])))

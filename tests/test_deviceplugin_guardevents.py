@@ -13,10 +13,10 @@ import pytest
 from core.contract import Limits
 from deviceplugin.classic.config import Config
 from deviceplugin.shared.apiloop import ApiLoop, spawner_on
-from deviceplugin.shared.flags import GuardSettings
-from deviceplugin.shared.guard import Owner
 from deviceplugin.shared.guardevents import REASON_EXCESS, REASON_KILLED, EventReporter
+from deviceplugin.shared.guardtypes import Owner
 from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.settings import GuardSettings
 from testkit.apiserver import FakeApiServer
 from testkit.gpunode import cards, gpu_node
 from testkit.kubelet import Container, Pod
@@ -146,8 +146,10 @@ async def test_daemon_posts_the_guards_events(tmp_path: Path) -> None:
                     gpu.nvml.process(0, child.pid, 2048)
                     returncode = child.wait(timeout=10)
                     assert gpu.daemon is not None
-                    assert gpu.daemon.events is not None
-                    events = gpu.daemon.events
+                    assert (
+                        gpu.daemon.services is not None and gpu.daemon.services.events is not None
+                    )
+                    events = gpu.daemon.services.events
                     deadline = time.monotonic() + 5
                     while events.posted < 2 and time.monotonic() < deadline:
                         time.sleep(0.02)

@@ -10,7 +10,7 @@ import pytest
 
 from core.contract import USAGE_FILE, Limits, ShareUsage
 from core.policy import HARD_CAP, Priority, SharePolicy
-from deviceplugin.shared.guard import Owner, Process, Usage
+from deviceplugin.shared.guardtypes import Owner, Process, Usage
 from deviceplugin.shared.inventory import Card
 from deviceplugin.shared.sharing import ShareMeter
 

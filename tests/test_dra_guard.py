@@ -18,9 +18,9 @@ import pytest
 
 from deviceplugin._proto import podresources_v1_pb2 as pr
 from deviceplugin._proto import podresources_v1_pb2_grpc as pr_grpc
-from deviceplugin.shared.flags import GuardSettings
-from deviceplugin.shared.guard import GrantError
+from deviceplugin.shared.guardowners import GrantError
 from deviceplugin.shared.podresources import ContainerDevices, merge
+from deviceplugin.shared.settings import GuardSettings
 from testkit.dranode import DRIVER, DraNode, dra_node, share_claim
 from testkit.nodeproc import FakeContainer, NodeProc, container
 

@@ -73,18 +73,12 @@ def read(path: Path, model: type[M], *, upgrades: Mapping[int, Upgrade] | None =
         ) from None
 
 
-def write_document(path: Path, document: Mapping[str, Any], *, durable: bool = True) -> None:
-    """Write a JSON checkpoint atomically: a reader sees the old file or the new one.
+def _write_text(path: Path, text: str, *, durable: bool) -> None:
+    """Replace ``path`` atomically: a reader sees the old file or the new one.
 
     ``durable`` (fsync of the file and its directory) makes that hold across a crash of the
     node too; without it a crash may leave the old file, or an empty one that reads as corrupt.
     """
-    # dumps, not dump: dump streams through the pure-Python encoder, several times slower, and
-    # this runs beside the RPC handlers under the same interpreter lock
-    _write_text(path, json.dumps(document, separators=(",", ":")), durable=durable)
-
-
-def _write_text(path: Path, text: str, *, durable: bool) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".checkpoint.", dir=path.parent)
     try:
@@ -106,4 +100,4 @@ def _write_text(path: Path, text: str, *, durable: bool) -> None:
         os.close(dir_fd)
 
 
-__all__ = ["CheckpointError", "Document", "Upgrade", "read", "write", "write_document"]
+__all__ = ["CheckpointError", "Document", "Upgrade", "read", "write"]

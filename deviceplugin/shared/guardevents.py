@@ -18,7 +18,7 @@ from core import events
 from core.kube import Api, KubeConfigError, KubeError
 from core.units import MIB
 from deviceplugin.shared.apiloop import Spawn
-from deviceplugin.shared.guard import Owner
+from deviceplugin.shared.guardtypes import Owner
 from deviceplugin.shared.inventory import Card
 
 log = logging.getLogger(__name__)

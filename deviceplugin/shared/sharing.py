@@ -21,19 +21,16 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from core.contract import USAGE_MAX_WINDOW_US, LimitsError, ShareUsage
 from core.policy import HARD_CAP, SharePolicy
 from core.units import CORE_PER_CARD
+from deviceplugin.shared.guardtypes import Owner, Usage
 from deviceplugin.shared.lending import ShareState, ceilings, wants_more
-
-if TYPE_CHECKING:
-    from deviceplugin.shared.guard import Owner, Usage
 
 log = logging.getLogger(__name__)
 
-PolicyOf = Callable[["Owner"], SharePolicy]
+PolicyOf = Callable[[Owner], SharePolicy]
 
 
 class ShareMeter:
