@@ -35,8 +35,14 @@ from prometheus_client import CollectorRegistry
 
 from bench.deviceplugin import percentile
 from deviceplugin.classic.config import Config
-from deviceplugin.shared import guard as nodeguard
-from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.guard import Guard
+from deviceplugin.shared.guardkill import kill_verified
+from deviceplugin.shared.guardmetrics import GuardMetrics
+from deviceplugin.shared.guardowners import Owners, grant_from
+from deviceplugin.shared.guardproc import ProcReader
+from deviceplugin.shared.guardscan import card_processes
+from deviceplugin.shared.guardtypes import ContainerRef
+from deviceplugin.shared.settings import GuardSettings
 from testkit.gpunode import GpuNode, cards, gpu_node
 from testkit.kubelet import Container, Pod
 from testkit.nodeproc import NodeProc, container
@@ -67,8 +73,9 @@ def excess_count(node: GpuNode) -> float:
 
 def guarded(node: GpuNode, procs: NodeProc, samples: int) -> tuple[list[float], list[float]]:
     """(excess -> reported, excess -> killed) through the daemon's guard thread."""
-    assert node.daemon is not None and node.daemon.guard is not None
-    interval = node.daemon.guard.interval_s
+    assert node.daemon is not None and node.daemon.services is not None
+    assert node.daemon.services.guard is not None
+    interval = node.daemon.services.guard.interval_s
     reported: list[float] = []
     killed: list[float] = []
     for _ in range(samples):
@@ -95,7 +102,7 @@ def guarded(node: GpuNode, procs: NodeProc, samples: int) -> tuple[list[float], 
 
 def floor(node: GpuNode, procs: NodeProc, samples: int) -> list[float]:
     """The same path without scan interval or grace (a pod the guard leaves alone)."""
-    proc = nodeguard.ProcReader(procs.proc)
+    proc = ProcReader(procs.proc)
     card = node.plugin.cards[0]
     timed = []
     for _ in range(samples):
@@ -106,10 +113,10 @@ def floor(node: GpuNode, procs: NodeProc, samples: int) -> list[float]:
         started = time.perf_counter()
         node.nvml.process(0, child.pid, OVER_MIB)
         # Spin, not sleep: this floor is the time until NVML shows the figure, to the microsecond.
-        while nodeguard.card_processes(card).get(child.pid) != OVER_MIB * 2**20:
+        while card_processes(card).get(child.pid) != OVER_MIB * 2**20:
             continue
-        ref = nodeguard.ContainerRef(STRANGER.pod_uid, STRANGER.container_id)
-        outcome = nodeguard.kill_verified(proc, child.pid, start, ref)
+        ref = ContainerRef(STRANGER.pod_uid, STRANGER.container_id)
+        outcome = kill_verified(proc, child.pid, start, ref)
         child.wait()
         timed.append(time.perf_counter() - started)
         if outcome != "killed":
@@ -123,16 +130,16 @@ def scan_cost(node: GpuNode, procs: NodeProc, processes: int, scans: int) -> lis
     for child in children:
         procs.enter(child.pid, WORKLOAD)
         node.nvml.process(0, child.pid, 1)
-    owners = nodeguard.Owners(
+    owners = Owners(
         procs.logs,
         lambda: node.plugin.podresources.list({CONFIG.core_resource, CONFIG.memory_resource}),
-        nodeguard.grant_from(node.plugin.grant_dir),
+        grant_from(node.plugin.grant_dir),
     )
-    guard = nodeguard.Guard(
+    guard = Guard(
         node.plugin.cards.values(),
         owners,
-        nodeguard.ProcReader(procs.proc),
-        nodeguard.GuardMetrics(CollectorRegistry(), "fracgpu_device_plugin"),
+        ProcReader(procs.proc),
+        GuardMetrics(CollectorRegistry(), "fracgpu_device_plugin"),
     )
     if len(guard.scan_once().usage[0].processes) != processes:
         raise RuntimeError("the scan did not map every process to the container")
@@ -185,8 +192,9 @@ def _run(args: argparse.Namespace) -> int:
                 guard=GuardSettings(proc_root=procs.proc, container_logs=procs.logs),
             ) as node:
                 setup(node, procs)
-                assert node.daemon is not None and node.daemon.guard is not None
-                guard = node.daemon.guard
+                assert node.daemon is not None and node.daemon.services is not None
+                guard = node.daemon.services.guard
+                assert guard is not None
                 defaults = {"interval_s": guard.interval_s, "grace_s": guard.grace_s}
                 reported, killed = guarded(node, procs, args.samples)
                 guard.grace_s = 0.0

@@ -10,7 +10,7 @@ import pytest
 from bench._config import from_json, to_json
 from deviceplugin.classic.config import Config
 from deviceplugin.dra.config import DraConfig
-from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.settings import GuardSettings
 
 
 @pytest.mark.parametrize(

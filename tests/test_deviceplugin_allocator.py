@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from deviceplugin.classic.allocator import (
-    SETTLE_S,
-    WHOLE_CORE_PAIR_S,
-    Allocation,
-    AllocationError,
-    Allocator,
-    container_dir_name,
-)
+from deviceplugin.classic.allocation import Allocation, AllocationError, container_dir_name
+from deviceplugin.classic.allocator import Allocator
 from deviceplugin.classic.ids import Kind, core_id, memory_id
+from deviceplugin.classic.pairing import WHOLE_CORE_PAIR_S
+from deviceplugin.classic.settling import SETTLE_S
 from deviceplugin.shared.inventory import Card
 
 CORE = "fracgpu.io/core"

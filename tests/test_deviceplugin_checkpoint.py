@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.classic import checkpoint
-from deviceplugin.classic.allocator import Allocation
+from deviceplugin.classic.allocation import Allocation
 from deviceplugin.shared.inventory import Card
 
 CARDS = {0: Card(0, "GPU-a", "Fake", 4096, 0, None), 1: Card(1, "GPU-b", "Fake", 4096, 1, 0)}

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from deviceplugin.classic.cli import add_parser, config_from
-from deviceplugin.shared.flags import GuardSettings
+from deviceplugin.shared.settings import GuardSettings
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -19,7 +19,7 @@ def test_defaults_match_kubelet_and_the_contract(monkeypatch: pytest.MonkeyPatch
     monkeypatch.delenv("NODE_NAME", raising=False)
     config = config_from(parse())
     assert config.plugin_dir == Path("/var/lib/kubelet/device-plugins")
-    assert config.podresources_socket == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
+    assert config.podresources_path == Path("/var/lib/kubelet/pod-resources/kubelet.sock")
     assert config.host_root == Path("/var/lib/fracgpu")
     assert config.core_resource == "fracgpu.io/core"
     assert config.memory_resource == "fracgpu.io/memory"

@@ -13,11 +13,12 @@ from collections.abc import Iterator
 import pynvml
 import pytest
 
-from deviceplugin.classic.config import DEFAULT_IGNORED_XIDS, Config
+from deviceplugin.classic.config import Config
 from deviceplugin.shared import inventory
-from deviceplugin.shared.guard import card_processes
+from deviceplugin.shared.guardscan import card_processes
 from deviceplugin.shared.health import HealthMonitor
 from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.settings import DEFAULT_IGNORED_XIDS
 
 pytestmark = pytest.mark.gpu
 
@@ -118,7 +119,9 @@ def test_a_shares_use_is_exported_from_real_nvml(real_cards: list[Card]) -> None
     from prometheus_client import CollectorRegistry
 
     from core.contract import Limits
-    from deviceplugin.shared.guard import ContainerRef, Guard, GuardMetrics, Owner
+    from deviceplugin.shared.guard import Guard
+    from deviceplugin.shared.guardmetrics import GuardMetrics
+    from deviceplugin.shared.guardtypes import ContainerRef, Owner
 
     card = real_cards[0]
     child = subprocess.Popen([sys.executable, "-c", CUDA_CHILD], stdout=subprocess.PIPE, text=True)

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from deviceplugin.classic.config import DEFAULT_IGNORED_XIDS
 from deviceplugin.shared import inventory
 from deviceplugin.shared.health import EVENT_DBE, EVENT_XID, HealthMonitor
 from deviceplugin.shared.inventory import Card
+from deviceplugin.shared.settings import DEFAULT_IGNORED_XIDS
 from testkit.gpunode import cards as fake_cards
 from testkit.nvml import FakeNvml, build_cached
 

@@ -28,8 +28,10 @@ import pytest
 
 from core.units import CORE_PER_CARD
 from deviceplugin.classic import placement
-from deviceplugin.classic.allocator import SETTLE_S, Allocation, AllocationError, Allocator
+from deviceplugin.classic.allocation import Allocation, AllocationError
+from deviceplugin.classic.allocator import Allocator
 from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.settling import SETTLE_S
 from deviceplugin.shared.inventory import Card
 
 CORE, MEMORY = "fracgpu.io/core", "fracgpu.io/memory"
@@ -80,7 +82,7 @@ class Model:
         if any(len(self.free(k)) < n for k, n in needs.items() if n):
             return None
         # the ledger is current when no ended pod awaits reconciliation and the lists offer what
-        # it offers (no moment after a change that hid capacity: allocator.SETTLE_S)
+        # it offers (no moment after a change that hid capacity: settling.SETTLE_S)
         stale = bool(self.ended) or any(self.allocator.settling(k) for k in Kind)
         self.serial += 1
         pod = f"p{self.serial}"
@@ -132,7 +134,7 @@ class Model:
         for usage in self.allocator.usage():
             assert 0 <= usage.core_used <= CORE_PER_CARD, usage
             assert 0 <= usage.memory_used <= usage.blocks, usage
-        snapshot = self.allocator._snapshot()
+        snapshot = self.allocator.ledger.snapshot()
         for waiting in self.allocator.waiting():
             fits = placement.place(snapshot, len(waiting.core), len(waiting.memory))
             assert not fits, f"a container waits though cards {fits} can host it"
@@ -152,7 +154,7 @@ def clone(model: Model) -> Model:
     """A deep copy of the model (the allocator's lock is not copyable: a fresh one)."""
     lock = model.allocator._cond
     model.allocator._cond = None  # type: ignore[assignment]
-    model.allocator._lists._lists.clear()  # a cache: rebuilt on demand
+    model.allocator.shown._lists._lists.clear()  # a cache: rebuilt on demand
     try:
         twin = copy.deepcopy(model)
     finally:
@@ -192,7 +194,7 @@ def state(model: Model) -> object:
             )
         ),
         len(model.kubelet),
-        model.allocator._open,
+        model.allocator.offer.open_card,
     )
 
 

@@ -16,7 +16,7 @@ from core.kube import kube_client
 from core.policy import HARD_CAP, POLICY_ANNOTATION, Priority, SharePolicy
 from deviceplugin.classic.policies import PodPolicies
 from deviceplugin.shared.apiloop import ApiCall
-from deviceplugin.shared.guard import Owner
+from deviceplugin.shared.guardtypes import Owner
 from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
 
 UID = "9b1c2d3e-0000-4000-8000-000000000001"

@@ -19,7 +19,8 @@ import pytest
 from core import contract
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.classic.allocator import Allocator, container_dir_name
+from deviceplugin.classic.allocation import container_dir_name
+from deviceplugin.classic.allocator import Allocator
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.ids import Kind, core_id, memory_id
 from deviceplugin.classic.service import MAX_STREAMS, DevicePluginServicer
@@ -362,9 +363,11 @@ def test_nvml_wait_errors_never_stop_health_watching() -> None:
         node.nvml.xid(0, 48)
         assert kubelet.wait_for(lambda: kubelet.allocatable(CORE) == 0, timeout=10.0)
         assert node.daemon is not None
-        assert node.daemon.health is not None
-        assert node.daemon.health.running
-        assert node.daemon.health.errors >= 1
+        assert node.daemon.services is not None
+        health = node.daemon.services.health
+        assert health is not None
+        assert health.running
+        assert health.errors >= 1
 
 
 def test_prestart_retries_while_podresources_fails_then_succeeds() -> None:

@@ -22,7 +22,8 @@ from deviceplugin.classic.config import Config
 from deviceplugin.classic.plugin import DevicePlugin
 from deviceplugin.dra.config import DraConfig
 from deviceplugin.dra.driver import DraDriver
-from deviceplugin.shared.flags import DaemonSetRef, daemonset_ref
+from deviceplugin.shared.flags import daemonset_ref
+from deviceplugin.shared.settings import DaemonSetRef
 from deviceplugin.shared.uninstall import AgentFiles, UninstallWatch, clean_up, remove_host_files
 from testkit.apiserver import FakeApiServer
 

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from core import dra
 from core.labels import FREE_ANNOTATION, FREE_VERSION, INVENTORY_ANNOTATION, INVENTORY_VERSION
 from core.units import UnitError
-from deviceplugin.shared.guard import GuardMetrics
+from deviceplugin.shared.guardmetrics import GuardMetrics
 from fracgpu.cards import (
     CardView,
     ClusterCards,

@@ -12,9 +12,10 @@ from typing import Any
 import pytest
 
 from deviceplugin.classic import checkpoint as classic
+from deviceplugin.dra.checkpoint import DraCheckpoint
 from deviceplugin.dra.claims import ClaimRef, Result
 from deviceplugin.dra.config import DraConfig
-from deviceplugin.dra.driver import DraCheckpoint, DraDriver
+from deviceplugin.dra.driver import DraDriver
 from deviceplugin.shared import checkpoint as versioned
 from deviceplugin.shared.inventory import Card
 

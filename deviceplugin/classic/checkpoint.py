@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from core.units import CORE_PER_CARD, card_blocks
-from deviceplugin.classic.allocator import Allocation
+from deviceplugin.classic.allocation import Allocation
 from deviceplugin.classic.ids import DeviceId, Kind
 from deviceplugin.shared import checkpoint as versioned
 from deviceplugin.shared.checkpoint import CheckpointError

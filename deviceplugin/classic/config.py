@@ -7,38 +7,28 @@ count in the same units, defined once in ``core.units``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from core import contract
 from core.units import CORE, MEMORY
-from deviceplugin.shared.flags import (
-    DEFAULT_IGNORED_XIDS,
-    KUBELET_PODRESOURCES_SOCKET,
-    DaemonSetRef,
-    GuardSettings,
-)
-from deviceplugin.shared.hostfiles import DEVICE_PLUGIN_CHECKPOINT, hook_library, ld_so_preload
+from deviceplugin.shared.hostfiles import DEVICE_PLUGIN_CHECKPOINT
+from deviceplugin.shared.settings import DEFAULT_CDI_ROOT, DEFAULT_KUBELET_ROOT, NodeSettings
 
-KUBELET_DEVICE_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+# Under kubelet's --root-dir, where kubelet watches for device plugins' sockets.
+DEVICE_PLUGINS = Path("device-plugins")
+KUBELET_DEVICE_PLUGIN_DIR = DEFAULT_KUBELET_ROOT / DEVICE_PLUGINS
 DEFAULT_RECONCILE_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
-class Config:
+class Config(NodeSettings):
+    """The device plugin's settings: the common node settings and what only this agent has."""
+
+    # kubelet's device plugin directory (the CLI's default: <kubelet_root>/device-plugins)
     plugin_dir: Path = KUBELET_DEVICE_PLUGIN_DIR
-    podresources_socket: Path = KUBELET_PODRESOURCES_SOCKET
-    host_root: Path = Path(contract.HOST_ROOT)
-    dev_root: Path = Path("/dev")
     # CDI directory of the runtime: the card is bound at PreStartContainer through a spec here;
     # None: named in the Allocate answer (runtimes without CDI; no waiting, see device-plugin.md)
-    cdi_root: Path | None = Path("/var/run/cdi")
-    ignored_xids: frozenset[int] = field(default_factory=lambda: frozenset(DEFAULT_IGNORED_XIDS))
-    nvml_library: Path | None = None
-    metrics_address: str = "0.0.0.0"
-    metrics_port: int = 9402  # 0 disables the HTTP endpoint
-    node_name: str | None = None  # publish inventory labels on this Node when set
-    kubeconfig: Path | None = None  # None: in-cluster, then $KUBECONFIG, then ~/.kube/config
+    cdi_root: Path | None = DEFAULT_CDI_ROOT
     # With node_name: write the Node's allocatable GPU resources as soon as they change, rather
     # than leave them to kubelet's node-status period (node.AllocatableMirror says why).
     node_allocatable: bool = True
@@ -55,7 +45,6 @@ class Config:
     reconcile_confirm_s: float = 0.5
     reconcile_grace_s: float = 2.0
     kubelet_settle_s: float = 30.0
-    podresources_timeout_s: float = 5.0
     register_timeout_s: float = 10.0
     pair_window_s: float = 5.0
     settle_s: float = 2.0  # kubelet's lists kept from shrinking after a change hiding capacity
@@ -65,15 +54,6 @@ class Config:
     verify_delay_s: float = 0.02
     verify_retries: int = 5
     verify_spacing_s: float = 0.05
-    health_wait_ms: int = 200
-    health_probe_interval_s: float = 5.0
-    health_quiet_s: float = 30.0  # a card recovers after this long without a critical event
-    health_error_backoff_s: float = 1.0  # pause after an NVML error before rebuilding events
-    guard: GuardSettings = field(default_factory=GuardSettings)  # the node guard (shared/guard.py)
-    # Its DaemonSet: stopped while that is gone or being deleted, the plugin removes its host
-    # files (shared/uninstall.py); None: never. uninstall_timeout_s bounds the question at stop.
-    daemonset: DaemonSetRef | None = None
-    uninstall_timeout_s: float = 5.0
 
     @property
     def core_resource(self) -> str:
@@ -90,11 +70,3 @@ class Config:
     @property
     def containers_dir(self) -> Path:
         return self.host_root / "containers"
-
-    @property
-    def hook_library(self) -> Path:
-        return hook_library(self.host_root)
-
-    @property
-    def ld_so_preload(self) -> Path:
-        return ld_so_preload(self.host_root)

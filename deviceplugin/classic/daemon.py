@@ -13,7 +13,6 @@ import logging
 import signal
 import threading
 import time
-from http.server import ThreadingHTTPServer
 from types import FrameType
 
 from deviceplugin.classic.config import Config
@@ -23,11 +22,8 @@ from deviceplugin.classic.policies import PodPolicies
 from deviceplugin.classic.service import Supervisor
 from deviceplugin.shared import inventory
 from deviceplugin.shared.apiloop import ApiLoop
-from deviceplugin.shared.guard import Guard, build_guard
-from deviceplugin.shared.guardevents import EventReporter
-from deviceplugin.shared.health import HealthMonitor
-from deviceplugin.shared.http import serve
 from deviceplugin.shared.podresources import PodResourcesError
+from deviceplugin.shared.services import GuardSource, NodeServices
 from deviceplugin.shared.uninstall import UninstallWatch, Verdict, clean_up
 
 log = logging.getLogger(__name__)
@@ -37,13 +33,10 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.plugin: DevicePlugin | None = None
-        self.health: HealthMonitor | None = None
+        self.services: NodeServices | None = None
         self.supervisor: Supervisor | None = None
         self.publisher: NodePublisher | None = None
         self.mirror: AllocatableMirror | None = None
-        self.http: ThreadingHTTPServer | None = None
-        self.guard: Guard | None = None
-        self.events: EventReporter | None = None
         self.api: ApiLoop | None = None
         self.uninstall: UninstallWatch | None = None
         self._stop = threading.Event()
@@ -78,47 +71,29 @@ class Daemon:
                     registered=lambda: self.supervisor is not None and self.supervisor.registered,
                 )
                 self.mirror.start()
-        self.health = HealthMonitor(
+        self.services = NodeServices(
+            config,
             cards,
-            self._health_changed,
-            ignored_xids=config.ignored_xids,
-            wait_ms=config.health_wait_ms,
-            probe_interval_s=config.health_probe_interval_s,
-            quiet_s=config.health_quiet_s,
-            error_backoff_s=config.health_error_backoff_s,
-            on_event=lambda card, reason: plugin.metrics.health_events.labels(
-                str(card), reason
-            ).inc(),
+            metrics=plugin.metrics.node,
+            registry=plugin.metrics.registry,
+            on_health=self._health_changed,
+            registered=lambda: self.supervisor is not None and self.supervisor.registered,
+            spawn=self.api.spawn if self.api is not None else None,
         )
-        self.health.start()
-        if config.guard.interval_s > 0:
-            self.guard = self._guard(plugin)
-            self.guard.start()
+        resources = set(plugin.resources.values())
+        self.services.start(
+            GuardSource(
+                list_containers=lambda: plugin.podresources.list(resources),
+                limits_dir=plugin.grant_dir,
+                # Without an API server no pod can be read: every share is then a hard cap.
+                policy_of=PodPolicies(self.api.spawn) if self.api is not None else None,
+            )
+        )
         self.supervisor = Supervisor(plugin)
         self.supervisor.start()
         self._reconciler = threading.Thread(target=self._reconcile, name="reconcile", daemon=True)
         self._reconciler.start()
-        if config.metrics_port:
-            self.http = serve(
-                config.metrics_address, config.metrics_port, plugin.metrics.registry, self.healthz
-            )
         log.info("device plugin started", extra={"cards": len(cards)})
-
-    def _guard(self, plugin: DevicePlugin) -> Guard:
-        config = self.config
-        resources = set(plugin.resources.values())
-        if config.node_name and self.api is not None:
-            self.events = EventReporter(config.node_name, self.api.spawn, kill=config.guard.kill)
-        return build_guard(
-            config.guard,
-            cards=plugin.cards.values(),
-            list_containers=lambda: plugin.podresources.list(resources),
-            limits_dir=plugin.grant_dir,
-            metrics=plugin.metrics.guard,
-            reporter=self.events,
-            # Without an API server no pod can be read: every share is then a hard cap.
-            policy_of=PodPolicies(self.api.spawn) if self.api is not None else None,
-        )
 
     def _health_changed(self, card: int, healthy: bool, reason: str) -> None:
         assert self.plugin is not None
@@ -144,13 +119,7 @@ class Daemon:
                     wait = min(wait, max(self.config.reconcile_confirm_s, 0.05))
 
     def healthz(self) -> tuple[bool, str]:
-        if self.supervisor is None or not self.supervisor.registered:
-            return False, "not registered with kubelet"
-        if self.health is None or not self.health.running:
-            return False, "NVML health thread is not running"
-        if self.guard is not None and not self.guard.running:
-            return False, "node guard thread is not running"
-        return True, "ok"
+        return self.services.healthz() if self.services is not None else (False, "starting")
 
     def _uninstalled(self) -> Verdict | None:
         """Whether this stop is an uninstall (None: not asked, no --daemonset)."""
@@ -172,15 +141,12 @@ class Daemon:
             if self.mirror.withdraw() and self.supervisor is not None:
                 time.sleep(self.config.stop_drain_s)
         uninstalled = self._uninstalled()
-        if self.http is not None:
-            self.http.shutdown()
-            self.http.server_close()
+        if self.services is not None:
+            self.services.stop_http()
         if self.supervisor is not None:
             self.supervisor.stop()
-        if self.health is not None:
-            self.health.stop()
-        if self.guard is not None:
-            self.guard.stop()
+        if self.services is not None:
+            self.services.stop()
         if self.publisher is not None:
             self.publisher.stop()
         if self.api is not None:

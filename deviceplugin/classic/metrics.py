@@ -8,8 +8,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from deviceplugin.classic.allocator import CardUsage
-from deviceplugin.shared.guard import GuardMetrics
+from deviceplugin.classic.ledger import CardUsage
+from deviceplugin.shared.services import NodeMetrics
 
 PREFIX = "fracgpu_device_plugin"
 
@@ -76,12 +76,6 @@ class Metrics:
             ["resource"],
             registry=self.registry,
         )
-        self.health_events = Counter(
-            f"{PREFIX}_health_events",
-            "NVML health events seen, by card and reason",
-            ["card", "reason"],
-            registry=self.registry,
-        )
         self.rpc_seconds = Histogram(
             f"{PREFIX}_rpc_seconds",
             "Time to serve a kubelet RPC",
@@ -96,8 +90,8 @@ class Metrics:
             registry=self.registry,
         )
 
-        # the node guard (shared/guard.py), under this agent's prefix
-        self.guard = GuardMetrics(registry, PREFIX)
+        # health and the node guard (shared/services.py), under this agent's prefix
+        self.node = NodeMetrics(registry, PREFIX)
 
     def watch_cards(self, usage: Callable[[], list[CardUsage]]) -> None:
         self.registry.register(_CardCollector(usage))

@@ -45,9 +45,10 @@ from core.labels import (
     label_value,
 )
 from core.units import BLOCK_MIB, CORE_PER_CARD
-from deviceplugin.classic.allocator import Allocator, CardUsage
+from deviceplugin.classic.allocator import Allocator
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.ids import Kind
+from deviceplugin.classic.ledger import CardUsage
 from deviceplugin.shared.apiloop import ApiLoop
 from deviceplugin.shared.inventory import Card
 
@@ -206,7 +207,7 @@ class AllocatableMirror:
     writes it itself, to the status subresource, as soon as it changes; kubelet's next update
     writes the same number. Each change is written again a second later, in case kubelet's
     update raced it with the lists it had before. After a change that hid capacity, the value
-    written here keeps it for ``allocator.SETTLE_S`` and kubelet's lists for twice as long
+    written here keeps it for ``settling.SETTLE_S`` and kubelet's lists for twice as long
     (``over_offered``): kubelet still admits what the scheduler bound by the older figure. While
     the lists keep more than the Node shows, kubelet's own status update would write their
     higher count, so the value is written again every second until they agree.
@@ -239,7 +240,7 @@ class AllocatableMirror:
 
     def counts(self) -> dict[str, int]:
         """Healthy IDs per resource, less what kubelet's lists keep longer than the Node after a
-        change that hid capacity (``allocator.SETTLE_S``)."""
+        change that hid capacity (``settling.SETTLE_S``)."""
         return {
             name: sum(1 for device in self.allocator.devices(kind) if device.healthy)
             - self.allocator.over_offered(kind)

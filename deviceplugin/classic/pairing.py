@@ -7,15 +7,25 @@ place the container yet. The second call completes the pair, and the container i
 both amounts known. A half that sees no partner within the window stands alone (a container
 with one resource, such as whole cards, which come without memory).
 
+While a half is pending, what the node offers is adjusted (:func:`pending_offer`), so that the
+two calls of one container see consistent lists.
+
 Not thread-safe: the allocator's lock guards it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from deviceplugin.classic.allocation import Allocation
 from deviceplugin.classic.ids import Kind
+
+WHOLE_CORE_PAIR_S = 0.5
+"""How long whole cards' core waits for a memory call. Whole cards come without memory now;
+kubelet makes a container's second call within milliseconds, so a moment is enough for pods
+that still carry memory."""
 
 
 class Clock(Protocol):
@@ -47,6 +57,11 @@ class Pairing:
     def pending(self) -> Half | None:
         return self._half
 
+    @property
+    def pending_key(self) -> str | None:
+        """The allocation of the pending half: not complete, so not waiting for a card."""
+        return None if self._half is None else self._half.key
+
     def expire(self) -> bool:
         """Drop a half whose window has passed; True when one was dropped."""
         if self._half is not None and self._clock() >= self._half.deadline:
@@ -68,7 +83,54 @@ class Pairing:
         half = self._half
         return half if half is not None and half.kind is not kind else None
 
+    def partner(
+        self,
+        kind: Kind,
+        size: int,
+        allocations: Mapping[str, Allocation],
+        blocks: Mapping[int, int],
+    ) -> Allocation | None:
+        """The container whose first call this one of ``kind`` and ``size`` IDs completes, if
+        any (``allocations``: by key; ``blocks``: memory IDs per card). A pending half that this
+        call cannot complete is ended: the call is the next container's first."""
+        half = self.partner_of(kind)
+        partner = None if half is None else allocations.get(half.key)
+        if (
+            partner is not None
+            and partner.whole_cards
+            and kind is Kind.MEMORY
+            and size != whole_cards_memory(partner.cards, partner.whole_cards, blocks)
+        ):
+            self.end()
+            return None
+        return partner
+
     def end(self) -> Half | None:
         """Close the pending half (paired or abandoned)."""
         half, self._half = self._half, None
         return half
+
+
+def whole_cards_memory(cards: Collection[int], whole: int, blocks: Mapping[int, int]) -> int:
+    """How many memory IDs a memory call after ``whole`` cards (placed on ``cards``, or not yet)
+    must hold to be their partner: all of their cards' memory.
+
+    Whole cards come without memory now: a memory call of any other size after them is the next
+    container's first call, not their second.
+    """
+    return sum(blocks[c] for c in cards) or whole * max(blocks.values())
+
+
+def pending_offer(offered: int, kind: Kind, half: Half, *, unplaced: bool, owned: int) -> int:
+    """What the node offers of ``kind`` while ``half`` is pending (``unplaced``: its container
+    has no card yet; ``owned``: the allocated IDs of ``kind``)."""
+    if half.kind is kind and unplaced:
+        # The first call's IDs came out of what was offered; the ledger cannot hold them
+        # until the container is placed, so they are taken off here.
+        offered = max(offered - half.size, 0)
+    if half.kind is not kind:
+        # Between a container's two calls, kubelet counts the second against the IDs it
+        # saw Healthy at the first; what that call changed (ended containers released,
+        # whole cards placed, another card opened) must not shrink that list meanwhile.
+        offered = max(offered, half.hold - owned)
+    return offered

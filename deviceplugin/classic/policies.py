@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from core.kube import PODS, Api, KubeError, KubeNotFound, call_json
 from core.policy import HARD_CAP, POLICY_ANNOTATION, PolicyError, SharePolicy, decode_annotation
 from deviceplugin.shared.apiloop import Spawn
-from deviceplugin.shared.guard import Owner
+from deviceplugin.shared.guardtypes import Owner
 
 log = logging.getLogger(__name__)
 

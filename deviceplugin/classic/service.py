@@ -22,7 +22,7 @@ import grpc
 
 from deviceplugin._proto import deviceplugin_v1beta1_pb2 as pb
 from deviceplugin._proto import deviceplugin_v1beta1_pb2_grpc as pb_grpc
-from deviceplugin.classic.allocator import AllocationError
+from deviceplugin.classic.allocation import AllocationError
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.listing import ListedDevice
 from deviceplugin.classic.plugin import (

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from deviceplugin.classic.allocator import Allocation
+from deviceplugin.classic.allocation import Allocation
 from deviceplugin.classic.prestart import PreStartError
 from deviceplugin.shared.podresources import PodResourcesError
 

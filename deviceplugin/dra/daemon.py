@@ -16,7 +16,6 @@ import asyncio
 import logging
 import signal
 from contextlib import AsyncExitStack, suppress
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +33,9 @@ from deviceplugin.dra.slices import CardState, SlicePublisher
 from deviceplugin.dra.status import ClaimStatusWriter
 from deviceplugin.shared import inventory
 from deviceplugin.shared.apiloop import spawner_on
-from deviceplugin.shared.guard import Guard, build_guard
-from deviceplugin.shared.guardevents import EventReporter
-from deviceplugin.shared.health import HealthMonitor
 from deviceplugin.shared.hostfiles import read_policy
-from deviceplugin.shared.http import serve
 from deviceplugin.shared.podresources import PodResourcesClient, PodResourcesError
+from deviceplugin.shared.services import GuardSource, NodeServices
 from deviceplugin.shared.uninstall import UninstallWatch, Verdict, clean_up
 
 log = logging.getLogger(__name__)
@@ -55,16 +51,14 @@ class DraDaemon:
         self.driver: DraDriver | None = None
         self.publisher: SlicePublisher | None = None
         self.servers: PluginServers | None = None
-        self.health: HealthMonitor | None = None
-        self.http: ThreadingHTTPServer | None = None
-        self.guard: Guard | None = None
+        self.services: NodeServices | None = None
         self.podresources: PodResourcesClient | None = None
-        self._stack = AsyncExitStack()
-        self._reconciler: asyncio.Task[None] | None = None
-        self._status_task: asyncio.Task[None] | None = None
         self.status: ClaimStatusWriter | None = None
         self.uninstall: UninstallWatch | None = None
-        self._uninstall_task: asyncio.Task[None] | None = None
+        self._stack = AsyncExitStack()
+        # The loops that run until the stop (claim reconciliation, claim status, the uninstall
+        # watch), children of one task group: the stop cancels them together and waits for them.
+        self._background: asyncio.Task[None] | None = None
 
     async def _get_claim(self, ref: ClaimRef) -> dict[str, Any]:
         return await self._call("GET", RESOURCE_CLAIMS.path(ref.namespace, ref.name), None)
@@ -81,26 +75,39 @@ class DraDaemon:
         )
 
     async def start(self) -> None:
+        """Checkpoint and CDI specs first, so that kubelet finds every claim it prepared; then
+        the slice, the node services, and the kubelet sockets last: a registered plugin is
+        ready to prepare."""
         config = self.config
-        loop = asyncio.get_running_loop()
         inventory.load_nvml(config.nvml_library)
         cards = inventory.discover()
-        version = inventory.driver_version()
         self.board = board = CardBoard([CardState(c, inventory.details(c)) for c in cards])
         self.api = api = await self._stack.enter_async_context(kube_client(config.kubeconfig))
         if config.daemonset is not None:
             self.uninstall = UninstallWatch(config.daemonset, timeout_s=config.uninstall_timeout_s)
-            self._uninstall_task = asyncio.create_task(
-                self.uninstall.run(api), name="dra-uninstall-watch"
-            )
         self.driver = driver = DraDriver(config, cards, self._get_claim)
         driver.install_host_files()
         driver.restore()
-        self.status = status = ClaimStatusWriter(
+        self.status = self._status_writer(driver, board)
+        self.metrics.prepared.set(len(driver.prepared))
+        await self._publish(api, board, inventory.driver_version())
+        self._start_services(cards, board, api, driver)
+        self.servers = PluginServers(config, driver, board, self.metrics)
+        await self.servers.start()
+        self._background = asyncio.create_task(self._run_background(), name="dra-background")
+        log.info(
+            "DRA plugin started",
+            extra={"cards": len(cards), "driver": config.driver_name, "node": config.node},
+        )
+
+    def _status_writer(self, driver: DraDriver, board: CardBoard) -> ClaimStatusWriter:
+        """What each prepared claim's status says of its devices, kept true as they change."""
+        config = self.config
+        status = ClaimStatusWriter(
             call=self._call,
             claims_path=lambda ref: RESOURCE_CLAIMS.path(ref.namespace, ref.name),
             driver=config.driver_name,
-            node=config.node_name,
+            node=config.node,
             health_of=board.health_of,
             on_write=lambda result: self.metrics.status_writes.labels(result).inc(),
         )
@@ -114,12 +121,13 @@ class DraDaemon:
         # plugin holds now.
         board.on_change(mark_all)
         mark_all()
-        self._status_task = asyncio.create_task(status.run(), name="dra-claim-status")
-        self.metrics.prepared.set(len(self.driver.prepared))
+        return status
+
+    async def _publish(self, api: Api, board: CardBoard, version: str | None) -> None:
         self.publisher = SlicePublisher(
             api,
-            node=config.node_name,
-            driver=config.driver_name,
+            node=self.config.node,
+            driver=self.config.driver_name,
             states=board.states,
             driver_version=version,
             on_publish=lambda how: self.metrics.slice_writes.labels(how).inc(),
@@ -130,50 +138,45 @@ class DraDaemon:
         )
         await self.publisher.start()
 
-        def changed(card: int, healthy: bool, reason: str) -> None:
+    def _start_services(
+        self, cards: list[inventory.Card], board: CardBoard, api: Api, driver: DraDriver
+    ) -> None:
+        config = self.config
+        loop = asyncio.get_running_loop()
+
+        def changed(card: int, healthy: bool, reason: str) -> None:  # on the health thread
             asyncio.run_coroutine_threadsafe(board.set_health(card, healthy, reason), loop)
 
-        self.health = HealthMonitor(
+        self.services = NodeServices(
+            config,
             cards,
-            changed,
-            ignored_xids=config.ignored_xids,
-            wait_ms=config.health_wait_ms,
-            probe_interval_s=config.health_probe_interval_s,
-            quiet_s=config.health_quiet_s,
-            on_event=lambda card, reason: self.metrics.health_events.labels(
-                str(card), reason
-            ).inc(),
+            metrics=self.metrics.node,
+            registry=self.metrics.registry,
+            on_health=changed,
+            registered=lambda: self.servers is not None and self.servers.registration.registered,
+            spawn=spawner_on(loop, api),
         )
-        self.health.start()
+        guard: GuardSource | None = None
         if config.guard.interval_s > 0:
-            self.podresources = PodResourcesClient(
-                config.pod_resources_socket, config.podresources_timeout_s
+            podresources = self.podresources = PodResourcesClient(
+                config.podresources_path, config.podresources_timeout_s
             )
-            podresources = self.podresources
-            self.guard = build_guard(
-                config.guard,
-                cards=cards,
+            guard = GuardSource(
                 list_containers=lambda: podresources.list(set(), config.driver_name),
                 limits_dir=driver.grant_dir,
-                metrics=self.metrics.guard,
                 # The policy the claim's configuration gave, kept beside its limits at prepare.
                 policy_of=lambda owner: read_policy(Path(owner.grant).parent),
-                reporter=EventReporter(
-                    config.node_name, spawner_on(loop, api), kill=config.guard.kill
-                ),
             )
-            self.guard.start()
-        self.servers = PluginServers(config, self.driver, board, self.metrics)
-        await self.servers.start()
-        self._reconciler = asyncio.create_task(self._reconcile(), name="dra-reconcile")
-        if config.metrics_port:
-            self.http = serve(
-                config.metrics_address, config.metrics_port, self.metrics.registry, self.healthz
-            )
-        log.info(
-            "DRA plugin started",
-            extra={"cards": len(cards), "driver": config.driver_name, "node": config.node_name},
-        )
+        self.services.start(guard)
+
+    async def _run_background(self) -> None:
+        assert self.api is not None
+        async with asyncio.TaskGroup() as group:
+            group.create_task(self._reconcile(), name="dra-reconcile")
+            if self.status is not None:
+                group.create_task(self.status.run(), name="dra-claim-status")
+            if self.uninstall is not None:
+                group.create_task(self.uninstall.run(self.api), name="dra-uninstall-watch")
 
     async def _reconcile(self) -> None:
         assert self.driver is not None
@@ -185,35 +188,24 @@ class DraDaemon:
             await asyncio.sleep(self.config.reconcile_interval_s)
 
     def healthz(self) -> tuple[bool, str]:
-        if self.servers is None or not self.servers.registration.registered:
-            return False, "not registered with kubelet"
-        if self.health is None or not self.health.running:
-            return False, "NVML health thread is not running"
-        if self.guard is not None and not self.guard.running:
-            return False, "node guard thread is not running"
-        return True, "ok"
+        if self.services is None:
+            return False, "starting"
+        if self._background is not None and self._background.done():
+            return False, "a background loop ended (claim status, reconciliation, uninstall)"
+        return self.services.healthz()
 
     async def stop(self) -> None:
-        if self.http is not None:
-            self.http.shutdown()
-            self.http.server_close()
-            self.http = None
-        if self._status_task is not None:
-            self._status_task.cancel()
+        if self.services is not None:
+            self.services.stop_http()
+        if self._background is not None:
+            self._background.cancel()
             with suppress(asyncio.CancelledError):
-                await self._status_task
-            self._status_task = None
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._reconciler
-            self._reconciler = None
+                await self._background
+            self._background = None
         if self.servers is not None:
             await self.servers.stop()
-        if self.health is not None:
-            await asyncio.to_thread(self.health.stop)
-        if self.guard is not None:
-            await asyncio.to_thread(self.guard.stop)
+        if self.services is not None:
+            await asyncio.to_thread(self.services.stop)
         if self.publisher is not None:
             await self.publisher.stop()
         uninstalled = await self._uninstalled()
@@ -238,21 +230,15 @@ class DraDaemon:
             return None
 
     async def _uninstalled(self) -> Verdict | None:
-        """Whether this stop is an uninstall (None: not asked, no --daemonset); the watch ends."""
+        """Whether this stop is an uninstall (None: not asked, no --daemonset)."""
         if self.uninstall is None:
             return None
         # Two reads at most (its DaemonSet, the other agent's), each within the timeout.
         wait_s = 2 * self.config.uninstall_timeout_s + 1
         try:
-            verdict = await asyncio.wait_for(self.uninstall.decide(), wait_s)
+            return await asyncio.wait_for(self.uninstall.decide(), wait_s)
         except TimeoutError:
-            verdict = Verdict(None, True, f"no answer within {wait_s} s")
-        if self._uninstall_task is not None:
-            self._uninstall_task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._uninstall_task
-            self._uninstall_task = None
-        return verdict
+            return Verdict(None, True, f"no answer within {wait_s} s")
 
 
 async def _main(config: DraConfig) -> int:

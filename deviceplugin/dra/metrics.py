@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from deviceplugin.shared.guard import GuardMetrics
+from deviceplugin.shared.services import NodeMetrics
 
 PREFIX = "fracgpu_dra_plugin"
 
@@ -12,7 +12,8 @@ PREFIX = "fracgpu_dra_plugin"
 class DraMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
-        self.guard = GuardMetrics(registry, PREFIX)  # the node guard, under this agent's prefix
+        # health and the node guard (shared/services.py), under this agent's prefix
+        self.node = NodeMetrics(registry, PREFIX)
         self.registered = Gauge(
             f"{PREFIX}_registered",
             "1 while kubelet has the plugin registered",
@@ -49,12 +50,6 @@ class DraMetrics:
             f"{PREFIX}_claim_status_writes",
             "Writes of claims' status.devices: written, or failed (retried every 2 s)",
             ["result"],
-            registry=self.registry,
-        )
-        self.health_events = Counter(
-            f"{PREFIX}_health_events",
-            "NVML health events seen, by card and reason",
-            ["card", "reason"],
             registry=self.registry,
         )
         self.unhealthy = Gauge(

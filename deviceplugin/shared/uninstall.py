@@ -36,8 +36,8 @@ import aiohttp
 
 from core.informer import Informer, InformerSettings
 from core.kube import DAEMONSETS, Api, KubeError, KubeNotFound, RawBody, call_json, kube_client
-from deviceplugin.shared.flags import NODE_AGENT_DAEMONSETS, DaemonSetRef
 from deviceplugin.shared.hostfiles import hook_library, ld_so_preload
+from deviceplugin.shared.settings import NODE_AGENT_DAEMONSETS, DaemonSetRef
 
 log = logging.getLogger(__name__)
 

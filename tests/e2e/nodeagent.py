@@ -47,7 +47,7 @@ from core.kube import NODES, call_json
 from core.quantity import parse_quantity
 from deviceplugin.dra import cdi
 from deviceplugin.dra.config import DEFAULT_DRIVER
-from deviceplugin.shared.flags import DEFAULT_PROCESS_OVERHEAD_MIB
+from deviceplugin.shared.settings import DEFAULT_PROCESS_OVERHEAD_MIB
 from testkit.nvml import FakeCard, FakeNvml, build_cached
 from tests.e2e.harness import (
     CARD_MIB,

@@ -19,7 +19,7 @@ import pytest
 
 from core.labels import MODEL_ANNOTATION, PRODUCT_LABEL, label_value
 from core.units import BLOCK_MIB, CORE, MEMORY
-from deviceplugin.classic.allocator import SETTLE_S
+from deviceplugin.classic.settling import SETTLE_S
 from tests.e2e.harness import (
     CARD_PRODUCT,
     ENV_NODE,
