@@ -52,8 +52,10 @@ native:
 run: setup
 	$(BIN)/fracgpu serve --standalone
 
+# The layers (import contracts), ruff, and the size caps on product modules (hack/sizes.py).
 lint: $(STAMP)
 	$(BIN)/lint-imports
+	$(BIN)/python hack/sizes.py
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests testkit bench hack
 
