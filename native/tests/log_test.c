@@ -7,17 +7,10 @@
 #include <unistd.h>
 
 #include "log.h"
+#include "check.h"
 
-static int failures;
+int failures;
 
-#define CHECK(name, cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAIL %s: %s (line %d)\n", name, #cond, __LINE__);                         \
-            failures++;                                                                        \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
 
 /* What fg_log wrote to stderr for one call with a single %s argument, and in how many writes. */
 static size_t logged(const char *arg, char *out, size_t cap) {

@@ -13,17 +13,8 @@
 #include "graph.h"
 #include "memory_internal.h"
 #include "region.h"
+#include "check.h"
 
-extern int failures;
-
-#define CHECK(name, cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAIL %s: %s (line %d)\n", name, #cond, __LINE__);                         \
-            failures++;                                                                        \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
 
 #define MIB (1ull << 20)
 

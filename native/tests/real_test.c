@@ -7,17 +7,10 @@
 #include <string.h>
 
 #include "real.h"
+#include "check.h"
 
-static int failures;
+int failures;
 
-#define CHECK(name, cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAIL %s: %s (line %d)\n", name, #cond, __LINE__);                         \
-            failures++;                                                                        \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
 
 #define NSLOTS (sizeof(fg_real_fns) / sizeof(void *))
 

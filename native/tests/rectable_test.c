@@ -8,17 +8,10 @@
 #include <unistd.h>
 
 #include "rectable.h"
+#include "check.h"
 
-static int failures;
+int failures;
 
-#define CHECK(name, cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAIL %s: %s (line %d)\n", name, #cond, __LINE__);                         \
-            failures++;                                                                        \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
 
 /* n keys of kind that hash to one shard and one home slot of a 16-slot table. */
 static void colliding(fg_rec_kind kind, uint64_t *out, int n, uint64_t home) {

@@ -8,18 +8,11 @@
 #include <unistd.h>
 
 #include "usage.h"
+#include "check.h"
 
-static int failures;
+int failures;
 static char dir[512], path[600];
 
-#define CHECK(name, cond)                                                                      \
-    do {                                                                                       \
-        if (!(cond)) {                                                                         \
-            printf("FAIL %s: %s (line %d)\n", name, #cond, __LINE__);                         \
-            failures++;                                                                        \
-            return;                                                                            \
-        }                                                                                      \
-    } while (0)
 
 #define NOW 1764230400000000ull
 static const char *const GOOD = "version=1\nstamp_us=1764230400000000\nwindow_us=100000\n"
