@@ -72,7 +72,7 @@ def build_app(
     app[GUARD] = guard
     for path, reviewer in reviewers.items():
         app.router.add_post(
-            path, _endpoint(path, reviewer, metrics, limits, budget=budget, share=share)
+            path, _Endpoint(path, reviewer, metrics, limits, budget=budget, share=share).handle
         )
     for path, handler in (handlers or {}).items():
         app.router.add_post(path, handler)
@@ -94,18 +94,6 @@ def build_app(
     app.router.add_get(READY_PATH, readyz)
     app.router.add_get(METRICS_PATH, prometheus)
     return app
-
-
-def _endpoint(
-    path: str,
-    reviewer: Reviewer,
-    metrics: AdmissionMetrics,
-    limits: ServerLimits,
-    *,
-    budget: BodyBudget,
-    share: LoopShare,
-) -> Callable[[web.Request], Awaitable[web.Response]]:
-    return _Endpoint(path, reviewer, metrics, limits, budget=budget, share=share).handle
 
 
 class _Endpoint:

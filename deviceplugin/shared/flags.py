@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from core import contract
 from core.flags import add_kube_flags
@@ -25,38 +27,32 @@ from deviceplugin.shared.settings import (
     SettingsError,
 )
 
+N = TypeVar("N", int, float)
+
 # Where kubelet puts the pod's namespace beside its service account token.
 SERVICE_ACCOUNT_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more seconds")
-    return value
+def _number(
+    parse: Callable[[str], N], what: str, least: N, most: N | None = None, rule: str = ""
+) -> Callable[[str], N]:
+    """An argparse type: ``parse`` the text as ``what``, within ``least`` to ``most``."""
+
+    def convert(text: str) -> N:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not (least <= value and (most is None or value <= most)):  # NaN fails too
+            raise argparse.ArgumentTypeError(f"{text!r} must be {rule}")
+        return value
+
+    return convert
 
 
-def _mib(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of MiB") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 or more MiB")
-    return value
-
-
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{text!r} must be 0 (off) to 65535")
-    return value
+_seconds = _number(float, "a number of seconds", 0.0, rule="0 or more seconds")
+_mib = _number(int, "a whole number of MiB", 0, rule="0 or more MiB")
+_port = _number(int, "a port number", 0, 65535, rule="0 (off) to 65535")
 
 
 def _xids(text: str) -> frozenset[int]:
