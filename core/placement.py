@@ -29,7 +29,7 @@ import json
 from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 from core.units import CORE_PER_CARD, DOMAIN
 
@@ -101,12 +101,20 @@ class PlacementRecord:
 def render(record: PlacementRecord) -> str:
     """The annotation's value: compact, containers sorted by name, so equal records are equal
     strings (the binder compares a pod's record with its booking by value)."""
-    containers = {
-        name: {"cards": list(p.cards), "core": p.core, "memoryBlocks": p.memory_blocks}
-        for name, p in sorted(record.containers.items())
+    document = {
+        "v": PLACEMENT_VERSION,
+        "node": record.node,
+        "containers": containers_json(record.containers),
     }
-    document = {"v": PLACEMENT_VERSION, "node": record.node, "containers": containers}
     return json.dumps(document, separators=(",", ":"))
+
+
+def containers_json(containers: Mapping[str, ContainerPlacement]) -> dict[str, Any]:
+    """Containers as the record (and the ledger's bookings) write them, sorted by name."""
+    return {
+        name: {"cards": list(p.cards), "core": p.core, "memoryBlocks": p.memory_blocks}
+        for name, p in sorted(containers.items())
+    }
 
 
 def parse(raw: object, *, pod: str) -> PlacementRecord:
@@ -135,20 +143,29 @@ def parse(raw: object, *, pod: str) -> PlacementRecord:
     node = document.get("node")
     if not isinstance(node, str) or not node:
         raise fail("names no node")
-    containers = document.get("containers")
-    if not isinstance(containers, dict) or not containers:
-        raise fail("names no container")
+    try:
+        containers = parse_containers(document.get("containers"))
+    except PlacementError as err:
+        raise fail(str(err)) from None
+    return PlacementRecord(node, containers)
+
+
+def parse_containers(raw: object) -> dict[str, ContainerPlacement]:
+    """The ``containers`` object of a record or a booking; PlacementError says what is wrong
+    (its caller says where)."""
+    if not isinstance(raw, dict) or not raw:
+        raise PlacementError("names no container")
     parsed: dict[str, ContainerPlacement] = {}
-    for name, body in containers.items():
+    for name, body in raw.items():
         placement = _container(body)
         problem = "is not an object with cards, core and memoryBlocks"
         if placement is not None:
             problem = placement.problem() or ""
         if problem:
-            raise fail(f"container {name!r} {problem}")
+            raise PlacementError(f"container {name!r} {problem}")
         assert placement is not None
-        parsed[name] = placement
-    return PlacementRecord(node, parsed)
+        parsed[str(name)] = placement
+    return parsed
 
 
 def read(annotations: object, *, pod: str) -> PlacementRecord | None:
