@@ -69,7 +69,7 @@ class Allocator:
         self.version = 0
 
     def _units(self, settle_s: float, clock: Clock) -> tuple[Ledger, Offer | FullOffer]:
-        """The placement mode's units: the node's best fit, what one card can host (``directed``)."""
+        """The mode's units: the node's best fit, what one card can host (see ``directed``)."""
         ledger = Ledger(self.cards, self.blocks, self.shown)
         return ledger, Offer(ledger, self.shown, self.pairing, settle_s, clock)
 
