@@ -14,6 +14,7 @@ import json
 import random
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ import grpc
 import pytest
 
 from core import contract
-from core.placement import PLACEMENT_ANNOTATION, ContainerPlacement, PlacementRecord, render
+from core.placement import (
+    PLACEMENT_ANNOTATION,
+    CardRoom,
+    ContainerPlacement,
+    PlacementRecord,
+    booked,
+    fit,
+    render,
+)
 from deviceplugin.classic.allocation import container_dir_name
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.records import RecordError, RecordUnavailable, target_cards
@@ -84,9 +93,17 @@ def _forget_pods() -> Iterator[None]:
     _API_PODS.clear()
 
 
-async def on_node(
-    tmp_path: Path, count: int, scenario: Callable[[GpuNode, FakeApiServer], None]
-) -> None:
+@dataclass(frozen=True)
+class Cluster:
+    """What a scenario drives: the node, the API server, and the binding of a pod made since
+    (the pod with its record, as the extender's Binding leaves it)."""
+
+    node: GpuNode
+    fake: FakeApiServer
+    bind: Callable[[Pod], None]
+
+
+async def on_node(tmp_path: Path, count: int, scenario: Callable[[Cluster], None]) -> None:
     """Run ``scenario`` (blocking: kubelet's calls) on a node of ``count`` 24 GiB cards in the
     extender placement mode, with every pod made so far in the fake API server."""
     async with FakeApiServer() as fake:
@@ -94,12 +111,20 @@ async def on_node(
         for pod in _API_PODS.values():
             fake.put(pod)
         kubeconfig = fake.kubeconfig(tmp_path / "kubeconfig")
+        loop = asyncio.get_running_loop()
+
+        def bind(pod: Pod) -> None:
+            asyncio.run_coroutine_threadsafe(_put(fake, _API_PODS[pod.key]), loop).result(5)
 
         def run() -> None:
             with extender_node(count, kubeconfig) as node:
-                scenario(node, fake)
+                scenario(Cluster(node, fake, bind))
 
         await asyncio.to_thread(run)
+
+
+async def _put(fake: FakeApiServer, pod: dict[str, Any]) -> None:
+    fake.put(pod)  # on the fake's own loop: its store is not shared across threads
 
 
 @contextmanager
@@ -162,7 +187,8 @@ async def test_a_burst_lands_every_container_on_its_recorded_card(
 ) -> None:
     pods = burst(count)
 
-    def scenario(node: GpuNode, fake: FakeApiServer) -> None:
+    def scenario(cluster: Cluster) -> None:
+        node = cluster.node
         kubelet = node.kubelet
         held = {}
         for pod, _ in pods:  # admitted back to back: no Allocate refused, no count short
@@ -184,7 +210,7 @@ async def test_a_burst_lands_every_container_on_its_recorded_card(
         assert all((u.core_used, u.memory_used) == (100, BLOCKS) for u in usage)
         assert_nothing_hidden(node, count)
         assert not kubelet.violations
-        assert kubelet.wait_for(lambda: _node_allocatable(fake) == _full(count))
+        assert kubelet.wait_for(lambda: _node_allocatable(cluster.fake) == _full(count))
 
     await on_node(tmp_path, count, scenario)
 
@@ -199,10 +225,52 @@ def _node_allocatable(fake: FakeApiServer) -> dict[str, str]:
     return {k: v for k, v in allocatable.items() if k in (CORE, MEMORY)}
 
 
+async def test_churn_as_the_extender_books_never_fails_a_pod(tmp_path: Path) -> None:
+    """I4 of the design memo: the extender books each pod on a card from the pods it has bound
+    (a pod's booking goes the moment it ends, before this plugin has seen it end); kubelet
+    admits every pod it binds, and every container lands on its recorded card."""
+    count, rng = 4, random.Random(38)
+    rooms = [CardRoom(i, uuid(i), BLOCKS) for i in range(count)]
+    shapes = [(10, 4), (30, 8), (50, 32), (70, 16), (100, 0), (200, 0)]
+    bound: dict[str, tuple[Pod, ContainerPlacement]] = {}
+    made: list[tuple[Pod, tuple[int, ...]]] = []
+    for n in range(60):  # what the extender decides, step by step
+        if bound and rng.random() < 0.4:
+            key = rng.choice(sorted(bound))
+            made.append((bound.pop(key)[0], ()))  # it ends: its booking is gone at once
+            continue
+        core, memory = rng.choice(shapes)
+        on = fit(booked(rooms, [p for _, p in bound.values()]), core, memory)
+        if not on:
+            continue  # the extender's filter: not bound here
+        cards_ = tuple(c.index for c in on)
+        pod = share_pod(f"p{n}", (core, memory, cards_))
+        bound[pod.key] = (pod, ContainerPlacement(tuple(c.uuid for c in on), core, memory))
+        made.append((pod, cards_))
+
+    def scenario(cluster: Cluster) -> None:
+        node = cluster.node
+        kubelet = node.kubelet
+        for pod, cards_ in made:
+            if not cards_:
+                kubelet.remove(pod)  # kubelet frees its IDs; the plugin is not told
+                continue
+            cluster.bind(pod)
+            core = kubelet.admit(pod)["c0"][CORE]  # never refused: no AdmissionError
+            kubelet.start_container(pod, "c0")  # never waits long: PreStart reads List
+            assert placed_on(node, core) == cards_, pod.key
+            assert_nothing_hidden(node, count)
+        assert not kubelet.violations
+
+    assert sum(1 for _, c in made if c) >= 25 and sum(1 for _, c in made if not c) >= 10
+    await on_node(tmp_path, count, scenario)
+
+
 async def test_a_record_for_another_node_is_refused_saying_so(tmp_path: Path) -> None:
     pod = share_pod("elsewhere", (30, 8, (0,)), node="gpu-2")
 
-    def scenario(node: GpuNode, fake: FakeApiServer) -> None:
+    def scenario(cluster: Cluster) -> None:
+        node = cluster.node
         node.kubelet.admit(pod)  # Allocate never depends on the card: admitted
         with pytest.raises(PreStartFailed) as failed:
             node.kubelet.start_container(pod, "c0")
@@ -217,7 +285,8 @@ async def test_a_pod_without_a_record_is_placed_by_the_nodes_best_fit(tmp_path: 
     first = share_pod("first", (60, 8, (1,)))
     plain = share_pod("plain", (30, 8, ()), record=False)
 
-    def scenario(node: GpuNode, fake: FakeApiServer) -> None:
+    def scenario(cluster: Cluster) -> None:
+        node = cluster.node
         kubelet = node.kubelet
         held = kubelet.admit(first)["c0"][CORE]
         kubelet.start_container(first, "c0")
@@ -236,7 +305,8 @@ async def test_a_container_whose_card_is_still_held_waits_then_starts(tmp_path: 
     old = share_pod("old", (60, 40, (0,)))
     new = share_pod("new", (60, 40, (0,)))
 
-    def scenario(node: GpuNode, fake: FakeApiServer) -> None:
+    def scenario(cluster: Cluster) -> None:
+        node = cluster.node
         kubelet = node.kubelet
         kubelet.admit(old)
         kubelet.start_container(old, "c0")
