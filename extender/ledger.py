@@ -119,7 +119,8 @@ def from_object(obj: Mapping[str, Any]) -> Ledger:
     node = str(meta.get("name") or "")
     spec = obj.get("spec") if isinstance(obj.get("spec"), Mapping) else {}
     assert isinstance(spec, Mapping)
-    raw = spec.get("bookings") or {}
+    raw = spec.get("bookings")
+    raw = {} if raw is None else raw
     if not isinstance(raw, Mapping):
         raise LedgerError(f"GPUNodeLedger {node}: spec.bookings is not an object")
     bookings: dict[str, Booking] = {}
