@@ -55,7 +55,7 @@ def test_a_directed_container_fits_exactly_its_cards(
 
 CHOICES = [
     pytest.param(None, 1.0, [], id="not-directed-yet-waits-for-its-record"),
-    pytest.param(None, ADOPTED, [0], id="adopted-without-limits-charged-by-best-fit"),
+    pytest.param(None, ADOPTED, [], id="adopted-without-limits-waits-for-its-record-too"),
     pytest.param((), 1.0, [0], id="no-record-best-fit"),
     pytest.param((1,), 1.0, [1], id="its-record"),
 ]  # fmt: skip

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -320,6 +321,74 @@ async def test_a_container_whose_card_is_still_held_waits_then_starts(tmp_path: 
         kubelet.remove(old)  # it has stopped at last
         kubelet.start_container(new, "c0")
         assert placed_on(node, held) == (0,)
+
+    await on_node(tmp_path, 2, scenario)
+
+
+async def test_the_early_verifier_places_from_the_record_before_prestart(tmp_path: Path) -> None:
+    pod = share_pod("early", (20, 10, (1,)))
+
+    def scenario(cluster: Cluster) -> None:
+        node, kubelet = cluster.node, cluster.node.kubelet
+        held = kubelet.admit(pod)["c0"][CORE]
+        path = node.config.containers_dir / container_dir_name(held) / "limits" / "limits"
+        assert kubelet.wait_for(path.exists)
+        assert placed_on(node, held) == (1,)
+        calls = kubelet.list_calls
+        kubelet.start_container(pod, "c0")
+        assert kubelet.list_calls == calls  # PreStartContainer only checked the files
+
+    await on_node(tmp_path, 2, scenario)
+
+
+@pytest.mark.parametrize("checkpoint", [True, False], ids=["checkpoint", "no-checkpoint"])
+async def test_a_restart_keeps_each_card_and_directs_a_waiting_container_again(
+    tmp_path: Path, checkpoint: bool
+) -> None:
+    holder = share_pod("holder", (60, 40, (1,)))
+    waiter = share_pod("waiter", (60, 40, (1,)))
+
+    def scenario(cluster: Cluster) -> None:
+        node, kubelet = cluster.node, cluster.node.kubelet
+        held = kubelet.admit(holder)["c0"][CORE]
+        kubelet.start_container(holder, "c0")
+        waiting = kubelet.admit(waiter)["c0"][CORE]
+        with pytest.raises(PreStartFailed):
+            kubelet.start_container(waiter, "c0")
+        node.stop_plugin()
+        if not checkpoint:  # the holder's limits file still names its card
+            node.config.checkpoint_path.unlink()
+        node.start_plugin()
+        assert node.wait_registered()
+        assert placed_on(node, held) == (1,)
+        with pytest.raises(PreStartFailed) as still:
+            kubelet.start_container(waiter, "c0")
+        assert still.value.code is grpc.StatusCode.UNAVAILABLE
+        kubelet.remove(holder)
+        kubelet.start_container(waiter, "c0")
+        assert placed_on(node, waiting) == (1,)
+
+    await on_node(tmp_path, 2, scenario)
+
+
+async def test_a_running_container_that_lost_its_files_is_charged_to_its_recorded_card(
+    tmp_path: Path,
+) -> None:
+    """A restart with neither the checkpoint nor the container's limits file: the listing names
+    no card, the record does (the best fit would take the free card 0)."""
+    running = share_pod("running", (40, 8, (1,)))
+
+    def scenario(cluster: Cluster) -> None:
+        node, kubelet = cluster.node, cluster.node.kubelet
+        held = kubelet.admit(running)["c0"][CORE]
+        kubelet.start_container(running, "c0")
+        node.stop_plugin()
+        node.config.checkpoint_path.unlink()
+        shutil.rmtree(node.config.containers_dir / container_dir_name(held))
+        node.start_plugin()
+        assert node.wait_registered()
+        assert placed_on(node, held) == (1,)
+        assert limits_of(node, held).devices == (uuid(1),)  # written back at once
 
     await on_node(tmp_path, 2, scenario)
 

@@ -15,9 +15,9 @@ Which containers it places, and where:
   memory free; whole cards: every named card entirely free and healthy), else none yet;
 - directed to ``()``: its pod has no record (created before the switch, or placed by another
   scheduler): the node's own best fit, as in the mode ``node``;
-- not directed yet: none, it waits for its record; except a container learnt from a listing
-  with no readable limits file (``reconciliation.ADOPTED``): it already runs somewhere, so it is
-  charged where the best fit puts it, never left uncounted.
+- not directed yet: none, it waits for its record (read at early verification, at
+  PreStartContainer, or, for a container adopted from a listing without a limits file that
+  names its card, right after the reconciliation that adopted it: ``recovery``).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from deviceplugin.classic.ledger import Ledger, best_fit
 from deviceplugin.classic.offer import Offer
 from deviceplugin.classic.pairing import Clock
 from deviceplugin.classic.placement import CardState
-from deviceplugin.classic.reconciliation import ADOPTED
 
 
 class DirectedAllocator(Allocator):
@@ -60,7 +59,7 @@ def choose_directed(cards: Mapping[int, CardState], allocation: Allocation) -> l
     """The card(s) for an unplaced container in the extender mode; [] while it waits."""
     target = allocation.directed
     if target is None:
-        return best_fit(cards, allocation) if allocation.created == ADOPTED else []
+        return []
     if not target:
         return best_fit(cards, allocation)
     return fit_exactly(cards, target, len(allocation.core), len(allocation.memory))

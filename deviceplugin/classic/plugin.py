@@ -94,7 +94,12 @@ class DevicePlugin:
         )
         self.files = ContainerFiles(config, self.cards)
         self.recovery = Recovery(
-            config, self.allocator, self.files, list_containers=self._list, save=self.save
+            config,
+            self.allocator,
+            self.files,
+            list_containers=self._list,
+            save=self.save,
+            direct=None if self.records is None else self.records.direct,
         )
         self.verifier = EarlyVerifier(
             self._verify_one,
