@@ -209,7 +209,7 @@ class DevicePlugin:
                 raise AllocationError(f"{self.resource(kind)}: {self._no_card(allocation)}")
             static_response(self.config, allocation.core, response)
             card_response(self.config, self.cards, allocation, response)
-        if complete and (allocation.cards or self.records) and self.verifier.running:
+        if complete and (allocation.cards or self.records is not None) and self.verifier.running:
             # both halves are in (or whole cards, which need no memory): prepare PreStart
             # (extender placement: it also reads the container's record and places it)
             self.verifier.submit(allocation)
