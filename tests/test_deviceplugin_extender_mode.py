@@ -393,6 +393,23 @@ async def test_a_running_container_that_lost_its_files_is_charged_to_its_recorde
     await on_node(tmp_path, 2, scenario)
 
 
+async def test_an_init_container_shares_its_app_containers_record(tmp_path: Path) -> None:
+    """kubelet hands an init container's IDs to the app container and lists only the app
+    container: the init container runs on the card the app container's record names."""
+    pod = share_pod("init", (30, 10, (1,)))
+    pod.init_containers = [Container("fetch", {CORE: 30, MEMORY: 10})]
+
+    def scenario(cluster: Cluster) -> None:
+        node, kubelet = cluster.node, cluster.node.kubelet
+        held = kubelet.admit(pod)
+        kubelet.start_container(pod, "fetch")
+        kubelet.start_container(pod, "c0")
+        assert placed_on(node, held["c0"][CORE]) == (1,)
+        assert set(held["fetch"][CORE]) == set(held["c0"][CORE])
+
+    await on_node(tmp_path, 2, scenario)
+
+
 # ---- the record, read for one container (no node) ---------------------------------------
 
 CARDS = {i: Card(i, uuid(i), "Fake", 24 * GIB, i, None) for i in range(4)}
