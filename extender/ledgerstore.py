@@ -14,7 +14,6 @@ missing object is NotFound.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -96,8 +95,16 @@ class MemoryLedgerStore:
     await between reading and writing."""
 
     def __init__(self) -> None:
-        self._versions = itertools.count(1)
+        self.written = 0
         self.objects: dict[str, Ledger] = {}
+
+    def copy(self) -> MemoryLedgerStore:
+        """An independent store with the same objects and versions (a model check forks the
+        world at every choice)."""
+        twin = MemoryLedgerStore()
+        twin.written = self.written
+        twin.objects = dict(self.objects)  # ledgers are immutable
+        return twin
 
     async def get(self, node: str) -> Ledger | None:
         return self.objects.get(node)
@@ -116,7 +123,8 @@ class MemoryLedgerStore:
         return self._store(ledger)
 
     def _store(self, ledger: Ledger) -> Ledger:
-        stored = replace(ledger, version=str(next(self._versions)))
+        self.written += 1
+        stored = replace(ledger, version=str(self.written))
         self.objects[ledger.node] = stored
         return stored
 
