@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from core.kube import Api, KubeConflict, KubeError, KubeNotFound, Resource, call_json
-from extender.ledger import GROUP, PLURAL, VERSION, Ledger, from_object, to_object
+from extender.ledger import GROUP, PLURAL, VERSION, Ledger, LedgerError, from_object, to_object
 
 GPUNODELEDGERS = Resource(GROUP, VERSION, PLURAL, namespaced=False)
 CAS_ATTEMPTS = 5
@@ -169,7 +169,7 @@ class KubeLedgerStore:
 
     async def get(self, node: str) -> Ledger | None:
         try:
-            return from_object(await self._call("GET", GPUNODELEDGERS.path(name=node)))
+            return _read(await self._call("GET", GPUNODELEDGERS.path(name=node)))
         except NotFound:
             return None
 
@@ -180,8 +180,16 @@ class KubeLedgerStore:
             body["metadata"]["ownerReferences"] = [
                 {"apiVersion": "v1", "kind": "Node", "name": ledger.node, "uid": uid}
             ]
-        return from_object(await self._call("POST", GPUNODELEDGERS.path(), body))
+        return _read(await self._call("POST", GPUNODELEDGERS.path(), body))
 
     async def replace(self, ledger: Ledger) -> Ledger:
         path = GPUNODELEDGERS.path(name=ledger.node)
-        return from_object(await self._call("PUT", path, to_object(ledger)))
+        return _read(await self._call("PUT", path, to_object(ledger)))
+
+
+def _read(obj: dict[str, Any]) -> Ledger:
+    """A stored ledger; one fracgpu cannot read is no ground to write over it."""
+    try:
+        return from_object(obj)
+    except LedgerError as err:
+        raise Unavailable(str(err)) from None

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from certs.material import CA_BUNDLE
 from certs.serving import ServingCertificates, ServingError, open_serving
 from core.informer import Informers
 from core.kube import Api, kube_client
+from extender.service import ExtenderConfig, ExtenderService
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
 from quota.service import QuotaService, open_quota
@@ -47,6 +48,7 @@ from webhook.transport import listen
 from webhook.waitwatch import WaitExplainer
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 class ServeConfig(BaseModel):
@@ -58,6 +60,7 @@ class ServeConfig(BaseModel):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     certs: CertsConfig = Field(default_factory=CertsConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
+    extender: ExtenderConfig = Field(default_factory=ExtenderConfig)
     kubeconfig: Path | None = None
     context: str | None = Field(None, description="kubeconfig context (default: the current one)")
     shutdown_delay_seconds: float = Field(
@@ -162,7 +165,8 @@ async def run_server(
         wiring.background.append(certificates.run())
         quota = await _open_admission(wiring, config, inventory, presence, certificates)
         await _watch_cluster(wiring, config, inventory, presence)
-        await _listen(wiring, config, standalone, certificates, quota.decide_endpoint)
+        handlers = {DECIDE_PATH: quota.decide_endpoint, **_open_extender(wiring, config)}
+        await _listen(wiring, config, standalone, certificates, handlers)
         status = await _until_stopped(wiring.background, stop)
         wiring.stopping.append("shutting down")
         delay = config.shutdown_delay_seconds if status == 0 else 0.0
@@ -243,19 +247,34 @@ async def _watch_cluster(
         wiring.waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
 
 
+def _open_extender(wiring: _Wiring, config: ServeConfig) -> dict[str, Handler]:
+    """The scheduler extender's endpoints, when it is enabled (device-plugin mode with cards
+    placed at scheduling time). Not a readiness condition: admission needs none of it, and
+    until its caches have listed, filter answers the scheduler with an error (the pod waits)."""
+    if not config.extender.enabled:
+        return {}
+    if wiring.api is None or wiring.informers is None:
+        log.warning("extender enabled but no cluster (standalone): not served")
+        return {}
+    service = ExtenderService(wiring.api, wiring.informers, config.extender)
+    wiring.background.append(service.run())
+    log.info("serving the scheduler extender", extra={"paths": sorted(service.routes())})
+    return service.routes()
+
+
 async def _listen(
     wiring: _Wiring,
     config: ServeConfig,
     standalone: bool,
     certificates: ServingCertificates,
-    decide: Callable[[web.Request], Awaitable[web.Response]],
+    handlers: Mapping[str, Handler],
 ) -> None:
     app = build_app(
         wiring.reviewers,
         metrics=AdmissionMetrics(wiring.registry),
         readiness=wiring.readiness,
         limits=config.server.limits,
-        handlers={DECIDE_PATH: decide},
+        handlers=handlers,
     )
     listener = await listen(app, config.server.host, config.server.port, certificates.context)
     wiring.stack.push_async_callback(listener.close)
