@@ -7,7 +7,11 @@ both caches have listed, filter answers with an ``Error`` (the scheduler requeue
 than judge nodes against an empty view.
 
 Reclaim runs on every replica: a pass only removes bookings on evidence that stays true, so two
-replicas reclaiming at once is safe, and costs at most a conflict. Forwarding binds to one leader
+replicas reclaiming at once is safe, and costs at most a conflict. A pass over every ledger runs
+periodically; a pod event that may end a booking (the pod deleted, ended, or bound) triggers a
+pass over the ledgers that book it at once. The event itself is never the evidence (an informer
+that stops or relists reports objects as deleted that may not be): the pass asks the API
+server. Forwarding binds to one leader
 (as the quota service forwards its decisions) would only lower the conflict rate; it is not
 needed for safety and is left out.
 """
@@ -15,6 +19,7 @@ needed for safety and is left out.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Literal
@@ -23,12 +28,12 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.informer import Informer, Informers
-from core.kube import NODES, Api
+from core.kube import NODES, PODS, Api, RawBody
 from extender.binder import Binder
 from extender.ledger import Ledger, LedgerError, from_object
 from extender.ledgerstore import GPUNODELEDGERS, KubeLedgerStore, TooManyConflicts, Unavailable
 from extender.pods import KubePods, PodApiDown
-from extender.reclaim import reclaim_node
+from extender.reclaim import TERMINAL, reclaim_node
 from extender.verbs import View, filter_nodes, prioritize
 from extender.view import NodeCards, node_cards
 from extender.wire import (
@@ -77,7 +82,10 @@ class ExtenderService:
         self.pods = KubePods(api, request_timeout_s=timeout)
         self.binder = Binder(self.pods, self.store, self.cards, self.models)
         self.view = View(self.cards, self.ledger, self.models)
+        self.pod_events: Informer = informers.of(PODS)
         self._cards: dict[str, tuple[str, NodeCards | None]] = {}
+        self._dirty: set[str] = set()
+        self._wake = asyncio.Event()
 
     # --- the view -------------------------------------------------------------------------
 
@@ -158,25 +166,61 @@ class ExtenderService:
 
     async def run(self) -> None:
         """Keep the caches and reclaim ended pods' bookings until cancelled."""
-        async with self.nodes, self.ledgers:
-            while True:
-                await self.reclaim_all()
-                await asyncio.sleep(self.config.reclaim_interval_seconds)
+        self.pod_events.add_handler(self.on_pod)
+        try:
+            async with self.nodes, self.ledgers, self.pod_events:
+                while True:
+                    await self.reclaim_all()
+                    await self._reclaim_dirty_until(self.config.reclaim_interval_seconds)
+        finally:
+            self.pod_events.remove_handler(self.on_pod)
+
+    def on_pod(self, kind: str, pod: RawBody) -> None:
+        """Mark the nodes whose ledgers book a pod that may have let go of its booking."""
+        meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+        phase = (pod.get("status") or {}).get("phase")
+        bound = spec.get("nodeName")
+        if kind != "DELETED" and phase not in TERMINAL and not bound:
+            return
+        uid = meta.get("uid")
+        for obj in self.ledgers.objects():
+            node = str((obj.get("metadata") or {}).get("name") or "")
+            bookings = (obj.get("spec") or {}).get("bookings") or {}
+            if uid not in bookings:
+                continue
+            if kind != "DELETED" and phase not in TERMINAL and bound == node:
+                continue  # bound here and running: its booking stays
+            self._dirty.add(node)
+            self._wake.set()
+
+    async def _reclaim_dirty_until(self, seconds: float) -> None:
+        """Reclaim the nodes pod events mark, as they are marked, for ``seconds``."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while (left := deadline - loop.time()) > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), left)
+            self._wake.clear()
+            dirty, self._dirty = self._dirty, set()
+            for node in sorted(dirty):
+                await self._reclaim(node)
 
     async def reclaim_all(self) -> int:
         """One reclaim pass over every node's ledger; how many bookings it released."""
         released = 0
         for obj in self.ledgers.objects():
-            node = str((obj.get("metadata") or {}).get("name") or "")
-            try:
-                freed = await reclaim_node(self.store, self.pods, node)
-            except (TooManyConflicts, Unavailable, PodApiDown) as err:
-                log.warning("reclaim pass failed", extra={"node": node, "error": str(err)})
-                continue  # the next pass tries again: a delay costs utilisation only
-            released += len(freed)
-            if freed:
-                log.info("bookings released", extra={"node": node, "released": freed})
+            released += await self._reclaim(str((obj.get("metadata") or {}).get("name") or ""))
         return released
+
+    async def _reclaim(self, node: str) -> int:
+        try:
+            freed = await reclaim_node(self.store, self.pods, node)
+        except (TooManyConflicts, Unavailable, PodApiDown) as err:
+            log.warning("reclaim pass failed", extra={"node": node, "error": str(err)})
+            return 0  # the next pass tries again: a delay costs utilisation only
+        if freed:
+            log.info("bookings released", extra={"node": node, "released": freed})
+        return len(freed)
 
 
 def _bad(err: ValidationError) -> web.Response:
