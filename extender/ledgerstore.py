@@ -146,6 +146,14 @@ class KubeLedgerStore:
         self.api = api
         self.owner = owner
         self.request_timeout_s = request_timeout_s
+        # The newest ledger this replica read or wrote, per node: filter reads the informer's
+        # cache, which trails this replica's own writes by a watch event; a pod filtered in
+        # between would pass on capacity just booked, and fail its bind.
+        self.newest: dict[str, Ledger] = {}
+
+    def _seen(self, ledger: Ledger) -> Ledger:
+        self.newest[ledger.node] = newer(self.newest.get(ledger.node), ledger)
+        return ledger
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
@@ -169,8 +177,9 @@ class KubeLedgerStore:
 
     async def get(self, node: str) -> Ledger | None:
         try:
-            return _read(await self._call("GET", GPUNODELEDGERS.path(name=node)))
+            return self._seen(_read(await self._call("GET", GPUNODELEDGERS.path(name=node))))
         except NotFound:
+            self.newest.pop(node, None)
             return None
 
     async def create(self, ledger: Ledger) -> Ledger:
@@ -180,11 +189,11 @@ class KubeLedgerStore:
             body["metadata"]["ownerReferences"] = [
                 {"apiVersion": "v1", "kind": "Node", "name": ledger.node, "uid": uid}
             ]
-        return _read(await self._call("POST", GPUNODELEDGERS.path(), body))
+        return self._seen(_read(await self._call("POST", GPUNODELEDGERS.path(), body)))
 
     async def replace(self, ledger: Ledger) -> Ledger:
         path = GPUNODELEDGERS.path(name=ledger.node)
-        return _read(await self._call("PUT", path, to_object(ledger)))
+        return self._seen(_read(await self._call("PUT", path, to_object(ledger))))
 
 
 def _read(obj: dict[str, Any]) -> Ledger:
@@ -193,3 +202,16 @@ def _read(obj: dict[str, Any]) -> Ledger:
         return from_object(obj)
     except LedgerError as err:
         raise Unavailable(str(err)) from None
+
+
+def newer(a: Ledger | None, b: Ledger | None) -> Ledger:
+    """The later of two reads of one node's ledger, by resourceVersion (both may be None)."""
+    if a is None or b is None:
+        found = a or b
+        assert found is not None
+        return found
+    return b if _version(b) >= _version(a) else a
+
+
+def _version(ledger: Ledger) -> int:
+    return int(ledger.version) if ledger.version.isdigit() else -1

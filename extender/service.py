@@ -31,7 +31,13 @@ from core.informer import Informer, Informers
 from core.kube import NODES, PODS, Api, RawBody
 from extender.binder import Binder
 from extender.ledger import Ledger, LedgerError, from_object
-from extender.ledgerstore import GPUNODELEDGERS, KubeLedgerStore, TooManyConflicts, Unavailable
+from extender.ledgerstore import (
+    GPUNODELEDGERS,
+    KubeLedgerStore,
+    TooManyConflicts,
+    Unavailable,
+    newer,
+)
 from extender.pods import KubePods, PodApiDown
 from extender.reclaim import TERMINAL, reclaim_node
 from extender.verbs import View, filter_nodes, prioritize
@@ -105,14 +111,20 @@ class ExtenderService:
         return cached[1]
 
     def ledger(self, node: str) -> Ledger | None:
+        """The node's ledger: the informer's, or this replica's own last read or write of it
+        when that is newer (the watch has not brought it yet)."""
         obj = self.ledgers.get(node)
-        if obj is None:
+        cached = None
+        if obj is not None:
+            try:
+                cached = from_object(obj)
+            except LedgerError as err:
+                log.warning("unreadable GPUNodeLedger", extra={"node": node, "error": str(err)})
+                return None
+        own = self.store.newest.get(node)
+        if cached is None and own is None:
             return None
-        try:
-            return from_object(obj)
-        except LedgerError as err:
-            log.warning("unreadable GPUNodeLedger", extra={"node": node, "error": str(err)})
-            return None
+        return newer(cached, own)
 
     def models(self) -> Iterable[str]:
         return {p for n in self.nodes.objects() for p in (self._products(n))}

@@ -15,6 +15,7 @@ from extender.ledgerstore import (
     NotFound,
     TooManyConflicts,
     cas,
+    newer,
 )
 from testkit.apiserver import FakeApiServer
 from testkit.kinds import GPUNODELEDGER
@@ -168,3 +169,17 @@ async def test_kube_store_against_the_api_server(tmp_path: Any) -> None:
             with pytest.raises(Conflict):
                 await store.replace(created)  # stale version
             assert await store.get("n1") == replaced
+            assert store.newest["n1"] == replaced  # what filter sees before the watch does
+
+
+NEWER = [
+    pytest.param(None, Ledger("n", version="2"), "2", id="only one read"),
+    pytest.param(Ledger("n", version="3"), Ledger("n", version="2"), "3", id="the first is newer"),
+    pytest.param(Ledger("n", version="9"), Ledger("n", version="10"), "10", id="numerically"),
+    pytest.param(Ledger("n", version="4"), None, "4", id="only the first"),
+]
+
+
+@pytest.mark.parametrize(("a", "b", "version"), NEWER)
+def test_newer(a: Ledger | None, b: Ledger | None, version: str) -> None:
+    assert newer(a, b).version == version
