@@ -19,7 +19,7 @@ to the card reserved for it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from core.units import CORE_PER_CARD
@@ -38,13 +38,51 @@ Policy = Literal["pack", "spread"]
 POLICIES: tuple[Policy, ...] = ("pack", "spread")
 
 
+class Verdicts:
+    """Each node's verdict for a pod *shape*, kept while that node's cards and ledger are the
+    very objects it was computed from.
+
+    A Deployment's or a Job's pods share a shape, and between two of its pods most nodes did not
+    change, so filter at 1,000 nodes mostly looks verdicts up instead of placing the pod on
+    every node again. The key holds the objects themselves (compared by identity): the view
+    replaces a node's cards or ledger with a new object whenever either changes, so a kept
+    verdict is never stale. A pod with a booking of its own on the node is judged afresh (its
+    booking is left out, which no other pod of its shape shares).
+    """
+
+    def __init__(self, limit: int = 65536) -> None:
+        self.limit = limit
+        self._kept: dict[tuple[str, tuple[object, ...]], tuple[object, object, Verdict]] = {}
+        self.hits = 0
+
+    def judge(
+        self, name: str, cards: NodeCards | None, ledger: Ledger | None, demand: PodDemand
+    ) -> Verdict:
+        if cards is None or (ledger is not None and demand.uid in ledger.bookings):
+            return judge(cards, ledger, demand)
+        key = (name, demand.shape())
+        kept = self._kept.get(key)
+        if kept is not None and kept[0] is cards and kept[1] is ledger:
+            self.hits += 1
+            return kept[2]
+        verdict = judge(cards, ledger, demand)
+        if len(self._kept) >= self.limit:
+            self._kept.clear()  # shapes come and go; a full recount is cheaper than LRU upkeep
+        self._kept[key] = (cards, ledger, verdict)
+        return verdict
+
+
 @dataclass(frozen=True)
 class View:
-    """What the verbs read: each node's cards and ledger by name, and the models known."""
+    """What the verbs read: each node's cards and ledger by name, and the models known.
+
+    ``cards`` and ``ledger`` must return the same object for a node until it changes (the
+    verdicts kept in ``verdicts`` rely on it)."""
 
     cards: Callable[[str], NodeCards | None]
     ledger: Callable[[str], Ledger | None]
     models: Callable[[], Iterable[str]]
+    verdicts: Verdicts = field(default_factory=Verdicts)
 
 
 def _candidates(args: ExtenderArgs, view: View) -> dict[str, NodeCards | None]:
@@ -64,7 +102,10 @@ def verdicts(args: ExtenderArgs, view: View) -> tuple[PodDemand | None, dict[str
     demand = pod_demand(args.pod, view.models())
     if not demand.wants_gpu:
         return None, {}
-    judged = {name: judge(cards, view.ledger(name), demand) for name, cards in candidates.items()}
+    judge_ = view.verdicts.judge
+    judged = {
+        name: judge_(name, cards, view.ledger(name), demand) for name, cards in candidates.items()
+    }
     return demand, judged
 
 
