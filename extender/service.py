@@ -74,6 +74,20 @@ class ExtenderConfig(BaseModel):
         default=30.0, gt=0, description="how often every ledger is checked for ended pods"
     )
     request_timeout_seconds: float = Field(default=5.0, gt=0, le=60)
+    port: int = Field(
+        default=8444,
+        ge=1,
+        le=65535,
+        description="the extender's own HTTPS port (on server.host), which requires a client "
+        "certificate signed by fracgpu's CA: bind binds pods with serve's permissions, and the "
+        "admission port takes callers without one (the API server)",
+    )
+    client_secret_name: str = Field(
+        default="fracgpu-scheduler-client-tls",
+        min_length=1,
+        description="the Secret (in certs.namespace) serve issues the scheduler's client "
+        "certificate into and renews (certs mode secret); the scheduler mounts it",
+    )
 
 
 class ExtenderService:

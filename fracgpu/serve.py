@@ -24,9 +24,11 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from certs.clientcert import ClientCertificateKeeper
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import ServingCertificates, ServingError, open_serving
+from certs.sources import ManagedSource
 from core.informer import Informers
 from core.kube import Api, kube_client
 from extender.service import ExtenderConfig, ExtenderService
@@ -165,8 +167,11 @@ async def run_server(
         wiring.background.append(certificates.run())
         quota = await _open_admission(wiring, config, inventory, presence, certificates)
         await _watch_cluster(wiring, config, inventory, presence)
-        handlers = {DECIDE_PATH: quota.decide_endpoint, **_open_extender(wiring, config)}
+        extender = _open_extender(wiring, config, certificates)
+        handlers = {DECIDE_PATH: quota.decide_endpoint}
         await _listen(wiring, config, standalone, certificates, handlers)
+        if extender:
+            await _listen_extender(wiring, config, certificates, extender)
         status = await _until_stopped(wiring.background, stop)
         wiring.stopping.append("shutting down")
         delay = config.shutdown_delay_seconds if status == 0 else 0.0
@@ -247,10 +252,13 @@ async def _watch_cluster(
         wiring.waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
 
 
-def _open_extender(wiring: _Wiring, config: ServeConfig) -> dict[str, Handler]:
+def _open_extender(
+    wiring: _Wiring, config: ServeConfig, certificates: ServingCertificates
+) -> dict[str, Handler]:
     """The scheduler extender's endpoints, when it is enabled (device-plugin mode with cards
-    placed at scheduling time). Not a readiness condition: admission needs none of it, and
-    until its caches have listed, filter answers the scheduler with an error (the pod waits)."""
+    placed at scheduling time), and the keeper of the scheduler's client certificate. Not a
+    readiness condition: admission needs none of it, and until its caches have listed, filter
+    answers the scheduler with an error (the pod waits)."""
     if not config.extender.enabled:
         return {}
     if wiring.api is None or wiring.informers is None:
@@ -258,8 +266,40 @@ def _open_extender(wiring: _Wiring, config: ServeConfig) -> dict[str, Handler]:
         return {}
     service = ExtenderService(wiring.api, wiring.informers, config.extender)
     wiring.background.append(service.run())
-    log.info("serving the scheduler extender", extra={"paths": sorted(service.routes())})
+    source = certificates.source
+    if isinstance(source, ManagedSource) and config.certs.mode == "secret":
+        keeper = ClientCertificateKeeper(
+            wiring.api, config.certs, config.extender.client_secret_name, lambda: source.material
+        )
+        wiring.background.append(keeper.run())
+    else:
+        # No CA key here (files mode: cert-manager's), or no Secret to share it through.
+        log.warning(
+            "the scheduler's client certificate is issued only in certs mode secret; issue "
+            "one from the CA that signs the serving certificate (clientAuth) yourself",
+            extra={"certs_mode": config.certs.mode},
+        )
     return service.routes()
+
+
+async def _listen_extender(
+    wiring: _Wiring,
+    config: ServeConfig,
+    certificates: ServingCertificates,
+    routes: Mapping[str, Handler],
+) -> None:
+    """The extender's own listener: the same certificate as admission's, and a client
+    certificate from fracgpu's CA required (the scheduler's), because bind binds pods with
+    serve's permissions. Its limits are admission's; probes stay on the admission port, which
+    kubelet can reach without a client certificate."""
+    app = build_app({}, limits=config.server.limits, handlers=routes)
+    port = config.extender.port
+    listener = await listen(app, config.server.host, port, certificates.mutual_context)
+    wiring.stack.push_async_callback(listener.close)
+    log.info(
+        "serving the scheduler extender (client certificate required)",
+        extra={"host": config.server.host, "port": port, "paths": sorted(routes)},
+    )
 
 
 async def _listen(

@@ -1,10 +1,12 @@
-"""The extender inside ``fracgpu serve``: the scheduler's three calls over real TLS against the
-fake API server, and reclaim as soon as the pod is gone (its watch event triggers the pass; the
-periodic pass is an hour away)."""
+"""The extender inside ``fracgpu serve``: the scheduler's three calls over mutual TLS (the
+extender's own port, the client certificate serve issues) against the fake API server, and
+reclaim as soon as the pod is gone (its watch event triggers the pass; the periodic pass is an
+hour away)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -21,19 +23,31 @@ from testkit.kinds import GPUNODELEDGER
 from tests.serving import in_cluster_config, issued_ca
 from tests.support import eventually, free_port
 
+CLIENT_SECRET = ("secrets", "fracgpu-scheduler-client-tls", "fracgpu")
+
 
 @contextlib.asynccontextmanager
 async def serving(
     fake: FakeApiServer, tmp_path: Path
 ) -> AsyncIterator[tuple[aiohttp.ClientSession, str]]:
-    port = free_port()
+    port, extender = free_port(), free_port()
     config = in_cluster_config(fake, tmp_path, port).model_copy(
-        update={"extender": ExtenderConfig(enabled=True, reclaim_interval_seconds=3600)}
+        update={
+            "extender": ExtenderConfig(enabled=True, reclaim_interval_seconds=3600, port=extender)
+        }
     )
     stop = asyncio.Event()
     server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
     ctx = await issued_ca(fake)
-    url = f"https://127.0.0.1:{port}"
+    # The extender's own port, with the client certificate serve issues for the scheduler
+    # (tests/test_extender_listener.py: without it, the port refuses).
+    await eventually(lambda: fake.get(*CLIENT_SECRET) is not None)
+    client = fake.get(*CLIENT_SECRET)
+    assert client is not None
+    for key in ("tls.crt", "tls.key"):
+        (tmp_path / key).write_bytes(base64.b64decode(client["data"][key]))
+    ctx.load_cert_chain(tmp_path / "tls.crt", tmp_path / "tls.key")
+    url = f"https://127.0.0.1:{extender}"
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(ssl=ctx)) as http:
         yield http, url
     stop.set()
