@@ -37,7 +37,7 @@ from quota.forward import DECIDE_PATH
 from quota.service import QuotaService, open_quota
 from webhook.claims import SliceModels
 from webhook.claimstore import TemplateStore, slice_informer
-from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
+from webhook.config import AdmissionConfig, ConfigError, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mode import ModeError
@@ -82,6 +82,7 @@ def load(
         config = ServeConfig.model_validate(raw)
     except ValidationError as exc:
         raise describe(exc, str(args.config)) from None
+    _placement_agrees(admission, config.extender.enabled, args.config)
     server = config.server.model_copy(
         update={
             k: v
@@ -105,6 +106,25 @@ def load(
             "context": args.context or config.context,
         }
     )
+
+
+def _placement_agrees(admission: AdmissionConfig, extender: bool, source: object) -> None:
+    """The extender is served exactly when GPU pods are placed by it: served but unused, the
+    pods it never sees are placed by the node, while it books cards for others on the same
+    nodes; used but not served, every GPU pod waits on a scheduler whose extender fails."""
+    if extender and admission.placement != "extender":
+        raise ConfigError(
+            f"{source}: extender.enabled is true but admission.placement is "
+            f"{admission.placement}: the extender places GPU pods only if admission sends them "
+            f"to it; remove admission.placement (it then follows extender.enabled) or set "
+            f"extender.enabled: false"
+        )
+    if not extender and admission.placement == "extender":
+        raise ConfigError(
+            f"{source}: admission.placement is extender but extender.enabled is false: every "
+            f"GPU pod would wait on scheduler {admission.scheduler_name}, whose extender this "
+            f"server does not serve; set extender.enabled: true, or admission.placement: node"
+        )
 
 
 def serve(
@@ -192,6 +212,12 @@ async def _open_admission(
     api, informers = wiring.api, wiring.informers
     mode = await resolve_mode(config.admission.allocation, api)
     log.info("admission mode", extra={"allocation": mode.allocation, "why": mode.why})
+    if mode.allocation == "dra" and config.admission.placement == "extender":
+        raise ConfigError(
+            f"admission.placement is extender (device-plugin mode) but the cluster is "
+            f"admitted in DRA mode ({mode.why}); set admission.allocation: device-plugin, or "
+            f"admission.placement: node and extender.enabled: false"
+        )
     admission = config.admission.model_copy(update={"allocation": mode.allocation})
     # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
     dra = mode.allocation == "dra" and api is not None
@@ -215,8 +241,14 @@ async def _open_admission(
     wiring.reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
     if api is not None and informers is not None:
         # A pod no card can host waits Pending; say why, in its units (the driver's
-        # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode).
-        explainer = WaitExplainer(api, device_plugin=models is None, informers=informers)
+        # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode); and one left
+        # to a scheduler that is not running, that it is not.
+        explainer = WaitExplainer(
+            api,
+            device_plugin=models is None,
+            informers=informers,
+            scheduler=(admission.scheduler_name, presence) if presence is not None else None,
+        )
         leading.append(explainer.run)
     if api is not None and models is not None and templates is not None:
         wiring.reviewers[MUTATE_PATH] = await _dra_admission(
