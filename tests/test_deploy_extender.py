@@ -7,7 +7,7 @@ bind) with the client certificate serve issues into its Secret, which the schedu
 webhook's Deployment and Service expose the port; serve may keep that Secret; the device plugin
 runs with ``--placement=extender``. The CRD and the rest of RBAC come from the base
 (tests/test_deploy_rbac.py lists the grants). The Helm chart renders the same with
-``scheduler.placement: extender`` (tests/test_deploy_helm.py).
+``placement: extender`` (tests/test_deploy_helm.py).
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ EQUIVALENTS = [
     ),
     pytest.param(Equivalent("dialects", {"dialects": ["hami", "tkestack"]}), id="dialects"),
     pytest.param(
-        Equivalent("extender", {"scheduler": {"placement": "extender"}}),
+        Equivalent("extender", {"placement": "extender"}),
         id="device-plugin-with-extender-placement",
     ),
 ]
@@ -248,23 +248,23 @@ def test_every_value_is_typed_and_its_default_stated() -> None:
             id="cidr-without-prefix",
         ),
         pytest.param(
-            {"scheduler": {"placement": "scheduler"}},
-            "at '/scheduler/placement'",
+            {"placement": "scheduler"},
+            "at '/placement'",
             id="unknown-placement",
         ),
         pytest.param(
-            {"scheduler": {"placement": "extender", "enabled": False}},
+            {"placement": "extender", "scheduler": {"enabled": False}},
             "at '/scheduler/enabled'",
             id="extender-placement-without-the-scheduler",
         ),
         pytest.param(
-            {"scheduler": {"placement": "extender"}, "mode": "dra"},
-            "scheduler.placement extender is for device-plugin mode",
+            {"placement": "extender", "mode": "dra"},
+            "placement extender is for device-plugin mode",
             id="extender-placement-in-dra-mode",
         ),
         pytest.param(
-            {"scheduler": {"placement": "extender"}, "certs": {"mode": "cert-manager"}},
-            "scheduler.placement extender needs certs.mode self",
+            {"placement": "extender", "certs": {"mode": "cert-manager"}},
+            "placement extender needs certs.mode self",
             id="extender-placement-with-cert-manager",
         ),
     ],
@@ -283,9 +283,7 @@ def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
         pytest.param({"certs": {"mode": "cert-manager"}}, "1.35.0", (), id="cert-manager"),
         pytest.param({"webhook": {"timeoutSeconds": 4}}, "1.35.0", (), id="shortest-timeout"),
         pytest.param({"webhook": {"timeoutSeconds": 30}}, "1.35.0", (), id="longest-timeout"),
-        pytest.param(
-            {"scheduler": {"placement": "extender"}}, "1.35.0", (), id="extender-placement"
-        ),
+        pytest.param({"placement": "extender"}, "1.35.0", (), id="extender-placement"),
         pytest.param(
             {"config": {"quota": {"require_quota": True}, "admission": {"scheduler_name": "x"}}},
             "1.35.0",
@@ -345,7 +343,7 @@ def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> N
     """With a NetworkPolicy, the fracgpu-scheduler's pods still reach the extender's port (the
     kustomize overlays leave combining network-policy and extender to the user)."""
     values = {
-        "scheduler": {"placement": "extender"},
+        "placement": "extender",
         "networkPolicy": {"enabled": True, "apiServerCIDRs": ["192.0.2.0/24"]},
     }
     policy = find(render_chart(values), "NetworkPolicy", "fracgpu-webhook")
@@ -354,7 +352,7 @@ def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> N
     ]
     scheduler = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fracgpu-scheduler"}}}]
     assert (scheduler, [8444]) in allowed
-    plain = find(render_chart({**values, "scheduler": {}}), "NetworkPolicy", "fracgpu-webhook")
+    plain = find(render_chart({**values, "placement": "node"}), "NetworkPolicy", "fracgpu-webhook")
     assert 8444 not in [p["port"] for r in plain["spec"]["ingress"] for p in r["ports"]]
 
 
@@ -364,7 +362,7 @@ def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> N
         ("1.30.0", {}),
         ("1.36.0", {}),
         ("1.37.0", {}),
-        ("1.35.0", {"scheduler": {"placement": "extender"}}),
+        ("1.35.0", {"placement": "extender"}),
     ],
 )
 def test_every_object_validates(kube: str, values: Obj) -> None:

@@ -50,19 +50,19 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-"true" when GPU pods are placed by fracgpu serve's scheduler extender (scheduler.placement:
+"true" when GPU pods are placed by fracgpu serve's scheduler extender (placement:
 extender), else empty. Device-plugin mode only (DRA's claims are placed by the stock scheduler),
 and only with certificates fracgpu issues itself: the extender's port requires a client
 certificate from serve's CA, which serve issues to the scheduler (cert-manager's CA key is not
 serve's to sign with).
 */}}
 {{- define "fracgpu.extender" -}}
-{{- if eq .Values.scheduler.placement "extender" -}}
+{{- if eq .Values.placement "extender" -}}
 {{- if eq (include "fracgpu.mode" .) "dra" -}}
-{{- fail "scheduler.placement extender is for device-plugin mode; in DRA mode the stock scheduler places each claim: set mode: device-plugin, or scheduler.placement: node" -}}
+{{- fail "placement extender is for device-plugin mode; in DRA mode the stock scheduler places each claim: set mode: device-plugin, or placement: node" -}}
 {{- end -}}
 {{- if ne .Values.certs.mode "self" -}}
-{{- fail "scheduler.placement extender needs certs.mode self: fracgpu serve issues the scheduler's client certificate for the extender's port from its own CA" -}}
+{{- fail "placement extender needs certs.mode self: fracgpu serve issues the scheduler's client certificate for the extender's port from its own CA" -}}
 {{- end -}}
 true
 {{- end -}}
