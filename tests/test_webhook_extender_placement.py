@@ -6,7 +6,8 @@ Lease says, and what would skip that scheduler's extender (a preset ``spec.nodeN
 placement record is denied in every mode. kubectl debug on a pod the extender bound still works.
 Node mode and DRA mode answer exactly as before. The configuration follows ``extender.enabled``
 and ``fracgpu serve`` refuses a contradiction; a GPU pod left to a scheduler that is down is
-told so by an Event.
+told so by an Event. The ValidatingAdmissionPolicy docs/device-plugin.md proposes for what the
+webhook never sees (pod updates) freezes the record.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from core.placement import PLACEMENT_ANNOTATION
 from fracgpu.cli import admission_config, build_parser
 from fracgpu.serve import load
 from testkit.apiserver import DEFAULT_NAMESPACES, FakeApiServer
+from tests.deploy_render import policy_admits
 from tests.support import eventually
 from webhook.config import AdmissionConfig, ConfigError
 from webhook.gpumodels import GpuModel
@@ -541,3 +543,52 @@ async def test_a_pod_waiting_on_a_stopped_scheduler_gets_an_event(tmp_path: Path
         f"scheduler {PROFILE} is not running ({DOWN}); nothing schedules this pod until it "
         f"runs again; check the Deployment that runs {PROFILE}"
     )
+
+
+# --- the ValidatingAdmissionPolicy docs/device-plugin.md proposes for pod updates --------------
+
+DOCS = Path(__file__).parent.parent / "docs" / "device-plugin.md"
+
+
+def proposed_policy() -> dict[str, Any]:
+    text = DOCS.read_text()
+    start = text.index("```yaml\n# Only the extender's Binding")
+    block = text[start + len("```yaml\n") : text.index("```\n", start + 8)]
+    policy, binding = yaml.safe_load_all(block)
+    assert binding["spec"]["policyName"] == policy["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    data: dict[str, Any] = policy
+    return data
+
+
+def annotated(record: str | None, **others: str) -> dict[str, Any]:
+    annotations = {**others, **({} if record is None else {PLACEMENT_ANNOTATION: record})}
+    return pod(meta={"annotations": annotations} if annotations else None)
+
+
+OTHER = '{"v":1,"node":"gpu-2","containers":{"main":{"cards":["GPU-9"],"core":30}}}'
+
+
+@pytest.mark.parametrize(
+    ("operation", "old", "new", "admitted"),
+    [
+        pytest.param("CREATE", None, annotated(None), True, id="create-without"),
+        pytest.param("CREATE", None, annotated(RECORD), False, id="create-forged"),
+        pytest.param("UPDATE", annotated(RECORD), annotated(RECORD), True, id="update-unchanged"),
+        pytest.param(
+            "UPDATE", annotated(RECORD), annotated(RECORD, app="x"), True, id="update-other-key"
+        ),
+        pytest.param("UPDATE", annotated(None), annotated(None), True, id="update-no-record"),
+        pytest.param("UPDATE", annotated(None), annotated(RECORD), False, id="annotate-adds"),
+        pytest.param("UPDATE", annotated(RECORD), annotated(OTHER), False, id="annotate-changes"),
+        pytest.param("UPDATE", annotated(RECORD), annotated(None), False, id="annotate-removes"),
+    ],
+)
+def test_the_proposed_policy_freezes_the_record(
+    operation: str, old: dict[str, Any] | None, new: dict[str, Any], admitted: bool
+) -> None:
+    policy = proposed_policy()
+    (rule,) = policy["spec"]["matchConstraints"]["resourceRules"]
+    assert rule["resources"] == ["pods"]  # never pods/binding: the extender writes it there
+    request = {"operation": operation, "userInfo": {"username": "alice"}}
+    assert policy_admits(policy, request, new, old) is admitted
