@@ -142,6 +142,14 @@ def test_a_pod_without_a_gpu_is_left_alone() -> None:
     assert (outcome.errors, outcome.patch, outcome.gpu) == ([], [], False)
 
 
+def test_a_mirror_pod_keeps_its_node() -> None:
+    """kubelet's copy of a static pod runs there whatever admission says; refusing it would
+    only hide it."""
+    mirror = pod(meta={"annotations": {"kubernetes.io/config.mirror": "abc"}}, nodeName="gpu-1")
+    outcome = extender().mutate(mirror, "", "Pod")
+    assert outcome.errors == []
+
+
 def test_templates_never_carry_the_scheduler() -> None:
     """Each pod is handed over when it is created, as in node mode."""
     outcome = extender().mutate(deployment({}), "apps", "Deployment")

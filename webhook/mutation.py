@@ -180,7 +180,7 @@ class Mutator:
             meta = _without_record(meta)
         envs = self._check(spec, meta, results, plans=plans, claimed=claimed, outcome=outcome)
         if outcome.gpu and not running:
-            outcome.errors.extend(scheduling_problems(spec, self.config, base))
+            outcome.errors.extend(scheduling_problems(spec, meta, self.config, base))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome

@@ -24,6 +24,8 @@ from webhook.podwalk import Located
 from webhook.resources import ContainerResult
 
 _CANONICAL = frozenset(CANONICAL)
+# What admission replaces with the configured scheduler: the pod named none of its own.
+DEFAULT_SCHEDULERS = (None, "", "default-scheduler")
 # The variables of each grant remembered (see PodPatcher.granted_env); cleared when full.
 ENV_MEMO_SIZE = 4096
 
@@ -157,7 +159,7 @@ class PodPatcher:
         elif not (
             scheduler
             and current != scheduler
-            and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
+            and (current in DEFAULT_SCHEDULERS or self.config.override_scheduler)
         ):
             return
         elif why is not None:

@@ -13,6 +13,10 @@ for a Pod and for a workload's pod template alike (a template's pods would all b
   admission replaces): that scheduler binds it without a record. With
   ``admission.override_scheduler`` admission replaces it instead, as it always has.
 
+A mirror pod (kubelet's copy of a static pod, which runs on its node whatever the API server
+says) keeps its ``spec.nodeName``: refusing it would only hide the pod, and nobody could follow
+the advice to remove the field.
+
 The node still never overcommits a card for such a pod (it places a pod without a record by its
 own best fit, or waits), but the extender does not know about it and may book the same
 capacity, so the pod it then binds waits; refusing at admission says why at once instead.
@@ -27,14 +31,18 @@ from collections.abc import Mapping
 from typing import Any
 
 from webhook.config import AdmissionConfig
+from webhook.podpatch import DEFAULT_SCHEDULERS
 from webhook.wording import quote
 
-# What admission replaces with the configured scheduler: the pod named none of its own.
-DEFAULTED = (None, "", "default-scheduler")
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+"""What kubelet writes on the mirror pod of a static pod."""
 
 
 def scheduling_problems(
-    spec: Mapping[str, Any], config: AdmissionConfig, base: tuple[str, ...] = ()
+    spec: Mapping[str, Any],
+    meta: Mapping[str, Any],
+    config: AdmissionConfig,
+    base: tuple[str, ...] = (),
 ) -> list[str]:
     """The denials for a GPU pod (or the pod template at ``base`` in its object) that would
     skip the extender; none unless extender placement is on."""
@@ -44,7 +52,9 @@ def scheduling_problems(
     field = ".".join((*base, "spec"))
     problems: list[str] = []
     node = spec.get("nodeName")
-    if node not in (None, ""):
+    annotations = meta.get("annotations")
+    mirror = isinstance(annotations, dict) and MIRROR_ANNOTATION in annotations
+    if node not in (None, "") and not mirror:
         problems.append(
             f"{field}.nodeName is set ({quote(node)}): GPU pods are placed by scheduler "
             f"{scheduler}, whose extender books the pod's card and records it as it binds the "
@@ -53,7 +63,7 @@ def scheduling_problems(
             f"nodeSelector on kubernetes.io/hostname)"
         )
     current = spec.get("schedulerName")
-    if current not in (*DEFAULTED, scheduler) and not config.override_scheduler:
+    if current not in (*DEFAULT_SCHEDULERS, scheduler) and not config.override_scheduler:
         problems.append(
             f"{field}.schedulerName is {quote(current)}: GPU pods are scheduled by {scheduler}, "
             f"whose extender books the pod's card and records it as it binds the pod "
