@@ -104,6 +104,7 @@ class ExtenderService:
         self.view = View(self.cards, self.ledger, self.models)
         self.pod_events: Informer = informers.of(PODS)
         self._cards: dict[str, tuple[str, NodeCards | None]] = {}
+        self._ledgers: dict[str, tuple[str, Ledger]] = {}
         self._dirty: set[str] = set()
         self._wake = asyncio.Event()
 
@@ -126,19 +127,27 @@ class ExtenderService:
 
     def ledger(self, node: str) -> Ledger | None:
         """The node's ledger: the informer's, or this replica's own last read or write of it
-        when that is newer (the watch has not brought it yet)."""
+        when that is newer (the watch has not brought it yet). Parsed once per version of the
+        object, and the same ``Ledger`` object returned until it changes: filter keeps its
+        verdicts while the objects are the same (``verbs.Verdicts``)."""
         obj = self.ledgers.get(node)
-        cached = None
+        stored = None
         if obj is not None:
-            try:
-                cached = from_object(obj)
-            except LedgerError as err:
-                log.warning("unreadable GPUNodeLedger", extra={"node": node, "error": str(err)})
-                return None
+            version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            kept = self._ledgers.get(node)
+            if kept is not None and kept[0] == version:
+                stored = kept[1]
+            else:
+                try:
+                    stored = from_object(obj)
+                except LedgerError as err:
+                    log.warning("unreadable GPUNodeLedger", extra={"node": node, "error": str(err)})
+                    return None
+                self._ledgers[node] = (version, stored)
         own = self.store.newest.get(node)
-        if cached is None and own is None:
+        if stored is None and own is None:
             return None
-        return newer(cached, own)
+        return newer(stored, own)
 
     def models(self) -> Iterable[str]:
         return {p for n in self.nodes.objects() for p in (self._products(n))}
