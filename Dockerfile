@@ -30,6 +30,7 @@ COPY webhook/ webhook/
 COPY quota/ quota/
 COPY deviceplugin/ deviceplugin/
 COPY certs/ certs/
+COPY extender/ extender/
 # A build behind a TLS-intercepting proxy passes its CA bundle as the secret pip-ca
 # (`make image` passes the build machine's); without it pip uses the base's certificates.
 RUN --mount=type=secret,id=pip-ca \

@@ -57,7 +57,7 @@ lint: $(STAMP)
 	$(BIN)/lint-imports
 	$(BIN)/python hack/sizes.py
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs tests testkit bench hack
+	$(BIN)/ruff format --check core fracgpu webhook quota deviceplugin certs extender tests testkit bench hack
 
 typecheck: $(STAMP)
 	$(BIN)/mypy

@@ -1,10 +1,11 @@
-"""Issuing a CA and serving certificates with ``cryptography``.
+"""Issuing a CA, serving certificates and the scheduler's client certificate with ``cryptography``.
 
 The CA is a self-signed root that may only sign end-entity certificates (pathlen 0). The serving
 certificate is an end-entity certificate for TLS servers only (serverAuth), with the Service's
-DNS names as SANs: the API server checks SANs, never the common name. Both start ``backdate``
-before now, because an API server whose clock runs behind would otherwise see a certificate
-"not yet valid".
+DNS names as SANs: the API server checks SANs, never the common name. The scheduler's client
+certificate (``certs.clientcert``) is for TLS clients only (clientAuth), so neither can stand in
+for the other. All start ``backdate`` before now, because an API server whose clock runs behind
+would otherwise see a certificate "not yet valid".
 """
 
 from __future__ import annotations
@@ -165,6 +166,65 @@ def issue_serving(
         )
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
+            critical=False,
+        )
+        .sign(ca.key, hashes.SHA256())
+    )
+    return Issued(cert, key)
+
+
+def issue_client(
+    ca: Issued,
+    *,
+    common_name: str,
+    lifetime: timedelta,
+    now: datetime,
+    backdate: timedelta,
+    algorithm: KeyAlgorithm,
+) -> Issued:
+    """A client certificate signed by ``ca`` (clientAuth only, no SANs), never outliving it.
+
+    The scheduler extender's listener accepts a client whose certificate chains to fracgpu's
+    CA; OpenSSL also checks the client certificate's purpose, so fracgpu's serving certificate
+    (serverAuth only), whose key every replica holds, is not a client certificate there. Only
+    certificates issued here are.
+    """
+    key = generate_key(algorithm)
+    public = key.public_key()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(
+            x509.Name(
+                [
+                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
+                    x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64]),
+                ]
+            )
+        )
+        .issuer_name(ca.cert.subject)
+        .public_key(public)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(max(now - backdate, ca.cert.not_valid_before_utc))
+        .not_valid_after(min(now + lifetime, ca.cert.not_valid_after_utc))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=False,
+                crl_sign=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),

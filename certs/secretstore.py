@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import logging
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from certs.material import MANAGED_FILES
@@ -24,10 +24,14 @@ SECRET_TYPE = "kubernetes.io/tls"  # tls.crt and tls.key are there; kubectl show
 
 
 class SecretStore:
-    def __init__(self, api: Api, namespace: str, name: str) -> None:
+    def __init__(
+        self, api: Api, namespace: str, name: str, *, keys: Collection[str] = MANAGED_FILES
+    ) -> None:
         self.api = api
         self.namespace = namespace
         self.name = name
+        # The Secret's keys this store reads (the scheduler's client Secret has other ones).
+        self.keys = frozenset(keys)
         # The Secret as last read, so that a replace keeps labels and annotations others set.
         self._read: dict[str, Any] | None = None
 
@@ -44,7 +48,7 @@ class SecretStore:
         self._read = obj
         version = str(obj["metadata"]["resourceVersion"])
         data = obj.get("data") or {}
-        files = {k: base64.b64decode(v) for k, v in data.items() if k in MANAGED_FILES}
+        files = {k: base64.b64decode(v) for k, v in data.items() if k in self.keys}
         # An existing but empty Secret (created by a chart, say) is filled with a replace.
         return (files or None), version
 

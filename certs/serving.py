@@ -29,7 +29,7 @@ from certs.metrics import CertsMetrics
 from certs.secretstore import SecretStore
 from certs.sources import CertificateSource, Clock, FileSource, ManagedSource, utcnow
 from certs.stores import CertificateStore, DirectoryStore
-from certs.tlspolicy import server_context
+from certs.tlspolicy import mutual_server_context, server_context
 from core.kube import Api, KubeError, kube_client
 
 log = logging.getLogger(__name__)
@@ -69,12 +69,24 @@ class ServingCertificates:
         # is moved to the current context by the callback.
         self.context = server_context(initial)
         self.context.sni_callback = self._select_context
+        # The same certificate, for a listener that requires a client certificate from a
+        # trusted CA (the scheduler extender's). The handshake keeps the verify mode of the
+        # context it started with and verifies against the store of the one it is moved to:
+        # both require, and the moved-to one trusts the current bundle.
+        self._current_mutual = mutual_server_context(initial)
+        self.mutual_context = mutual_server_context(initial)
+        self.mutual_context.sni_callback = self._select_mutual
         metrics.observe(initial)
 
     def _select_context(
         self, sslobj: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext
     ) -> None:
         sslobj.context = self._current
+
+    def _select_mutual(
+        self, sslobj: ssl.SSLObject, server_name: str | None, context: ssl.SSLContext
+    ) -> None:
+        sslobj.context = self._current_mutual
 
     @property
     def state(self) -> ServingState:
@@ -98,6 +110,7 @@ class ServingCertificates:
             return False
         bundle_changed = state.bundle_pem() != self._state.bundle_pem()
         self._current = server_context(state)
+        self._current_mutual = mutual_server_context(state)
         self._state = state
         self.metrics.reloads.inc()
         self.metrics.observe(state)

@@ -35,6 +35,20 @@ def server_context(state: ServingState) -> ssl.SSLContext:
     return context
 
 
+def mutual_server_context(state: ServingState) -> ssl.SSLContext:
+    """A server context that serves ``state``'s chain and requires a client certificate that
+    chains to one of ``state``'s trusted CAs (the scheduler extender's listener).
+
+    A client without a certificate, or with one from another CA, fails the handshake (TLS 1.2)
+    or has its connection closed before its request is read (TLS 1.3, where the client's
+    handshake ends first). OpenSSL checks the purpose too: only clientAuth certificates pass.
+    """
+    context = server_context(state)
+    context.verify_mode = ssl.CERT_REQUIRED
+    context.load_verify_locations(cadata=state.bundle_pem().decode("ascii"))
+    return context
+
+
 def client_context(bundle_pem: bytes) -> ssl.SSLContext:
     """A client context that trusts exactly ``bundle_pem``, as the API server trusts caBundle
     (for tools and tests that talk to the webhook)."""

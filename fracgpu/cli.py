@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from certs.cli import add_parser as add_certs_parser
 from core import log
@@ -30,7 +30,13 @@ from fracgpu.review import (
     review_object,
 )
 from quota.cli import add_parser as add_quota_parser
-from webhook.config import AdmissionConfig, ConfigError, describe, load_yaml
+from webhook.config import (
+    AdmissionConfig,
+    ConfigError,
+    describe,
+    load_yaml,
+    placement_problem,
+)
 from webhook.dialects import OPTIONAL_DIALECTS, Dialect
 from webhook.inventory import Inventory
 from webhook.mutation import Mutator
@@ -226,10 +232,16 @@ def admission_config(
     if document is None:
         document = load_yaml(args.config)
     raw = document.get("admission") or {}
+    derived = False  # placement: extender because the file serves the extender
+    if isinstance(raw, dict) and "placement" not in raw and extender_enabled(document):
+        raw, derived = {**raw, "placement": "extender"}, True
     try:
         config = AdmissionConfig.model_validate(raw)
     except ValidationError as exc:
-        raise describe(exc, f"{args.config}: admission") from None
+        error = describe(exc, f"{args.config}: admission")
+        if derived:
+            error = ConfigError(f"{error} (admission.placement follows extender.enabled: true)")
+        raise error from None
     models = dict(config.inventory.models)
     for item in args.gpu_model:
         product, sep, mib = item.partition("=")
@@ -245,7 +257,25 @@ def admission_config(
     }
     if args.scheduler_name is not None:
         updates["scheduler_name"] = args.scheduler_name
+        problem = placement_problem(config.placement, config.allocation, args.scheduler_name)
+        if problem is not None:
+            raise ConfigError(f"--scheduler-name {args.scheduler_name!r}: {problem}")
     return config.model_copy(update=updates)
+
+
+def extender_enabled(document: dict[str, object]) -> bool:
+    """Whether the file serves the scheduler extender (``extender.enabled``, read as its own
+    section reads it). Then GPU pods must be placed by it: admission takes
+    ``placement: extender`` unless the file says otherwise (``fracgpu serve`` refuses a
+    contradiction), and ``fracgpu review`` shows what serve would do. A section it cannot
+    read counts as off here; serve's own loader reports it."""
+    section = document.get("extender")
+    if not isinstance(section, dict):
+        return False
+    try:
+        return TypeAdapter(bool).validate_python(section.get("enabled", False))
+    except ValidationError:
+        return False
 
 
 def _run_review(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ import logging
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,17 +24,20 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from certs.clientcert import ClientCertificateKeeper
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import ServingCertificates, ServingError, open_serving
+from certs.sources import ManagedSource
 from core.informer import Informers
 from core.kube import Api, kube_client
+from extender.service import ExtenderConfig, ExtenderService
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
 from quota.service import QuotaService, open_quota
 from webhook.claims import SliceModels
 from webhook.claimstore import TemplateStore, slice_informer
-from webhook.config import AdmissionConfig, ServerConfig, describe, load_yaml
+from webhook.config import AdmissionConfig, ConfigError, ServerConfig, describe, load_yaml
 from webhook.inventory import Inventory
 from webhook.metrics import AdmissionMetrics
 from webhook.mode import ModeError
@@ -47,6 +50,7 @@ from webhook.transport import listen
 from webhook.waitwatch import WaitExplainer
 
 log = logging.getLogger(__name__)
+Handler = Callable[[web.Request], Awaitable[web.Response]]
 
 
 class ServeConfig(BaseModel):
@@ -58,6 +62,7 @@ class ServeConfig(BaseModel):
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)
     certs: CertsConfig = Field(default_factory=CertsConfig)
     quota: QuotaConfig = Field(default_factory=QuotaConfig)
+    extender: ExtenderConfig = Field(default_factory=ExtenderConfig)
     kubeconfig: Path | None = None
     context: str | None = Field(None, description="kubeconfig context (default: the current one)")
     shutdown_delay_seconds: float = Field(
@@ -77,6 +82,7 @@ def load(
         config = ServeConfig.model_validate(raw)
     except ValidationError as exc:
         raise describe(exc, str(args.config)) from None
+    _placement_agrees(admission, config.extender.enabled, args.config)
     server = config.server.model_copy(
         update={
             k: v
@@ -100,6 +106,25 @@ def load(
             "context": args.context or config.context,
         }
     )
+
+
+def _placement_agrees(admission: AdmissionConfig, extender: bool, source: object) -> None:
+    """The extender is served exactly when GPU pods are placed by it: served but unused, the
+    pods it never sees are placed by the node, while it books cards for others on the same
+    nodes; used but not served, every GPU pod waits on a scheduler whose extender fails."""
+    if extender and admission.placement != "extender":
+        raise ConfigError(
+            f"{source}: extender.enabled is true but admission.placement is "
+            f"{admission.placement}: the extender places GPU pods only if admission sends them "
+            f"to it; remove admission.placement (it then follows extender.enabled) or set "
+            f"extender.enabled: false"
+        )
+    if not extender and admission.placement == "extender":
+        raise ConfigError(
+            f"{source}: admission.placement is extender but extender.enabled is false: every "
+            f"GPU pod would wait on scheduler {admission.scheduler_name}, whose extender this "
+            f"server does not serve; set extender.enabled: true, or admission.placement: node"
+        )
 
 
 def serve(
@@ -162,7 +187,11 @@ async def run_server(
         wiring.background.append(certificates.run())
         quota = await _open_admission(wiring, config, inventory, presence, certificates)
         await _watch_cluster(wiring, config, inventory, presence)
-        await _listen(wiring, config, standalone, certificates, quota.decide_endpoint)
+        extender = _open_extender(wiring, config, certificates)
+        handlers = {DECIDE_PATH: quota.decide_endpoint}
+        await _listen(wiring, config, standalone, certificates, handlers)
+        if extender:
+            await _listen_extender(wiring, config, certificates, extender)
         status = await _until_stopped(wiring.background, stop)
         wiring.stopping.append("shutting down")
         delay = config.shutdown_delay_seconds if status == 0 else 0.0
@@ -183,6 +212,12 @@ async def _open_admission(
     api, informers = wiring.api, wiring.informers
     mode = await resolve_mode(config.admission.allocation, api)
     log.info("admission mode", extra={"allocation": mode.allocation, "why": mode.why})
+    if mode.allocation == "dra" and config.admission.placement == "extender":
+        raise ConfigError(
+            f"admission.placement is extender (device-plugin mode) but the cluster is "
+            f"admitted in DRA mode ({mode.why}); set admission.allocation: device-plugin, or "
+            f"admission.placement: node and extender.enabled: false"
+        )
     admission = config.admission.model_copy(update={"allocation": mode.allocation})
     # DRA mode: the cards a claim can get are the ones the ResourceSlices publish.
     dra = mode.allocation == "dra" and api is not None
@@ -206,8 +241,14 @@ async def _open_admission(
     wiring.reviewers[MUTATE_PATH] = Mutator(admission, inventory, presence)
     if api is not None and informers is not None:
         # A pod no card can host waits Pending; say why, in its units (the driver's
-        # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode).
-        explainer = WaitExplainer(api, device_plugin=models is None, informers=informers)
+        # ResourceSlices and claims in DRA mode, the Nodes in device-plugin mode); and one left
+        # to a scheduler that is not running, that it is not.
+        explainer = WaitExplainer(
+            api,
+            device_plugin=models is None,
+            informers=informers,
+            scheduler=(admission.scheduler_name, presence) if presence is not None else None,
+        )
         leading.append(explainer.run)
     if api is not None and models is not None and templates is not None:
         wiring.reviewers[MUTATE_PATH] = await _dra_admission(
@@ -243,19 +284,69 @@ async def _watch_cluster(
         wiring.waiting[f"scheduler Lease {presence.lease}"] = lambda: lease.has_synced
 
 
+def _open_extender(
+    wiring: _Wiring, config: ServeConfig, certificates: ServingCertificates
+) -> dict[str, Handler]:
+    """The scheduler extender's endpoints, when it is enabled (device-plugin mode with cards
+    placed at scheduling time), and the keeper of the scheduler's client certificate. Not a
+    readiness condition: admission needs none of it, and until its caches have listed, filter
+    answers the scheduler with an error (the pod waits)."""
+    if not config.extender.enabled:
+        return {}
+    if wiring.api is None or wiring.informers is None:
+        log.warning("extender enabled but no cluster (standalone): not served")
+        return {}
+    service = ExtenderService(wiring.api, wiring.informers, config.extender)
+    wiring.background.append(service.run())
+    source = certificates.source
+    if isinstance(source, ManagedSource) and config.certs.mode == "secret":
+        keeper = ClientCertificateKeeper(
+            wiring.api, config.certs, config.extender.client_secret_name, lambda: source.material
+        )
+        wiring.background.append(keeper.run())
+    else:
+        # No CA key here (files mode: cert-manager's), or no Secret to share it through.
+        log.warning(
+            "the scheduler's client certificate is issued only in certs mode secret; issue "
+            "one from the CA that signs the serving certificate (clientAuth) yourself",
+            extra={"certs_mode": config.certs.mode},
+        )
+    return service.routes()
+
+
+async def _listen_extender(
+    wiring: _Wiring,
+    config: ServeConfig,
+    certificates: ServingCertificates,
+    routes: Mapping[str, Handler],
+) -> None:
+    """The extender's own listener: the same certificate as admission's, and a client
+    certificate from fracgpu's CA required (the scheduler's), because bind binds pods with
+    serve's permissions. Its limits are admission's; probes stay on the admission port, which
+    kubelet can reach without a client certificate."""
+    app = build_app({}, limits=config.server.limits, handlers=routes)
+    port = config.extender.port
+    listener = await listen(app, config.server.host, port, certificates.mutual_context)
+    wiring.stack.push_async_callback(listener.close)
+    log.info(
+        "serving the scheduler extender (client certificate required)",
+        extra={"host": config.server.host, "port": port, "paths": sorted(routes)},
+    )
+
+
 async def _listen(
     wiring: _Wiring,
     config: ServeConfig,
     standalone: bool,
     certificates: ServingCertificates,
-    decide: Callable[[web.Request], Awaitable[web.Response]],
+    handlers: Mapping[str, Handler],
 ) -> None:
     app = build_app(
         wiring.reviewers,
         metrics=AdmissionMetrics(wiring.registry),
         readiness=wiring.readiness,
         limits=config.server.limits,
-        handlers={DECIDE_PATH: decide},
+        handlers=handlers,
     )
     listener = await listen(app, config.server.host, config.server.port, certificates.context)
     wiring.stack.push_async_callback(listener.close)

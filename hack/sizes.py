@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-PRODUCT = ("core", "fracgpu", "webhook", "quota", "deviceplugin", "certs")
+PRODUCT = ("core", "fracgpu", "webhook", "quota", "deviceplugin", "certs", "extender")
 GENERATED = ("deviceplugin/_proto",)
 CAPS = {"module": 500, "class": 300, "function": 80}
 

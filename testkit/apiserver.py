@@ -1071,11 +1071,28 @@ class FakeApiServer:
         pod = self.store.get(POD, key)
         if pod is None:
             raise not_found(POD, key[1])
+        meta = (body or {}).get("metadata") if isinstance(body, dict) else None
+        meta = meta if isinstance(meta, dict) else {}
+        uid = meta.get("uid")
+        if uid and uid != pod["metadata"].get("uid"):
+            # The Binding's UID is a storage precondition (kubernetes#105913): a Binding for an
+            # earlier pod of the same name never lands on its successor.
+            message = (
+                f"Precondition failed: UID in precondition: {uid}, "
+                f"UID in object meta: {pod['metadata'].get('uid')}"
+            )
+            raise conflict(POD, key[1], message)
         current = (pod.get("spec") or {}).get("nodeName")
         if current:
             raise conflict(POD, key[1], f'pod {key[1]} is already assigned to node "{current}"')
         if not self._dry_run(request):
             pod["spec"]["nodeName"] = node
+            # The real server merges the Binding's annotations into the pod in the same update
+            # that sets spec.nodeName (setPodNodeAndMetadata).
+            annotations = meta.get("annotations")
+            if isinstance(annotations, dict) and annotations:
+                merged = {**(pod["metadata"].get("annotations") or {}), **annotations}
+                pod["metadata"]["annotations"] = merged
             self.store.update(POD, pod)
         return web.json_response(
             {

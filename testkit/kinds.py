@@ -173,6 +173,20 @@ GPUQUOTA = Kind(
     tracks_generation=True,
     returns_deleted_object=True,
 )
+# The scheduler extender's per-node ledger: not served by default (the CRD installs it);
+# `FakeApiServer.register` it in tests that need it.
+GPUNODELEDGER = Kind(
+    "fracgpu.io",
+    "v1",
+    "GPUNodeLedger",
+    "gpunodeledgers",
+    namespaced=False,
+    custom=True,
+    tracks_generation=True,
+    returns_deleted_object=True,
+    field_labels=frozenset({"metadata.name"}),
+    top_fields=frozenset({"spec"}),
+)
 DEPLOYMENT = Kind(
     "apps", "v1", "Deployment", "deployments", namespaced=True, status_subresource=True
 )

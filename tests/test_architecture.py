@@ -18,8 +18,16 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "webhook", "quota", "certs", "deviceplugin", "fracgpu")
-LAYER = {"core": 0, "webhook": 1, "quota": 1, "certs": 1, "deviceplugin": 1, "fracgpu": 2}
+PACKAGES = ("core", "webhook", "quota", "certs", "deviceplugin", "extender", "fracgpu")
+LAYER = {
+    "core": 0,
+    "webhook": 1,
+    "quota": 1,
+    "certs": 1,
+    "deviceplugin": 1,
+    "extender": 1,
+    "fracgpu": 2,
+}
 
 
 def _package_of(module: str) -> str | None:

@@ -754,20 +754,21 @@ async def test_another_runs_registration_is_not_in_the_way(
 
 
 async def test_a_crd_that_was_installed_before_is_kept(fake: FakeApiServer, tmp_path: Path) -> None:
-    (crd,) = harness.crds()
-    fake.put({**crd, "status": {"conditions": [{"type": "Established", "status": "True"}]}})
+    crds = harness.crds()
+    for crd in crds:
+        fake.put({**crd, "status": {"conditions": [{"type": "Established", "status": "True"}]}})
     settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"))
     async with Background(settings, tmp_path / "run") as background:
         assert background.error is None, background.error
-    assert [c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)] == [
-        crd["metadata"]["name"]
-    ]
+    assert sorted(c["metadata"]["name"] for c in fake.objects(CRD_KIND.plural)) == sorted(
+        crd["metadata"]["name"] for crd in crds
+    )
 
 
 async def test_a_crd_the_api_server_refuses_fails_the_run_with_its_message(
     fake: FakeApiServer,
 ) -> None:
-    (crd,) = harness.crds()
+    crd = harness.crds()[0]
     refused = {**crd, "metadata": {**crd["metadata"], "name": "Not_A_Valid_Name"}}
     async with fake.api_client() as api:
         with pytest.raises(HarnessError, match="refused CustomResourceDefinition Not_A_Valid_Name"):

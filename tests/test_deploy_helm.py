@@ -148,6 +148,10 @@ EQUIVALENTS = [
         id="network-policy",
     ),
     pytest.param(Equivalent("dialects", {"dialects": ["hami", "tkestack"]}), id="dialects"),
+    pytest.param(
+        Equivalent("extender", {"placement": "extender"}),
+        id="device-plugin-with-extender-placement",
+    ),
 ]
 
 
@@ -243,6 +247,26 @@ def test_every_value_is_typed_and_its_default_stated() -> None:
             "at '/networkPolicy/apiServerCIDRs/0'",
             id="cidr-without-prefix",
         ),
+        pytest.param(
+            {"placement": "scheduler"},
+            "at '/placement'",
+            id="unknown-placement",
+        ),
+        pytest.param(
+            {"placement": "extender", "scheduler": {"enabled": False}},
+            "at '/scheduler/enabled'",
+            id="extender-placement-without-the-scheduler",
+        ),
+        pytest.param(
+            {"placement": "extender", "mode": "dra"},
+            "placement extender is for device-plugin mode",
+            id="extender-placement-in-dra-mode",
+        ),
+        pytest.param(
+            {"placement": "extender", "certs": {"mode": "cert-manager"}},
+            "placement extender needs certs.mode self",
+            id="extender-placement-with-cert-manager",
+        ),
     ],
 )
 def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
@@ -259,6 +283,7 @@ def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
         pytest.param({"certs": {"mode": "cert-manager"}}, "1.35.0", (), id="cert-manager"),
         pytest.param({"webhook": {"timeoutSeconds": 4}}, "1.35.0", (), id="shortest-timeout"),
         pytest.param({"webhook": {"timeoutSeconds": 30}}, "1.35.0", (), id="longest-timeout"),
+        pytest.param({"placement": "extender"}, "1.35.0", (), id="extender-placement"),
         pytest.param(
             {"config": {"quota": {"require_quota": True}, "admission": {"scheduler_name": "x"}}},
             "1.35.0",
@@ -314,10 +339,35 @@ def test_the_scheduler_profile_can_be_left_out() -> None:
     assert not [n for n in names if n.startswith("fracgpu-scheduler")]
 
 
-@pytest.mark.parametrize("kube", ["1.30.0", "1.36.0", "1.37.0"])
-def test_every_object_validates(kube: str) -> None:
+def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> None:
+    """With a NetworkPolicy, the fracgpu-scheduler's pods still reach the extender's port (the
+    kustomize overlays leave combining network-policy and extender to the user)."""
+    values = {
+        "placement": "extender",
+        "networkPolicy": {"enabled": True, "apiServerCIDRs": ["192.0.2.0/24"]},
+    }
+    policy = find(render_chart(values), "NetworkPolicy", "fracgpu-webhook")
+    allowed = [
+        (rule["from"], [p["port"] for p in rule["ports"]]) for rule in policy["spec"]["ingress"]
+    ]
+    scheduler = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fracgpu-scheduler"}}}]
+    assert (scheduler, [8444]) in allowed
+    plain = find(render_chart({**values, "placement": "node"}), "NetworkPolicy", "fracgpu-webhook")
+    assert 8444 not in [p["port"] for r in plain["spec"]["ingress"] for p in r["ports"]]
+
+
+@pytest.mark.parametrize(
+    ("kube", "values"),
+    [
+        ("1.30.0", {}),
+        ("1.36.0", {}),
+        ("1.37.0", {}),
+        ("1.35.0", {"placement": "extender"}),
+    ],
+)
+def test_every_object_validates(kube: str, values: Obj) -> None:
     apis = DRA_APIS if kube >= "1.36" else ()
-    for obj in render_chart({}, kube=kube, apis=apis):
+    for obj in render_chart(values, kube=kube, apis=apis):
         if obj["kind"] == "CustomResourceDefinition" or obj["apiVersion"].startswith("fracgpu.io"):
             continue
         try:

@@ -93,14 +93,15 @@ def test_the_schema_check_rejects_what_kubernetes_rejects() -> None:
         kubernetes_validate.validate(mwc, SUPPORTED_VERSIONS[0], strict=True)
 
 
-def test_gpuquota_crd_is_installed_once_the_quota_component_ships_it() -> None:
+def test_the_crds_are_installed_with_every_overlay() -> None:
     crd_file = DEPLOY / "crds" / "gpuquota.yaml"
     if not crd_file.exists():
         pytest.skip("deploy/crds/gpuquota.yaml is not in this tree yet (branch quota ships it)")
     for overlay in OVERLAYS:
         crds = of_kind(render(overlay), "CustomResourceDefinition")
-        assert [c["metadata"]["name"] for c in crds] == ["gpuquotas.fracgpu.io"], (
-            f"{overlay}: add ../crds/gpuquota.yaml to deploy/base/kustomization.yaml resources"
+        names = sorted(c["metadata"]["name"] for c in crds)
+        assert names == ["gpunodeledgers.fracgpu.io", "gpuquotas.fracgpu.io"], (
+            f"{overlay}: add ../crds to deploy/base/kustomization.yaml resources"
         )
 
 

@@ -37,6 +37,9 @@ WEBHOOK_CORE = (
     | _all("cluster", "resource.k8s.io", "deviceclasses", "get", "gpu.fracgpu.io")
     # GPUShareDoesNotFit on a pod that waits Pending, in both modes (webhook/waitwatch.py)
     | _all("cluster", "", "events", "create")
+    # the scheduler extender: per-node ledgers by compare-and-swap, and the Bindings it posts
+    | _all("cluster", "fracgpu.io", "gpunodeledgers", "get list watch create update")
+    | _all("cluster", "", "pods/binding", "create")
 )
 WEBHOOK_OWN_CERTS = (
     _all(NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-webhook-tls")

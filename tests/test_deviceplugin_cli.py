@@ -90,3 +90,40 @@ def test_bad_options_are_refused(argv: tuple[str, ...], capsys: pytest.CaptureFi
     with pytest.raises(SystemExit):
         parse(*argv)
     assert argv[0] in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "placement"),
+    [
+        pytest.param((), "node", id="default-the-node-places"),
+        pytest.param(("--placement", "node"), "node", id="node"),
+        pytest.param(("--placement", "extender", "--node-name", "n1"), "extender",
+                     id="extender"),
+    ],
+)  # fmt: skip
+def test_placement_mode(argv: tuple[str, ...], placement: str) -> None:
+    assert config_from(parse(*argv)).placement == placement
+
+
+@pytest.mark.parametrize(
+    ("argv", "reason"),
+    [
+        pytest.param(("--placement", "extender", "--node-name", "n1", "--no-cdi"),
+                     "needs CDI (drop --no-cdi)", id="extender-without-cdi"),
+        pytest.param(("--placement", "extender"), "needs --node-name", id="extender-without-node"),
+    ],
+)  # fmt: skip
+def test_extender_placement_refuses_what_cannot_work_at_startup(
+    argv: tuple[str, ...], reason: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NODE_NAME", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        config_from(parse(*argv))
+    assert str(exited.value).startswith("fracgpu device-plugin: --placement extender")
+    assert reason in str(exited.value)
+
+
+def test_an_unknown_placement_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse("--placement", "scheduler")
+    assert "--placement" in capsys.readouterr().err

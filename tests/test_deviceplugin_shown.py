@@ -81,6 +81,8 @@ def test_ids_of_a_sick_allocation_are_unhealthy() -> None:
     owner = {memory_id(0, 0): "sick", memory_id(0, 1): "well"}
     assert healthy(shown, Kind.MEMORY, 0, owner=owner) == ["g0-m0", "g0-m1"]
     assert healthy(shown, Kind.MEMORY, 0, owner=owner, sick={"sick"}) == ["g0-m1"]
+    # its card works again: its IDs are Healthy again, though no ID changed hands
+    assert healthy(shown, Kind.MEMORY, 0, owner=owner) == ["g0-m0", "g0-m1"]
 
 
 def test_ids_of_unknown_cards_are_ignored() -> None:

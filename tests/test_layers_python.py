@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("core", "fracgpu", "webhook", "quota", "deviceplugin", "certs")
+PACKAGES = ("core", "fracgpu", "webhook", "quota", "deviceplugin", "certs", "extender")
 
 Graph = Mapping[str, Iterable[str]]
 

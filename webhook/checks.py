@@ -22,6 +22,7 @@ from core.contract import (
     VISIBLE_DEVICES_ENV,
 )
 from core.labels import MODEL_ANNOTATION, MODEL_EXCLUDE_ANNOTATION
+from core.placement import PLACEMENT_ANNOTATION
 from core.policy import POLICY_ANNOTATION, PRIORITY_ANNOTATION
 from core.units import DOMAIN, REQUEST_ANNOTATION, SYSTEM_ENV_PREFIX
 from webhook.config import AdmissionConfig
@@ -269,11 +270,23 @@ USER_ANNOTATIONS = frozenset(
 
 
 def no_reserved_annotations(pod: PodView, config: AdmissionConfig) -> Iterator[str]:
-    """Annotations under fracgpu.io/ are fracgpu's, except those in USER_ANNOTATIONS."""
+    """Annotations under fracgpu.io/ are fracgpu's, except those in USER_ANNOTATIONS.
+
+    The placement record gets its own words, in every mode: with ``--placement extender`` the
+    device plugin puts a container on the cards it names, so a forged one would take a card
+    the extender booked for another pod; only the extender's Binding may write it. (In the
+    mode ``node`` the plugin never reads it, but a pod carrying one would be misread the day
+    the cluster switches.)"""
     if not pod.gpu:
         return
     for key in pod.annotations:
-        if key.startswith(f"{DOMAIN}/") and key not in USER_ANNOTATIONS:
+        if key == PLACEMENT_ANNOTATION:
+            yield (
+                f"annotation {key} is the card fracgpu's scheduler extender records when it "
+                f"binds a GPU pod, written only with the pod's binding; a pod cannot set it "
+                f"(the device plugin would place the pod on the cards it names); remove it"
+            )
+        elif key.startswith(f"{DOMAIN}/") and key not in USER_ANNOTATIONS:
             yield (
                 f"annotation {key} is reserved for fracgpu and cannot be set on a GPU pod; "
                 f"remove it"

@@ -15,6 +15,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -26,6 +27,11 @@ from webhook.sizing import DEFAULT_MAX_CARDS
 
 SCHEDULER_PROFILE = "fracgpu-scheduler"
 """The optional packing profile deploy/ runs; ``scheduler_name`` names it to use it."""
+
+Placement = Literal["node", "extender"]
+"""Who chooses a device-plugin pod's card: the node's plugin once kubelet admits the container
+(``node``), or fracgpu's scheduler extender as the pod is bound (``extender``, recorded on the
+pod in ``fracgpu.io/placement``; docs/design/extender-memo.md)."""
 
 DEFAULT_TOLERATIONS: list[dict[str, str]] = [
     {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
@@ -92,6 +98,14 @@ class AdmissionConfig(_Section):
         le=MAX_DEVICES,
         description="whole cards one container may ask for; more could never be scheduled",
     )
+    # Declared after allocation and scheduler_name: its validator reads them.
+    placement: Placement = Field(
+        "node",
+        description="device-plugin mode: who chooses each GPU pod's card; extender: fracgpu's "
+        "scheduler extender, so every GPU pod is sent to scheduler_name (whatever its Lease "
+        "says) and may not preset spec.nodeName or name another scheduler; fracgpu serve "
+        "takes extender when extender.enabled is true and this is unset",
+    )
 
     @field_validator("dialects")
     @classmethod
@@ -109,6 +123,22 @@ class AdmissionConfig(_Section):
             raise ValueError(f"{lease!r}: write the Lease as namespace/name")
         return lease
 
+    @field_validator("placement")
+    @classmethod
+    def _placement_has_a_scheduler(cls, placement: Placement, info: ValidationInfo) -> Placement:
+        problem = placement_problem(
+            placement, info.data.get("allocation"), info.data.get("scheduler_name")
+        )
+        if problem is not None:
+            raise ValueError(problem)
+        return placement
+
+    @property
+    def extender_placement(self) -> bool:
+        """GPU pods go to the scheduler whose extender records their card: the setting, in
+        device-plugin mode (DRA mode's claims are placed by the stock scheduler)."""
+        return self.placement == "extender" and self.allocation != "dra"
+
     @field_validator("env")
     @classmethod
     def _not_system(cls, env: dict[str, str]) -> dict[str, str]:
@@ -116,6 +146,26 @@ class AdmissionConfig(_Section):
             if name.startswith(SYSTEM_ENV_PREFIX) or name == VISIBLE_DEVICES_ENV:
                 raise ValueError(f"env {name}: this variable is set by fracgpu itself")
         return env
+
+
+def placement_problem(placement: str, allocation: object, scheduler_name: object) -> str | None:
+    """Why extender placement cannot work with these settings, or None. Checked when the file
+    is read and again once command-line flags are applied (``--scheduler-name ''``)."""
+    if placement != "extender":
+        return None
+    if allocation == "dra":
+        return (
+            "extender placement is for device-plugin mode; with allocation: dra the stock "
+            "scheduler places each claim; set allocation to device-plugin (or auto), or "
+            "placement to node"
+        )
+    if not scheduler_name:
+        return (
+            f"extender placement needs scheduler_name: the scheduler profile that calls the "
+            f"extender (deploy/overlays/extender runs {SCHEDULER_PROFILE}); without it GPU pods "
+            f"would be bound with no card recorded"
+        )
+    return None
 
 
 MIB = 2**20

@@ -9,8 +9,9 @@ changes nothing (reinvocation is a no-op), and objects that ask for no GPU pass 
 ``Mutator`` runs the steps in order; each has its module: normalising every container
 (``webhook.normaliser``), the models the pod chose (``webhook.podmodels``), each share's
 compute policy (``webhook.sharepolicy``), DRA mode's claims (``webhook.podclaims``), the checks
-(``webhook.checks``), and the patch operations both modes share (``webhook.podpatch``). This
-module decides which apply, and answers kubectl debug's ephemeral containers.
+(``webhook.checks``; with extender placement also ``webhook.scheduling``), and the patch
+operations both modes share (``webhook.podpatch``). This module decides which apply, and answers
+kubectl debug's ephemeral containers.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 from core.admission import AdmissionRequest, AdmissionResponse
 from core.labels import ModelSet
+from core.placement import PLACEMENT_ANNOTATION
 from core.policy import SharePolicy, encode_annotation
 from webhook.checks import Container, PodView, forbidden
 from webhook.claims import ClaimPlan, TemplateError, pod_claim_name
@@ -34,6 +36,7 @@ from webhook.podmodels import PodModelReader, affinity_op, model_expressions
 from webhook.podpatch import PodPatcher, PodTarget, SchedulerCheck, pointer
 from webhook.podwalk import EPHEMERAL_CONTAINERS, Located, Where, containers, resource_keys
 from webhook.resources import ContainerResult
+from webhook.scheduling import scheduling_problems
 from webhook.sharepolicy import share_policies
 from webhook.wording import container_ref
 
@@ -122,9 +125,10 @@ class Mutator:
     def _ephemeral(self, req: AdmissionRequest) -> AdmissionResponse:
         """``kubectl debug`` adds ephemeral containers to a running pod: they are checked like
         any of its containers (a privileged one, or one that sets NVIDIA_VISIBLE_DEVICES, would
-        see every card), and nothing else of the pod, admitted at its creation, is changed."""
+        see every card), and nothing else of the pod, admitted at its creation, is changed (the
+        subresource keeps the rest of the stored pod, whatever the request carries)."""
         pod = req.object if isinstance(req.object, dict) else {}
-        outcome = self.mutate_pod(pod)
+        outcome = self.mutate_pod(pod, running=True)
         if not outcome.allowed:
             return respond(req.uid, outcome)
         return AdmissionResponse.allow(req.uid, label="ephemeral")
@@ -141,8 +145,12 @@ class Mutator:
             return MutationOutcome()
         return self.mutate_pod(template, path)
 
-    def mutate_pod(self, pod: Mapping[str, Any], base: tuple[str, ...] = ()) -> MutationOutcome:
-        """Mutate a Pod, or a pod template found at ``base`` inside its object."""
+    def mutate_pod(
+        self, pod: Mapping[str, Any], base: tuple[str, ...] = (), *, running: bool = False
+    ) -> MutationOutcome:
+        """Mutate a Pod, or a pod template found at ``base`` inside its object. ``running``: a
+        pod already admitted and bound (kubectl debug's), whose node and placement record were
+        set by its scheduler, not by its creator."""
         outcome = MutationOutcome()
         spec = pod.get("spec")
         if not isinstance(spec, dict):
@@ -168,7 +176,11 @@ class Mutator:
                 warnings=outcome.warnings,
             )
         outcome.gpu = any(r.grant is not None for *_, r in results) or bool(plans)
+        if running:
+            meta = _without_record(meta)
         envs = self._check(spec, meta, results, plans=plans, claimed=claimed, outcome=outcome)
+        if outcome.gpu and not running:
+            outcome.errors.extend(scheduling_problems(spec, meta, self.config, base))
         if outcome.errors:
             outcome.warnings.clear()
             return outcome
@@ -266,6 +278,16 @@ def _ephemeral_containers(
             )
         found.append((EPHEMERAL_CONTAINERS, index, container, ContainerResult(name)))
     return found
+
+
+def _without_record(meta: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A bound pod's metadata without the placement record its Binding wrote, which the checks
+    refuse only from a pod's creator (``webhook.checks.no_reserved_annotations``)."""
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, dict) or PLACEMENT_ANNOTATION not in annotations:
+        return meta
+    kept = {k: v for k, v in annotations.items() if k != PLACEMENT_ANNOTATION}
+    return {**meta, "annotations": kept}
 
 
 def respond(uid: str, outcome: MutationOutcome) -> AdmissionResponse:

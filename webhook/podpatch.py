@@ -24,6 +24,8 @@ from webhook.podwalk import Located
 from webhook.resources import ContainerResult
 
 _CANONICAL = frozenset(CANONICAL)
+# What admission replaces with the configured scheduler: the pod named none of its own.
+DEFAULT_SCHEDULERS = (None, "", "default-scheduler")
 # The variables of each grant remembered (see PodPatcher.granted_env); cleared when full.
 ENV_MEMO_SIZE = 4096
 
@@ -138,24 +140,37 @@ class PodPatcher:
         Only pods, never templates: a template keeps its value for every pod made from it, and
         a scheduler that stops later would leave those pods waiting with no event. Each pod
         is decided when it is created.
+
+        With extender placement, always: the card is chosen and recorded only by that
+        scheduler's extender, so a pod handed to another scheduler while it is down would be
+        bound with no card recorded. It waits instead, and the user is told why (a pod naming
+        another scheduler never gets here: ``webhook.scheduling`` denies it).
         """
         scheduler = self.config.scheduler_name
         current = spec.get("schedulerName")
-        if not (
+        why = self.scheduler.not_running() if self.scheduler is not None else None
+        if self.config.extender_placement:
+            if scheduler and why is not None:
+                warnings.append(
+                    f"scheduler {scheduler} is not running ({why}); the pod waits Pending until "
+                    f"it runs: its GPU card is chosen only by that scheduler's extender "
+                    f"(admission.placement: extender)"
+                )
+        elif not (
             scheduler
             and current != scheduler
-            and (current in (None, "", "default-scheduler") or self.config.override_scheduler)
+            and (current in DEFAULT_SCHEDULERS or self.config.override_scheduler)
         ):
             return
-        why = self.scheduler.not_running() if self.scheduler is not None else None
-        if why is not None:
+        elif why is not None:
             warnings.append(
                 f"scheduler {scheduler} is not running ({why}); the pod keeps "
                 f"{current or 'the default scheduler'} so that it does not wait unscheduled"
             )
             return
-        op = "add" if current is None else "replace"
-        ops.append({"op": op, "path": "/spec/schedulerName", "value": scheduler})
+        if scheduler and current != scheduler:
+            op = "add" if current is None else "replace"
+            ops.append({"op": op, "path": "/spec/schedulerName", "value": scheduler})
 
     def pod_ops(self, ops: list[dict[str, Any]], pod: PodTarget) -> None:
         """The configured tolerations the pod lacks, then its annotations."""

@@ -32,6 +32,9 @@ fits nowhere (observed on Kubernetes 1.36)."""
 REASON = "GPUShareDoesNotFit"
 INSUFFICIENT = "Insufficient fracgpu.io/"
 """What kube-scheduler's message says for a device-plugin pod that fits no node's sums."""
+SCHEDULER_DOWN = "GPUSchedulerNotRunning"
+"""The reason of the Event on a pod that names a scheduler that is not running: no scheduler
+looks at it, so nothing else says why it waits (no event, no condition)."""
 
 
 @dataclass(frozen=True, order=True, slots=True)
@@ -251,3 +254,25 @@ def waits_for_share(pod: Mapping[str, Any]) -> bool:
     """A device-plugin pod the scheduler left Pending because no node's free fracgpu capacity
     (what one card can host, by the device plugin's honesty rule) covers it."""
     return _unschedulable_saying(pod, INSUFFICIENT)
+
+
+def unscheduled_by(pod: Mapping[str, Any], scheduler: str) -> bool:
+    """A Pending pod left to ``scheduler`` and not bound yet: with that scheduler down, nothing
+    else will write a word on it."""
+    spec = pod.get("spec") or {}
+    phase = (pod.get("status") or {}).get("phase")
+    return (
+        spec.get("schedulerName") == scheduler
+        and not spec.get("nodeName")
+        and phase in (None, "Pending")
+    )
+
+
+def scheduler_down(scheduler: str, why: str) -> str:
+    """The Event's words for a GPU pod waiting on a scheduler that is not running. With extender
+    placement admission hands every GPU pod to it even then (another scheduler would bind it
+    with no card recorded); otherwise the pod was handed over while it ran."""
+    return (
+        f"scheduler {scheduler} is not running ({why}); nothing schedules this pod until it "
+        f"runs again; check the Deployment that runs {scheduler}"
+    )

@@ -40,6 +40,10 @@ class Allocation:
     key: str = field(default_factory=lambda: uuid.uuid4().hex)
     # PodResources confirmed that one container holds exactly these core and memory IDs
     verified: bool = False
+    # Extender placement only (``directed``): None until its pod's placement record was read;
+    # then the card(s) the record names, or () for a pod without one (best fit). Read again
+    # after a restart (the record is on the pod), so the checkpoint does not keep it.
+    directed: tuple[int, ...] | None = None
 
     @property
     def dir_name(self) -> str | None:

@@ -21,7 +21,8 @@ node offers (``placement``, pure functions over the ledger's snapshot); the pair
 container's two Allocate calls (``pairing``); the moment the lists are kept from shrinking
 (``settling``); the offer those make together (``offer``); which IDs the ListAndWatch lists
 show Healthy (``shown``, ``listing``); and the alignment with kubelet's PodResources
-(``reconciliation``).
+(``reconciliation``). In the extender placement mode a subclass (``directed``) replaces who
+chooses the card and what is offered.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from collections.abc import Callable, Collection, Iterable
 from core.units import card_blocks
 from deviceplugin.classic import placement, reconciliation, validate
 from deviceplugin.classic.allocation import Allocation, AllocationError
+from deviceplugin.classic.fulloffer import FullOffer
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.ledger import CardUsage, Ledger
 from deviceplugin.classic.listing import ListedDevice
@@ -62,10 +64,14 @@ class Allocator:
         self._clock = clock
         self.pairing = Pairing(pair_window_s, clock)
         self.shown = ShownIds(self.blocks)
-        self.ledger = Ledger(self.cards, self.blocks, self.shown)
-        self.offer = Offer(self.ledger, self.shown, self.pairing, settle_s, clock)
+        self.ledger, self.offer = self._units(settle_s, clock)
         self._cond = threading.Condition()
         self.version = 0
+
+    def _units(self, settle_s: float, clock: Clock) -> tuple[Ledger, Offer | FullOffer]:
+        """The mode's units: the node's best fit, what one card can host (see ``directed``)."""
+        ledger = Ledger(self.cards, self.blocks, self.shown)
+        return ledger, Offer(ledger, self.shown, self.pairing, settle_s, clock)
 
     @property
     def pair_window_s(self) -> float:

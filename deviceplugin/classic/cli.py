@@ -8,9 +8,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from deviceplugin.classic.config import DEFAULT_RECONCILE_INTERVAL_S, DEVICE_PLUGINS, Config
+from deviceplugin.classic.config import (
+    DEFAULT_RECONCILE_INTERVAL_S,
+    DEVICE_PLUGINS,
+    PLACEMENTS,
+    Config,
+)
 from deviceplugin.shared.flags import add_node_flags, node_settings
-from deviceplugin.shared.settings import node_fields
+from deviceplugin.shared.settings import SettingsError, node_fields
 
 DAEMONSET = "fracgpu-device-plugin"  # its DaemonSet in deploy/ and the Helm chart
 METRICS_PORT = 9402
@@ -53,18 +58,32 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="SECONDS",
         help="how often kubelet's PodResources is read to free the devices of ended pods",
     )
+    own.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="node",
+        help="who chooses each container's card: 'node' (default), this plugin once kubelet "
+        "admits the container, which lists only capacity one card can host; 'extender', "
+        "fracgpu's scheduler extender, which records the card on the pod as it binds it, and "
+        "this plugin then lists every ID of every healthy card and places each container on "
+        "its recorded card at PreStartContainer (needs CDI and --node-name)",
+    )
     parser.set_defaults(run=run)
 
 
 def config_from(args: argparse.Namespace) -> Config:
     node = node_settings(args, daemonset=DAEMONSET, command="device-plugin")
-    return Config(
-        **node_fields(node),
-        plugin_dir=args.plugin_dir or node.kubelet_root / DEVICE_PLUGINS,
-        cdi_root=None if args.no_cdi else args.cdi_root,
-        node_allocatable=args.node_allocatable,
-        reconcile_interval_s=args.reconcile_interval,
-    )
+    try:
+        return Config(
+            **node_fields(node),
+            plugin_dir=args.plugin_dir or node.kubelet_root / DEVICE_PLUGINS,
+            cdi_root=None if args.no_cdi else args.cdi_root,
+            node_allocatable=args.node_allocatable,
+            reconcile_interval_s=args.reconcile_interval,
+            placement=args.placement,
+        )
+    except SettingsError as exc:
+        raise SystemExit(f"fracgpu device-plugin: {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,15 +9,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from core.units import CORE, MEMORY
 from deviceplugin.shared.hostfiles import DEVICE_PLUGIN_CHECKPOINT
-from deviceplugin.shared.settings import DEFAULT_CDI_ROOT, DEFAULT_KUBELET_ROOT, NodeSettings
+from deviceplugin.shared.settings import (
+    DEFAULT_CDI_ROOT,
+    DEFAULT_KUBELET_ROOT,
+    NodeSettings,
+    SettingsError,
+)
 
 # Under kubelet's --root-dir, where kubelet watches for device plugins' sockets.
 DEVICE_PLUGINS = Path("device-plugins")
 KUBELET_DEVICE_PLUGIN_DIR = DEFAULT_KUBELET_ROOT / DEVICE_PLUGINS
 DEFAULT_RECONCILE_INTERVAL_S = 1.0
+
+Placement = Literal["node", "extender"]
+"""Who chooses a container's card: ``node``, this plugin from its own ledger once kubelet has
+admitted the container (the honesty rule keeps what the scheduler counts placeable); or
+``extender``, fracgpu's scheduler extender at scheduling time, recorded on the pod, the plugin
+only carrying it out (docs/device-plugin.md)."""
+PLACEMENTS: tuple[Placement, ...] = ("node", "extender")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +67,30 @@ class Config(NodeSettings):
     verify_delay_s: float = 0.02
     verify_retries: int = 5
     verify_spacing_s: float = 0.05
+    placement: Placement = "node"
+    # extender mode: how long reading a container's pod (its placement record) may take
+    record_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        NodeSettings.__post_init__(self)
+        if self.placement not in PLACEMENTS:
+            raise SettingsError(f"placement {self.placement!r}: must be one of {PLACEMENTS}")
+        if self.placement == "extender" and self.cdi_root is None:
+            # Without CDI the card must be in the Allocate answer, and at Allocate kubelet has
+            # not recorded the container yet: its pod, hence its record, cannot be known there
+            # without guessing. With CDI the card is bound at PreStartContainer, where it can.
+            raise SettingsError(
+                "--placement extender needs CDI (drop --no-cdi): the card is read from the "
+                "pod's placement record, which can be known only at PreStartContainer, and "
+                "only CDI binds the card there; at Allocate kubelet names no pod"
+            )
+        if self.placement == "extender" and not self.node_name:
+            raise SettingsError(
+                "--placement extender needs --node-name (or $NODE_NAME): a placement record "
+                "names the node it is for, and a record for another node is refused"
+            )
+        if not self.record_timeout_s > 0:
+            raise SettingsError(f"record_timeout_s {self.record_timeout_s!r}: must be more than 0")
 
     @property
     def core_resource(self) -> str:

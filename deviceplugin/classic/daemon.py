@@ -3,7 +3,8 @@
 Its concurrency model is threads: gRPC serves kubelet's calls on worker threads, NVML's event
 wait and the guard's scans block, the reconciler sleeps between PodResources reads. Every call
 to the API server (the Node's labels and allocatable, the guard's Events) goes through one
-event-loop thread this daemon owns (``shared.apiloop.ApiLoop``).
+event-loop thread this daemon owns (``shared.apiloop.ApiLoop``), and so does every read of a
+container's pod for its placement record (extender placement).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deviceplugin.classic.config import Config
 from deviceplugin.classic.node import AllocatableMirror, NodePublisher
 from deviceplugin.classic.plugin import DevicePlugin
 from deviceplugin.classic.policies import PodPolicies
+from deviceplugin.classic.records import api_reader
 from deviceplugin.classic.service import Supervisor
 from deviceplugin.shared import inventory
 from deviceplugin.shared.apiloop import ApiLoop
@@ -46,15 +48,18 @@ class Daemon:
         config = self.config
         inventory.load_nvml(config.nvml_library)
         cards = inventory.discover()
-        plugin = DevicePlugin(config, cards)
+        if config.node_name or config.daemonset:
+            self.api = ApiLoop(config.kubeconfig)
+            self.api.start()
+        read_pod = None  # extender placement: containers' pods, for their placement records
+        if config.placement == "extender" and self.api is not None:
+            read_pod = api_reader(self.api.call, config.record_timeout_s)
+        plugin = DevicePlugin(config, cards, read_pod=read_pod)
         self.plugin = plugin
         plugin.install_host_files()
         plugin.recover()
         plugin.checkpointer.start()
         plugin.start_verifier()
-        if config.node_name or config.daemonset:
-            self.api = ApiLoop(config.kubeconfig)
-            self.api.start()
         if config.daemonset is not None and self.api is not None:
             watch = self.uninstall = UninstallWatch(
                 config.daemonset, timeout_s=config.uninstall_timeout_s

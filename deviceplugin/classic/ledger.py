@@ -12,7 +12,7 @@ Not thread-safe: the allocator's lock guards it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from core.units import CORE_PER_CARD
@@ -24,6 +24,14 @@ from deviceplugin.shared.inventory import Card
 
 # The allocator's logger, as before the ledger was its own module: log filters name it.
 log = logging.getLogger("deviceplugin.classic.allocator")
+
+Chooser = Callable[[Mapping[int, placement.CardState], Allocation], list[int]]
+"""The card(s) an unplaced container gets on cards as they are now; [] if none (it waits)."""
+
+
+def best_fit(cards: Mapping[int, placement.CardState], allocation: Allocation) -> list[int]:
+    """The node's own choice (``placement.place``): the placement mode ``node``."""
+    return placement.place(cards, len(allocation.core), len(allocation.memory))
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,8 +45,15 @@ class CardUsage:
 
 
 class Ledger:
-    def __init__(self, cards: Mapping[int, Card], blocks: Mapping[int, int], shown: ShownIds):
+    def __init__(
+        self,
+        cards: Mapping[int, Card],
+        blocks: Mapping[int, int],
+        shown: ShownIds,
+        choose: Chooser = best_fit,
+    ):
         self.cards = cards
+        self._choose = choose
         self.blocks = blocks
         self._shown = shown
         self.health: dict[int, tuple[bool, str]] = {i: (True, "") for i in cards}
@@ -171,7 +186,7 @@ class Ledger:
         """Give an unplaced allocation its card(s) if the ledger has room."""
         if allocation.cards or not allocation.placeable:
             return bool(allocation.cards)
-        chosen = placement.place(self.snapshot(), len(allocation.core), len(allocation.memory))
+        chosen = self._choose(self.snapshot(), allocation)
         if not chosen:
             return False
         allocation.cards = tuple(sorted(chosen))

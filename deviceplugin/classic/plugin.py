@@ -3,7 +3,8 @@
 Nothing here guesses which pod a call is for. Allocate records the IDs kubelet chose (counts: they
 name no card) and the allocator places the container from its own ledger; PreStartContainer finds
 the one container that holds exactly those IDs in kubelet's PodResources listing and writes what
-its card is: the limits file and, through CDI, the card's device node.
+its card is: the limits file and, through CDI, the card's device node. In the extender placement
+mode the card is the one its pod's placement record names, read there (``records``).
 
 The plugin coordinates the units that do the rest: the answers Allocate gives (``answers``), the
 container's files on the host (``containerfiles``, which also shows the host layout), the early
@@ -28,10 +29,12 @@ from deviceplugin.classic.allocator import Allocator
 from deviceplugin.classic.answers import card_response, no_card, static_response
 from deviceplugin.classic.config import Config
 from deviceplugin.classic.containerfiles import CDI_KIND, ContainerFiles, cdi_spec_path
+from deviceplugin.classic.directed import DirectedAllocator
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.metrics import Metrics
 from deviceplugin.classic.prestart import PreStartError
 from deviceplugin.classic.reconciliation import Reconciled
+from deviceplugin.classic.records import PodReader, RecordPlacement, RecordUnavailable
 from deviceplugin.classic.recovery import Recovery
 from deviceplugin.classic.verifier import EarlyVerifier
 from deviceplugin.shared.hostfiles import install_preload
@@ -63,12 +66,23 @@ class DevicePlugin:
         *,
         metrics: Metrics | None = None,
         podresources: PodResourcesClient | None = None,
+        read_pod: PodReader | None = None,
     ) -> None:
         self.config = config
         self.cards = {c.index: c for c in cards}
-        self.allocator = Allocator(
-            self.cards.values(), pair_window_s=config.pair_window_s, settle_s=config.settle_s
-        )
+        # extender placement: the card is its pod's record's, read from the API (records)
+        self.records: RecordPlacement | None = None
+        self.allocator: Allocator
+        if config.placement == "extender":
+            directed = DirectedAllocator(self.cards.values(), pair_window_s=config.pair_window_s)
+            self.allocator = directed
+            self.records = RecordPlacement(
+                directed, read_pod or _no_api, node=config.node_name or "", cards=self.cards
+            )
+        else:
+            self.allocator = Allocator(
+                self.cards.values(), pair_window_s=config.pair_window_s, settle_s=config.settle_s
+            )
         self.metrics = metrics or Metrics(CollectorRegistry())
         self.metrics.watch_cards(self.allocator.usage)
         self.podresources = podresources or PodResourcesClient(
@@ -80,7 +94,12 @@ class DevicePlugin:
         )
         self.files = ContainerFiles(config, self.cards)
         self.recovery = Recovery(
-            config, self.allocator, self.files, list_containers=self._list, save=self.save
+            config,
+            self.allocator,
+            self.files,
+            list_containers=self._list,
+            save=self.save,
+            direct=None if self.records is None else self.records.direct,
         )
         self.verifier = EarlyVerifier(
             self._verify_one,
@@ -190,14 +209,17 @@ class DevicePlugin:
                 raise AllocationError(f"{self.resource(kind)}: {self._no_card(allocation)}")
             static_response(self.config, allocation.core, response)
             card_response(self.config, self.cards, allocation, response)
-        if complete and allocation.cards and self.verifier.running:
+        if complete and (allocation.cards or self.records is not None) and self.verifier.running:
             # both halves are in (or whole cards, which need no memory): prepare PreStart
+            # (extender placement: it also reads the container's record and places it)
             self.verifier.submit(allocation)
         self.save()
         return response
 
     def _no_card(self, allocation: Allocation) -> str:
-        return no_card(allocation, self.allocator.usage())
+        usage = self.allocator.usage()
+        directed = None if self.records is None else self.records.why_waiting(allocation, usage)
+        return directed or no_card(allocation, usage)
 
     # ---- PreStartContainer -------------------------------------------------------------
 
@@ -231,6 +253,8 @@ class DevicePlugin:
         core = container.ids(self.config.core_resource)
         memory = container.ids(self.config.memory_resource)
         allocation = self.allocator.verify(core, memory)
+        if self.records is not None:
+            self.records.direct(container, allocation)  # its record's cards, if they have room
         if not allocation.cards and allocation.placeable:
             # Admitted on capacity the ledger still gives to containers that may have ended:
             # believe this listing for them at once (kubelet is up: it is starting a container).
@@ -271,6 +295,11 @@ class DevicePlugin:
         if container is None or container.ids(self.config.memory_resource) != memory:
             return False
         verified = self.allocator.verify(core, memory)
+        if self.records is not None:
+            try:
+                self.records.direct(container, verified)
+            except RecordUnavailable as exc:  # PreStartContainer reads it again
+                log.info("placement record not read early", extra={"error": str(exc)})
         if verified.cards:
             self.files.write(container, verified)
         return True
@@ -287,6 +316,10 @@ class DevicePlugin:
     def reconcile_once(self) -> Reconciled:
         """Free what kubelet no longer lists, adopt what it lists, collect stale directories."""
         return self.recovery.reconcile_once()
+
+
+def _no_api(namespace: str, name: str) -> None:
+    raise RecordUnavailable(f"pod {namespace}/{name}: no API server to read its record from")
 
 
 __all__ = [

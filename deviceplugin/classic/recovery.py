@@ -20,6 +20,7 @@ from deviceplugin.classic.config import Config
 from deviceplugin.classic.containerfiles import ContainerFiles
 from deviceplugin.classic.prestart import PreStartError
 from deviceplugin.classic.reconciliation import Reconciled
+from deviceplugin.classic.records import RecordError, RecordUnavailable
 from deviceplugin.shared.podresources import ContainerDevices, PodResourcesError
 
 # The plugin's logger, as before recovery was its own module: log filters name it.
@@ -35,8 +36,12 @@ class Recovery:
         *,
         list_containers: Callable[[], list[ContainerDevices]],
         save: Callable[[], None],
+        direct: Callable[[ContainerDevices, Allocation], None] | None = None,
     ) -> None:
         self._config = config
+        # extender placement: an adopted container with no limits file goes where its pod's
+        # record says (``records.RecordPlacement.direct``), read here, outside the lock
+        self._direct = direct
         self._allocator = allocator
         self._files = files
         self._list = list_containers
@@ -87,6 +92,8 @@ class Recovery:
         first = not self.reconciled
         self.reconciled = True
         by_ids = {(c.ids(core), c.ids(memory)): c for c in containers}
+        if self._direct is not None:
+            self._direct_adopted(result.adopted, by_ids)
         # A container adopted from the listing (after a restart, or after a listing that
         # missed it) gets its limits file back, whatever happened to its directory meanwhile;
         # after a start, so does every container the checkpoint restored.
@@ -102,6 +109,26 @@ class Recovery:
         if first or allocator.version != version:
             self._save()
         return result
+
+    def _direct_adopted(
+        self,
+        adopted: list[Allocation],
+        by_ids: dict[tuple[frozenset[str], frozenset[str]], ContainerDevices],
+    ) -> None:
+        """Extender placement: adopted containers whose limits file named no card (a restart
+        without the checkpoint) are placed by their pods' records, where they run or will."""
+        assert self._direct is not None
+        for allocation in adopted:
+            holder = by_ids.get((frozenset(allocation.core), frozenset(allocation.memory)))
+            if holder is None or allocation.cards:
+                continue
+            try:
+                self._direct(holder, allocation)
+            except (RecordError, RecordUnavailable) as exc:  # PreStartContainer asks again
+                log.warning(
+                    "adopted container not placed by its record",
+                    extra={"pod": f"{holder.namespace}/{holder.pod}", "error": str(exc)},
+                )
 
     def collect_dirs(self) -> list[str]:
         """Remove container directories that no allocation names (``ContainerFiles.collect``)."""

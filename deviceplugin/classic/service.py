@@ -32,6 +32,7 @@ from deviceplugin.classic.plugin import (
     endpoint_socket,
 )
 from deviceplugin.classic.prestart import PreStartError
+from deviceplugin.classic.records import RecordUnavailable
 from deviceplugin.shared.podresources import PodResourcesError
 
 log = logging.getLogger(__name__)
@@ -190,7 +191,7 @@ class DevicePluginServicer(pb_grpc.DevicePluginServicer):  # type: ignore[misc]
         with self.plugin.metrics.rpc_seconds.labels("PreStartContainer").time():
             try:
                 self.plugin.prestart(self.kind, list(request.devices_ids))
-            except (PodResourcesError, NotListedError, WaitingError) as exc:
+            except (PodResourcesError, NotListedError, WaitingError, RecordUnavailable) as exc:
                 self._fail(context, "PreStartContainer", grpc.StatusCode.UNAVAILABLE, str(exc))
             except PreStartError as exc:
                 self._fail(

@@ -37,6 +37,9 @@ class ShownIds:
         # (kind, group) -> its last state, and the groups whose IDs changed since
         self._states: dict[Group, GroupState] = {}
         self._dirty: set[Group] = {(kind, i) for kind in Kind for i in blocks}
+        # per resource: whether the last list left out a failed card's allocated IDs (the next
+        # one then computes every group afresh, so that they come back when the card does)
+        self._sick_listed: dict[Kind, bool] = dict.fromkeys(Kind, False)
         totals = {Kind.CORE: dict.fromkeys(blocks, CORE_PER_CARD), Kind.MEMORY: dict(blocks)}
         self._lists = ListingCache(totals)
 
@@ -85,10 +88,12 @@ class ShownIds:
         elif self._shown_count[kind] < target:
             self._show_more(kind, target - self._shown_count[kind])
         states = []
+        recompute = bool(sick_keys) or self._sick_listed[kind]
+        self._sick_listed[kind] = bool(sick_keys)
         for group in self._groups:
             where = (kind, group)
             state = self._states.get(where)
-            if state is None or where in self._dirty or sick_keys:
+            if state is None or where in self._dirty or recompute:
                 owned = self.owned[where]
                 if sick_keys:
                     owned = {

@@ -48,12 +48,13 @@ rc=0
 # The image as `make image` last built it (a running cluster may hold an older one by that tag).
 ctr_ images import "$IMAGE_ARCHIVE" >/dev/null || die "importing $IMAGE_ARCHIVE into the cluster's containerd failed"
 FRACGPU_E2E_NODE=$NODE_NAME run device-plugin tests/e2e --ignore tests/e2e/test_e2e_dra.py \
-    --ignore tests/e2e/test_e2e_release.py --ignore tests/e2e/test_e2e_release_upgrade.py "$@" || rc=1
+    --ignore tests/e2e/test_e2e_release.py --ignore tests/e2e/test_e2e_release_upgrade.py \
+    --ignore tests/e2e/test_e2e_extender.py "$@" || rc=1
 FRACGPU_E2E_DRA_NODE=$NODE_NAME run dra tests/e2e/test_e2e_dra.py "$@" || rc=1
 # The release as users install it (helm install of the chart with the image), in both modes; a
 # session of its own, so that none of the harness's webhooks or node agents runs beside it.
 FRACGPU_E2E_RELEASE_NODE=$NODE_NAME run release tests/e2e/test_e2e_release.py \
-    tests/e2e/test_e2e_release_upgrade.py "$@" || rc=1
+    tests/e2e/test_e2e_release_upgrade.py tests/e2e/test_e2e_extender.py "$@" || rc=1
 # Nothing skipped, something ran: a skip here means a mode did not really run.
 "$PY" - "$out"/device-plugin.xml "$out"/dra.xml "$out"/release.xml <<'PYEOF' || rc=1
 import sys

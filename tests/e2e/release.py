@@ -147,6 +147,17 @@ def node_values(settings: Settings, files: NodeFiles, nvml: FakeNvml) -> Obj:
     return values
 
 
+def merged(base: Obj, extra: Obj) -> Obj:
+    """``extra`` over ``base``, mappings merged key by key (as Helm merges values files)."""
+    out = dict(base)
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merged(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def write_values(path: Path, values: Obj) -> Path:
     path.write_text(yaml.safe_dump(values, sort_keys=False))
     return path
@@ -234,13 +245,22 @@ class Release:
 
 @contextlib.contextmanager
 def installed(
-    mode: str, node: str, settings: Settings, kubectl: Kubectl, workdir: Path
+    mode: str,
+    node: str,
+    settings: Settings,
+    kubectl: Kubectl,
+    workdir: Path,
+    *,
+    extra_values: Obj | None = None,
 ) -> Iterator[Release]:
-    """The chart installed in ``mode`` and Ready (``helm install --wait``); uninstalled, with the
-    node's label and fake GPU removed, whatever happened."""
+    """The chart installed in ``mode`` and Ready (``helm install --wait``), with the node's
+    values and ``extra_values`` (a user's own, e.g. the extender's placement); uninstalled, with
+    the node's label and fake GPU removed, whatever happened."""
     files = NodeFiles(settings.node_dir / f"release-{mode}")
     nvml = files.make()
-    values = write_values(workdir / "node-values.yaml", node_values(settings, files, nvml))
+    values = write_values(
+        workdir / "node-values.yaml", merged(node_values(settings, files, nvml), extra_values or {})
+    )
     run = Release(mode, settings, kubectl, Helm(settings.kubeconfig), files)
     kubectl.ok("label", "node", node, f"{GPU_NODE_LABEL}=true", "--overwrite")
     try:

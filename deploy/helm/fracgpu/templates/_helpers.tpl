@@ -49,6 +49,25 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- join "," $names -}}
 {{- end -}}
 
+{{/*
+"true" when GPU pods are placed by fracgpu serve's scheduler extender (placement:
+extender), else empty. Device-plugin mode only (DRA's claims are placed by the stock scheduler),
+and only with certificates fracgpu issues itself: the extender's port requires a client
+certificate from serve's CA, which serve issues to the scheduler (cert-manager's CA key is not
+serve's to sign with).
+*/}}
+{{- define "fracgpu.extender" -}}
+{{- if eq .Values.placement "extender" -}}
+{{- if eq (include "fracgpu.mode" .) "dra" -}}
+{{- fail "placement extender is for device-plugin mode; in DRA mode the stock scheduler places each claim: set mode: device-plugin, or placement: node" -}}
+{{- end -}}
+{{- if ne .Values.certs.mode "self" -}}
+{{- fail "placement extender needs certs.mode self: fracgpu serve issues the scheduler's client certificate for the extender's port from its own CA" -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* `fracgpu serve`'s config.yaml: what the chart's values decide, then .Values.config over it. */}}
 {{- define "fracgpu.serveConfig" -}}
 {{- $certs := dict "service" "fracgpu-webhook" "namespace" .Release.Namespace -}}
@@ -72,5 +91,9 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $_ := set $admission "dialects" .Values.dialects -}}
 {{- end -}}
 {{- $config := dict "server" (dict "host" "0.0.0.0" "port" 8443) "admission" $admission "certs" $certs "quota" (dict "timeout_s" (sub .Values.webhook.timeoutSeconds 1)) "shutdown_delay_seconds" 5 -}}
+{{- if include "fracgpu.extender" . -}}
+{{- $_ := set $admission "scheduler_name" "fracgpu-scheduler" -}}
+{{- $_ := set $config "extender" (dict "enabled" true "policy" "pack" "port" 8444 "client_secret_name" "fracgpu-scheduler-client-tls") -}}
+{{- end -}}
 {{- toYaml (mustMergeOverwrite $config (deepCopy .Values.config)) -}}
 {{- end -}}
