@@ -127,12 +127,43 @@ def issue_serving(
     if not hosts and not ips:
         raise ValueError("a serving certificate needs at least one DNS name or IP address")
     key = generate_key(algorithm)
-    not_after = min(now + lifetime, ca.cert.not_valid_after_utc)
-    common_name = hosts[0] if hosts else ips[0]
     sans: list[x509.GeneralName] = [x509.DNSName(h) for h in hosts]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
-    public = key.public_key()
+    builder = _leaf(
+        ca,
+        key,
+        common_name=hosts[0] if hosts else ips[0],
+        lifetime=lifetime,
+        now=now,
+        backdate=backdate,
+    )
     cert = (
+        builder.add_extension(
+            # RSA key exchange is disabled by our TLS policy, but some verifiers still expect
+            # keyEncipherment on RSA server certificates.
+            _key_usage(key_encipherment=isinstance(key, rsa.RSAPrivateKey)),
+            critical=True,
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .sign(ca.key, hashes.SHA256())
+    )
+    return Issued(cert, key)
+
+
+def _leaf(
+    ca: Issued,
+    key: PrivateKey,
+    *,
+    common_name: str,
+    lifetime: timedelta,
+    now: datetime,
+    backdate: timedelta,
+) -> x509.CertificateBuilder:
+    """What every certificate ``ca`` signs for fracgpu has: its name, its validity inside the
+    CA's (a chain is only as valid as its shortest-lived link), no CA rights, key identifiers."""
+    public = key.public_key()
+    return (
         x509.CertificateBuilder()
         .subject_name(
             x509.Name(
@@ -146,34 +177,28 @@ def issue_serving(
         .public_key(public)
         .serial_number(x509.random_serial_number())
         .not_valid_before(max(now - backdate, ca.cert.not_valid_before_utc))
-        .not_valid_after(not_after)
+        .not_valid_after(min(now + lifetime, ca.cert.not_valid_after_utc))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                # RSA key exchange is disabled by our TLS policy, but some verifiers still
-                # expect keyEncipherment on RSA server certificates.
-                key_encipherment=isinstance(key, rsa.RSAPrivateKey),
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
         .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
             critical=False,
         )
-        .sign(ca.key, hashes.SHA256())
     )
-    return Issued(cert, key)
+
+
+def _key_usage(*, key_encipherment: bool) -> x509.KeyUsage:
+    return x509.KeyUsage(
+        digital_signature=True,
+        content_commitment=False,
+        key_encipherment=key_encipherment,
+        data_encipherment=False,
+        key_agreement=False,
+        key_cert_sign=False,
+        crl_sign=False,
+        encipher_only=False,
+        decipher_only=False,
+    )
 
 
 def issue_client(
@@ -193,43 +218,10 @@ def issue_client(
     certificates issued here are.
     """
     key = generate_key(algorithm)
-    public = key.public_key()
     cert = (
-        x509.CertificateBuilder()
-        .subject_name(
-            x509.Name(
-                [
-                    x509.NameAttribute(NameOID.ORGANIZATION_NAME, ORGANIZATION),
-                    x509.NameAttribute(NameOID.COMMON_NAME, common_name[:64]),
-                ]
-            )
-        )
-        .issuer_name(ca.cert.subject)
-        .public_key(public)
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(max(now - backdate, ca.cert.not_valid_before_utc))
-        .not_valid_after(min(now + lifetime, ca.cert.not_valid_after_utc))
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=False,
-                crl_sign=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
+        _leaf(ca, key, common_name=common_name, lifetime=lifetime, now=now, backdate=backdate)
+        .add_extension(_key_usage(key_encipherment=False), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca.key.public_key()),
-            critical=False,
-        )
         .sign(ca.key, hashes.SHA256())
     )
     return Issued(cert, key)
