@@ -88,6 +88,11 @@ class KubeConflict(KubeError):
     """409: the object changed since it was read, or already exists; re-read and retry."""
 
 
+class KubeUnavailable(Exception):
+    """The API server gave no usable answer: a failure other than 404 and 409, no answer in
+    time, or no connection. The message says which; the caller may retry."""
+
+
 class KubeGone(KubeError):
     """410: the resourceVersion or continue token was compacted away; only a fresh list helps."""
 
@@ -309,6 +314,25 @@ async def call_json(
     if not isinstance(data, dict):
         raise KubeError(response.status, "BadResponse", f"not a JSON object: {raw[:200]!r}")
     return data
+
+
+async def call_answered(
+    api: Api, method: str, path: str, *, body: Any = None, timeout_s: float = 30.0
+) -> Obj:
+    """``call_json`` for callers that act on a missing or changed object and retry the rest:
+    KubeNotFound and KubeConflict pass through, every other failure is KubeUnavailable."""
+    try:
+        return await call_json(api, method, path, body=body, timeout_s=timeout_s)
+    except (KubeConflict, KubeNotFound):
+        raise
+    except KubeError as err:
+        raise KubeUnavailable(
+            f"the API server answered {err.status} {err.reason}: {err.message}"
+        ) from None
+    except TimeoutError:
+        raise KubeUnavailable(f"the API server did not answer within {timeout_s:g}s") from None
+    except (aiohttp.ClientError, OSError) as err:
+        raise KubeUnavailable(f"the API server could not be reached ({err})") from None
 
 
 def _client_timeout(timeout_s: float | tuple[float, float] | None) -> aiohttp.ClientTimeout | None:

@@ -18,9 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
 
-import aiohttp
-
-from core.kube import Api, KubeConflict, KubeError, KubeNotFound, Resource, call_json
+from core.kube import Api, KubeConflict, KubeNotFound, KubeUnavailable, Resource, call_answered
 from extender.ledger import GROUP, PLURAL, VERSION, Ledger, LedgerError, from_object, to_object
 
 GPUNODELEDGERS = Resource(GROUP, VERSION, PLURAL, namespaced=False)
@@ -157,23 +155,15 @@ class KubeLedgerStore:
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
-            return await call_json(
+            return await call_answered(
                 self.api, method, path, body=body, timeout_s=self.request_timeout_s
             )
         except KubeConflict as err:
             raise Conflict(err.message) from None
         except KubeNotFound as err:
             raise NotFound(err.message) from None
-        except KubeError as err:
-            raise Unavailable(
-                f"the API server answered {err.status} {err.reason}: {err.message}"
-            ) from None
-        except TimeoutError:
-            raise Unavailable(
-                f"the API server did not answer within {self.request_timeout_s:g}s"
-            ) from None
-        except (aiohttp.ClientError, OSError) as err:
-            raise Unavailable(f"the API server could not be reached ({err})") from None
+        except KubeUnavailable as err:
+            raise Unavailable(str(err)) from None
 
     async def get(self, node: str) -> Ledger | None:
         try:

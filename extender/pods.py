@@ -11,9 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-import aiohttp
-
-from core.kube import PODS, Api, KubeConflict, KubeError, KubeNotFound, call_json
+from core.kube import PODS, Api, KubeConflict, KubeNotFound, KubeUnavailable, call_answered
 
 Obj = dict[str, Any]
 
@@ -64,23 +62,15 @@ class KubePods:
 
     async def _call(self, method: str, path: str, body: Any = None) -> Obj:
         try:
-            return await call_json(
+            return await call_answered(
                 self.api, method, path, body=body, timeout_s=self.request_timeout_s
             )
         except KubeConflict as err:
             raise BindConflict(err.message) from None
         except KubeNotFound as err:
             raise PodGone(err.message) from None
-        except KubeError as err:
-            raise PodApiDown(
-                f"the API server answered {err.status} {err.reason}: {err.message}"
-            ) from None
-        except TimeoutError:
-            raise PodApiDown(
-                f"the API server did not answer within {self.request_timeout_s:g}s"
-            ) from None
-        except (aiohttp.ClientError, OSError) as err:
-            raise PodApiDown(f"the API server could not be reached ({err})") from None
+        except KubeUnavailable as err:
+            raise PodApiDown(str(err)) from None
 
     async def get(self, namespace: str, name: str) -> Obj | None:
         try:
