@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
+from core.placement import numa_pick
 from deviceplugin.classic.ids import Kind
 from deviceplugin.classic.placement import (
     CardState,
     advertised,
-    numa_pick,
     offered,
     open_partial_card,
     place,

@@ -27,10 +27,10 @@ cards are entirely free, because the open card always lacks some core or memory.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
+from core.placement import numa_pick
 from core.units import CORE_PER_CARD
 from deviceplugin.classic.ids import Kind
 
@@ -113,23 +113,6 @@ def advertised(
         if card.entirely_free or card.index == open_card:
             listed.add(card.index)
     return frozenset(listed)
-
-
-def numa_pick(whole: Collection[int], need: int, numa: Mapping[int, int | None]) -> list[int]:
-    """``need`` of the ``whole`` cards on as few NUMA nodes as possible, best-fitting node first."""
-    groups: dict[int, list[int]] = defaultdict(list)
-    for card in sorted(whole):
-        node = numa.get(card)
-        groups[-1 if node is None else node].append(card)
-    fitting = [g for g in groups.values() if len(g) >= need]
-    if fitting:
-        return min(fitting, key=lambda g: (len(g), g[0]))[:need]
-    picked: list[int] = []
-    for group in sorted(groups.values(), key=lambda g: (-len(g), g[0])):
-        picked += group[: need - len(picked)]
-        if len(picked) == need:
-            break
-    return picked
 
 
 def offered(cards: Collection[CardState], kind: Kind, *, open_card: int | None) -> int:
