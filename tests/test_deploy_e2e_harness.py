@@ -860,6 +860,21 @@ async def test_the_node_agent_serves_a_kubelet_with_paths_its_runtime_can_use(
 # --- the DRA scenarios' run and node agent, against the fake API server and fake kubelet -------
 
 
+def _free_port_and_next() -> int:
+    """A port whose successor is free too, both held at once while looking: the run listens on
+    the next one, and a free port alone said nothing of it (CI once found it taken)."""
+    for _ in range(100):
+        with socket.socket() as first, socket.socket() as second:
+            first.bind(("127.0.0.1", 0))
+            port: int = first.getsockname()[1]
+            try:
+                second.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no two adjacent free ports on 127.0.0.1")
+
+
 def _device_classes(fake: FakeApiServer) -> list[str]:
     return [c["metadata"]["name"] for c in fake.objects("deviceclasses")]
 
@@ -867,7 +882,7 @@ def _device_classes(fake: FakeApiServer) -> list[str]:
 async def test_a_dra_run_installs_the_device_class_and_removes_it(
     fake: FakeApiServer, tmp_path: Path
 ) -> None:
-    port = harness.free_port("127.0.0.1")
+    port = _free_port_and_next()
     settings = _settings(fake.kubeconfig(tmp_path / "kubeconfig"), port=port)
     async with Background(
         settings, tmp_path / "run", admission=ADMISSION_DRA, port_offset=1
