@@ -18,7 +18,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
-OVERLAYS = ("default", "cert-manager", "dialects", "network-policy")
+OVERLAYS = ("default", "cert-manager", "dialects", "network-policy", "node-placement")
 NAMESPACE = "fracgpu"
 
 Obj = dict[str, Any]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import stat
 from datetime import timedelta
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from certs.config import CertsConfig
+from certs.issuance import Issued, issue_client
 from certs.material import CA_KEY, TLS_CERT, TLS_KEY, Material
 from certs.rotation import Request, plan
 from certs.serving import ServingError, open_serving
@@ -128,3 +130,81 @@ async def test_directory_server_picks_up_a_rotation_by_another_process(tmp_path:
     rotated = await other.ensure(Request(serving=True))
     assert await certs.refresh()
     assert certs.state.leaf == rotated.serving.cert
+
+
+SERVICE = "fracgpu-webhook.fracgpu.svc"
+
+
+def scheduler_context(ca: Issued | None, trusted: bytes, tmp: Path) -> ssl.SSLContext:
+    """The fracgpu-scheduler's side of the extender's port: it trusts ``trusted`` (its Secret's
+    ca.crt) and presents a client certificate from ``ca`` (none if None), as cert-manager
+    issues it."""
+    context = ssl.create_default_context(cadata=trusted.decode("ascii"))
+    if ca is not None:
+        client = issue_client(
+            ca,
+            common_name="fracgpu-scheduler",
+            lifetime=timedelta(days=90),
+            now=utcnow(),
+            backdate=timedelta(hours=1),
+            algorithm="ecdsa-p256",
+        )
+        cert, key = tmp / "client.crt", tmp / "client.key"
+        cert.write_bytes(client.cert_pem())
+        key.write_bytes(client.key_pem())
+        context.load_cert_chain(cert, key)
+    return context
+
+
+async def answer(port: int, context: ssl.SSLContext) -> bytes | None:
+    """What the server says on one connection; None if TLS refused it (with TLS 1.3 the
+    client's handshake ends first, so a refused certificate shows on the first read)."""
+    try:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=context, server_hostname=SERVICE
+        )
+    except (ssl.SSLError, ConnectionError):
+        return None
+    try:
+        return await reader.read()
+    except (ssl.SSLError, ConnectionError):
+        return None
+    finally:
+        writer.close()
+
+
+async def test_files_mode_extender_port_trusts_client_certificates_from_the_mounted_ca(
+    tmp_path: Path,
+) -> None:
+    """cert-manager with extender placement: serve issues no client certificate in files mode;
+    the scheduler's comes from the CA that signs the mounted serving certificate (ca.crt). The
+    extender's context accepts a client certificate from that CA, refuses one from another CA
+    and a client without one, and follows the mounted ca.crt when cert-manager moves to a new
+    CA."""
+    mount = tmp_path / "tls"
+    mount.mkdir()
+    first, other = issue([SERVICE]), issue([SERVICE])
+    publish(mount, first, 1)
+    certs = await open_serving(files_config(mount), standalone=False)
+
+    async def hello(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"ok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(hello, "127.0.0.1", 0, ssl=certs.mutual_context)
+    port = server.sockets[0].getsockname()[1]
+    trusted = first.bundle_pem()
+    try:
+        assert await answer(port, scheduler_context(first.ca, trusted, tmp_path)) == b"ok"
+        assert await answer(port, scheduler_context(other.ca, trusted, tmp_path)) in (None, b"")
+        assert await answer(port, scheduler_context(None, trusted, tmp_path)) in (None, b"")
+        # cert-manager renews the CA: the mounted files change, and with them whom it trusts.
+        publish(mount, other, 2)
+        assert await certs.refresh()
+        trusted = other.bundle_pem()
+        assert await answer(port, scheduler_context(other.ca, trusted, tmp_path)) == b"ok"
+        assert await answer(port, scheduler_context(first.ca, trusted, tmp_path)) in (None, b"")
+    finally:
+        server.close()
+        await server.wait_closed()

@@ -1,13 +1,16 @@
-"""deploy/overlays/extender: device-plugin mode with the card chosen by the scheduler extender.
+"""deploy/overlays/default: device-plugin mode with the card chosen by the scheduler extender,
+what fracgpu installs by default.
 
-The overlay is the default install plus these things, and nothing else may drift: serve's
-config serves the extender on its own port and sends GPU pods to fracgpu-scheduler; that
-profile calls it there (``ignorable: false``, ``nodeCacheCapable``, both canonical resources,
-bind) with the client certificate serve issues into its Secret, which the scheduler mounts; the
-webhook's Deployment and Service expose the port; serve may keep that Secret; the device plugin
-runs with ``--placement=extender``. The CRD and the rest of RBAC come from the base
-(tests/test_deploy_rbac.py lists the grants). The Helm chart renders the same with
-``placement: extender`` (tests/test_deploy_helm.py).
+The overlay is the base (deploy/overlays/node-placement, the device plugin choosing at kubelet
+admission) plus these things, and nothing else may drift: serve's config serves the extender on
+its own port and sends GPU pods to fracgpu-scheduler; that profile calls it there
+(``ignorable: false``, ``nodeCacheCapable``, both canonical resources, bind) with the client
+certificate serve issues into its Secret, which the scheduler mounts; the webhook's Deployment
+and Service expose the port; serve may keep that Secret; the device plugin runs with
+``--placement=extender``. The CRD and the rest of RBAC come from the base
+(tests/test_deploy_rbac.py lists the grants). The Helm chart renders the same with its default
+values in device-plugin mode, and node-placement with ``placement: node``
+(tests/test_deploy_helm.py).
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from tests.deploy_render import config_of, find, grants_of, of_kind, render
 from tests.test_deploy_manifests import SUPPORTED_VERSIONS
 from tests.test_deploy_rbac import SA_WEBHOOK, WEBHOOK_CORE, WEBHOOK_OWN_CERTS, _all
 
-OVERLAY = "extender"
+OVERLAY = "default"
+BASE = "node-placement"  # deploy/base as it is
 
 
 def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -38,7 +42,7 @@ def scheduler_config(objs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def test_serve_config_differs_from_the_base_only_where_it_must() -> None:
-    base, ours = config_of(render("default")), config_of(render(OVERLAY))
+    base, ours = config_of(render(BASE)), config_of(render(OVERLAY))
     assert ours.pop("extender") == {
         "enabled": True,
         "policy": "pack",
@@ -54,7 +58,7 @@ def test_serve_config_differs_from_the_base_only_where_it_must() -> None:
 
 
 def test_the_profile_calls_the_extender_as_the_memo_says() -> None:
-    base, ours = scheduler_config(render("default")), scheduler_config(render(OVERLAY))
+    base, ours = scheduler_config(render(BASE)), scheduler_config(render(OVERLAY))
     (extender,) = ours.pop("extenders")
     assert ours == base
     prefix = extender["urlPrefix"]
@@ -136,6 +140,50 @@ def test_the_device_plugin_places_by_the_record() -> None:
 def test_the_ledger_crd_is_installed() -> None:
     names = [c["metadata"]["name"] for c in of_kind(render(OVERLAY), "CustomResourceDefinition")]
     assert "gpunodeledgers.fracgpu.io" in names
+
+
+def test_node_placement_is_the_fallback_without_the_extender() -> None:
+    """deploy/overlays/node-placement: the base as is; the device plugin picks each card at
+    kubelet admission, nothing calls or serves the extender, GPU pods keep their scheduler."""
+    objs = render(BASE)
+    config = config_of(objs)
+    assert "extender" not in config
+    assert config["admission"]["scheduler_name"] == ""
+    assert "extenders" not in scheduler_config(objs)
+    daemonset = find(objs, "DaemonSet", "fracgpu-device-plugin")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert not [a for a in container["args"] if a.startswith("--placement")]
+    service = find(objs, "Service", "fracgpu-webhook")
+    assert [p["name"] for p in service["spec"]["ports"]] == ["https"]
+    assert [s["metadata"]["name"] for s in of_kind(objs, "Secret")] == ["fracgpu-webhook-tls"]
+
+
+def test_cert_manager_issues_the_schedulers_client_certificate_from_the_webhooks_ca() -> None:
+    """deploy/overlays/cert-manager places by the extender too: cert-manager issues the
+    scheduler's client certificate (client auth only) into the Secret the scheduler mounts, from
+    the Issuer of the serving certificate, whose CA serve trusts for client certificates
+    (certs.ca_file); serve issues nothing and no Secret is created for it to fill."""
+    objs = render("cert-manager")
+    config = config_of(objs)
+    assert config["certs"]["mode"] == "files"
+    assert config["admission"]["scheduler_name"] == "fracgpu-scheduler"
+    secret_name = config["extender"]["client_secret_name"]
+    (client,) = [c for c in of_kind(objs, "Certificate") if c["spec"]["secretName"] == secret_name]
+    serving = find(objs, "Certificate", "fracgpu-webhook")
+    assert client["spec"]["issuerRef"] == serving["spec"]["issuerRef"]
+    issuer = find(objs, "Issuer", client["spec"]["issuerRef"]["name"])
+    assert "ca" in issuer["spec"]  # a CA Issuer: ca.crt in both Secrets is that CA
+    assert "client auth" in client["spec"]["usages"]
+    assert "server auth" not in client["spec"]["usages"]
+    assert not client["spec"].get("isCA", False)
+    assert client["spec"]["privateKey"]["rotationPolicy"] == "Always"
+    pod = find(objs, "Deployment", "fracgpu-scheduler")["spec"]["template"]["spec"]
+    mounted = [v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v]
+    assert mounted == [secret_name]
+    assert of_kind(objs, "Secret") == []
+    daemonset = find(objs, "DaemonSet", "fracgpu-device-plugin")
+    (container,) = daemonset["spec"]["template"]["spec"]["containers"]
+    assert "--placement=extender" in container["args"]
 
 
 def test_extender_config_defaults_are_off() -> None:

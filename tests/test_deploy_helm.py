@@ -149,8 +149,13 @@ EQUIVALENTS = [
     ),
     pytest.param(Equivalent("dialects", {"dialects": ["hami", "tkestack"]}), id="dialects"),
     pytest.param(
-        Equivalent("extender", {"placement": "extender"}),
-        id="device-plugin-with-extender-placement",
+        Equivalent("default", {"placement": "extender"}),
+        id="explicit-extender-placement-is-the-default",
+    ),
+    pytest.param(Equivalent("node-placement", {"placement": "node"}), id="node-placement"),
+    pytest.param(
+        Equivalent("dra", {"placement": "node"}, kube="1.37.0", apis=DRA_APIS),
+        id="node-placement-changes-nothing-in-dra-mode",
     ),
 ]
 
@@ -254,18 +259,18 @@ def test_every_value_is_typed_and_its_default_stated() -> None:
         ),
         pytest.param(
             {"placement": "extender", "scheduler": {"enabled": False}},
-            "at '/scheduler/enabled'",
+            "set scheduler.enabled: true, or placement: node",
             id="extender-placement-without-the-scheduler",
+        ),
+        pytest.param(
+            {"scheduler": {"enabled": False}},
+            "set scheduler.enabled: true, or placement: node",
+            id="device-plugin-mode-without-the-scheduler",
         ),
         pytest.param(
             {"placement": "extender", "mode": "dra"},
             "placement extender is for device-plugin mode",
             id="extender-placement-in-dra-mode",
-        ),
-        pytest.param(
-            {"placement": "extender", "certs": {"mode": "cert-manager"}},
-            "placement extender needs certs.mode self",
-            id="extender-placement-with-cert-manager",
         ),
     ],
 )
@@ -283,7 +288,7 @@ def test_bad_values_are_refused_with_the_key(values: Obj, error: str) -> None:
         pytest.param({"certs": {"mode": "cert-manager"}}, "1.35.0", (), id="cert-manager"),
         pytest.param({"webhook": {"timeoutSeconds": 4}}, "1.35.0", (), id="shortest-timeout"),
         pytest.param({"webhook": {"timeoutSeconds": 30}}, "1.35.0", (), id="longest-timeout"),
-        pytest.param({"placement": "extender"}, "1.35.0", (), id="extender-placement"),
+        pytest.param({"placement": "node"}, "1.35.0", (), id="node-placement"),
         pytest.param(
             {"config": {"quota": {"require_quota": True}, "admission": {"scheduler_name": "x"}}},
             "1.35.0",
@@ -334,26 +339,69 @@ def test_one_replica_has_no_disruption_budget() -> None:
     assert "PodDisruptionBudget" not in kinds
 
 
-def test_the_scheduler_profile_can_be_left_out() -> None:
-    names = {o["metadata"]["name"] for o in render_chart({"scheduler": {"enabled": False}})}
+@pytest.mark.parametrize(
+    ("values", "kube", "apis"),
+    [
+        pytest.param({"placement": "node"}, "1.35.0", (), id="node-placement"),
+        pytest.param({}, "1.37.0", DRA_APIS, id="dra"),
+    ],
+)
+def test_the_scheduler_profile_can_be_left_out(
+    values: Obj, kube: str, apis: tuple[str, ...]
+) -> None:
+    """Where nothing sends GPU pods to it: node placement, and DRA mode."""
+    objs = render_chart({**values, "scheduler": {"enabled": False}}, kube=kube, apis=apis)
+    names = {o["metadata"]["name"] for o in objs}
     assert not [n for n in names if n.startswith("fracgpu-scheduler")]
+    assert "extender" not in config_of(objs)
 
 
-def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> None:
-    """With a NetworkPolicy, the fracgpu-scheduler's pods still reach the extender's port (the
-    kustomize overlays leave combining network-policy and extender to the user)."""
-    values = {
-        "placement": "extender",
-        "networkPolicy": {"enabled": True, "apiServerCIDRs": ["192.0.2.0/24"]},
-    }
-    policy = find(render_chart(values), "NetworkPolicy", "fracgpu-webhook")
+@pytest.mark.parametrize(
+    ("values", "extender"),
+    [
+        pytest.param({}, True, id="default"),
+        pytest.param({"placement": "extender"}, True, id="extender"),
+        pytest.param({"certs": {"mode": "cert-manager"}}, True, id="cert-manager"),
+        pytest.param({"placement": "node"}, False, id="node"),
+        pytest.param({"mode": "dra"}, False, id="dra"),
+    ],
+)
+def test_the_scheduler_reaches_the_extender_through_the_network_policy(
+    values: Obj, extender: bool
+) -> None:
+    """With a NetworkPolicy, the fracgpu-scheduler's pods reach the extender's port wherever
+    it is served, and nobody reaches that port where it is not."""
+    policy_values = {"networkPolicy": {"enabled": True, "apiServerCIDRs": ["192.0.2.0/24"]}}
+    objs = render_chart({**values, **policy_values})
+    policy = find(objs, "NetworkPolicy", "fracgpu-webhook")
     allowed = [
         (rule["from"], [p["port"] for p in rule["ports"]]) for rule in policy["spec"]["ingress"]
     ]
     scheduler = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "fracgpu-scheduler"}}}]
-    assert (scheduler, [8444]) in allowed
-    plain = find(render_chart({**values, "placement": "node"}), "NetworkPolicy", "fracgpu-webhook")
-    assert 8444 not in [p["port"] for r in plain["spec"]["ingress"] for p in r["ports"]]
+    assert ((scheduler, [8444]) in allowed) is extender
+    assert (8444 in [port for _, ports in allowed for port in ports]) is extender
+    assert ("extender" in config_of(objs)) is extender
+
+
+def test_cert_manager_issues_the_schedulers_client_certificate() -> None:
+    """certs.mode cert-manager with extender placement: cert-manager issues the scheduler's
+    client certificate from the CA that issues the serving certificate (serve trusts its
+    mounted ca.crt for client certificates); nothing creates the Secret for serve to fill, and
+    serve may touch no Secret."""
+    objs = render_chart({"certs": {"mode": "cert-manager"}})
+    client = find(objs, "Certificate", "fracgpu-scheduler-client")
+    serving = find(objs, "Certificate", "fracgpu-webhook")
+    assert client["spec"]["secretName"] == config_of(objs)["extender"]["client_secret_name"]
+    issuer = {"kind": "Issuer", "name": "fracgpu-ca"}
+    assert client["spec"]["issuerRef"] == serving["spec"]["issuerRef"] == issuer
+    assert client["spec"]["usages"] == ["client auth", "digital signature"]
+    assert [o for o in objs if o["kind"] == "Secret"] == []
+    assert not [o for o in objs if o["kind"] == "Role" and "certs" in o["metadata"]["name"]]
+    plain = render_chart({"certs": {"mode": "cert-manager"}, "placement": "node"})
+    assert [o["metadata"]["name"] for o in plain if o["kind"] == "Certificate"] == [
+        "fracgpu-ca",
+        "fracgpu-webhook",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -362,7 +410,7 @@ def test_extender_placement_lets_the_scheduler_through_the_network_policy() -> N
         ("1.30.0", {}),
         ("1.36.0", {}),
         ("1.37.0", {}),
-        ("1.35.0", {"placement": "extender"}),
+        ("1.35.0", {"placement": "node"}),
     ],
 )
 def test_every_object_validates(kube: str, values: Obj) -> None:

@@ -189,12 +189,19 @@ def test_webhook_config_is_accepted_by_the_webhook(overlay: str) -> None:
     config = config_of(render(overlay))
     assert ServerConfig.model_validate(config["server"]) == ServerConfig()
     admission = AdmissionConfig.model_validate(config["admission"])
-    assert admission.scheduler_name == "", "GPU pods keep their scheduler unless configured"
+    if overlay == "node-placement":
+        assert "extender" not in config
+        assert admission.scheduler_name == "", "GPU pods keep their scheduler unless configured"
+    else:
+        # Placed by the extender (the default install): every GPU pod goes to its scheduler.
+        assert config["extender"]["enabled"] is True
+        assert admission.scheduler_name == SCHEDULER_PROFILE
     assert set(config) <= {
         "server",
         "admission",
         "certs",
         "quota",
+        "extender",
         "kubeconfig",
         "shutdown_delay_seconds",
     }

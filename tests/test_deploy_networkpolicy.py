@@ -1,5 +1,6 @@
 """deploy/overlays/network-policy: the default overlay plus a NetworkPolicy that admits only the
-API servers' addresses to the webhook's port, and nothing else changed."""
+API servers' addresses (and the other webhook replicas) to the webhook's port and only the
+fracgpu-scheduler's pods to the scheduler extender's port, and nothing else changed."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def test_it_restricts_ingress_only() -> None:
 def test_only_the_api_servers_and_the_other_replicas_may_reach_only_the_https_port() -> None:
     """The API servers by address; the webhook's own pods because replicas send quota
     decisions to the one that leads the quota controller. Nobody else, no other port."""
-    api_servers, peers = policy()["spec"]["ingress"]
+    api_servers, peers, _ = policy()["spec"]["ingress"]
     container = find(render(OVERLAY), "Deployment", "fracgpu-webhook")["spec"]["template"]["spec"][
         "containers"
     ][0]
@@ -56,6 +57,24 @@ def test_only_the_api_servers_and_the_other_replicas_may_reach_only_the_https_po
     (replicas,) = peers["from"]
     assert sorted(replicas) == ["podSelector"]  # same namespace only: no namespaceSelector
     assert replicas["podSelector"]["matchLabels"].items() <= webhook_pod_labels().items()
+
+
+def test_only_the_scheduler_may_reach_the_extender_port() -> None:
+    """The fracgpu-scheduler calls the extender (placement by the extender is the default):
+    its pods, in the same namespace, reach that port and no other."""
+    objs = render(OVERLAY)
+    rules = policy()["spec"]["ingress"]
+    (container,) = find(objs, "Deployment", "fracgpu-webhook")["spec"]["template"]["spec"][
+        "containers"
+    ]
+    extender = next(p["containerPort"] for p in container["ports"] if p["name"] == "extender")
+    (rule,) = [r for r in rules if {"protocol": "TCP", "port": extender} in r["ports"]]
+    assert rule["ports"] == [{"protocol": "TCP", "port": extender}]
+    (caller,) = rule["from"]
+    assert sorted(caller) == ["podSelector"]  # same namespace only: no namespaceSelector
+    scheduler = find(objs, "Deployment", "fracgpu-scheduler")["spec"]["template"]["metadata"]
+    assert caller["podSelector"]["matchLabels"].items() <= scheduler["labels"].items()
+    assert not caller["podSelector"]["matchLabels"].items() <= webhook_pod_labels().items()
 
 
 def test_the_shipped_range_matches_no_real_address() -> None:

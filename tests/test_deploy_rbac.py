@@ -65,14 +65,28 @@ WEBHOOK_OWN_CERTS = (
 )
 
 
-@pytest.mark.parametrize("overlay", ["default", "dialects"])
+# With extender placement (the default install) serve also keeps the scheduler's client
+# certificate for the extender's port in its Secret.
+SCHEDULER_CLIENT_CERT = _all(
+    NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-scheduler-client-tls"
+)
+
+
+@pytest.mark.parametrize("overlay", ["default", "dialects", "network-policy"])
 def test_webhook_grants_with_its_own_certificates(overlay: str) -> None:
     grants, builtin = grants_of(render(overlay), SA_WEBHOOK)
+    assert grants == WEBHOOK_CORE | WEBHOOK_OWN_CERTS | SCHEDULER_CLIENT_CERT
+    assert builtin == set()
+
+
+def test_webhook_grants_with_node_placement() -> None:
+    grants, builtin = grants_of(render("node-placement"), SA_WEBHOOK)
     assert grants == WEBHOOK_CORE | WEBHOOK_OWN_CERTS
     assert builtin == set()
 
 
 def test_webhook_grants_with_cert_manager() -> None:
+    """cert-manager issues both certificates: the webhook touches no Secret."""
     grants, builtin = grants_of(render("cert-manager"), SA_WEBHOOK)
     assert grants == WEBHOOK_CORE
     assert builtin == set()

@@ -1,8 +1,9 @@
 """The deployed configuration, run: `fracgpu serve` with the config file of the default overlay,
-against the fake API server holding the objects the overlay creates (the empty Secret, the two
-webhook configurations). It must fill the Secret, inject its CA into exactly the deployed webhook
-configurations, serve a certificate valid for the name the API server dials, and answer on the
-paths those configurations call. Only host, port and kubeconfig differ from the deployment."""
+against the fake API server holding the objects the overlay creates (the empty Secrets, the two
+webhook configurations). It must fill its Secret and the scheduler's client Secret, inject its
+CA into exactly the deployed webhook configurations, serve a certificate valid for the name the
+API server dials, and answer on the paths those configurations call. Only host, ports and
+kubeconfig differ from the deployment."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from fracgpu.serve import ServeConfig, run_server
 from testkit.apiserver import FakeApiServer
+from testkit.kinds import GPUNODELEDGER
 from tests.deploy_render import Grant, config_of, find, grants_of, of_kind, render
 from tests.support import eventually, free_port
 from webhook import server as server_module
@@ -36,7 +38,7 @@ def deployed_config(overlay: str) -> dict[str, Any]:
     return config
 
 
-@pytest.mark.parametrize("overlay", ["default", "cert-manager", "dialects"])
+@pytest.mark.parametrize("overlay", ["default", "cert-manager", "dialects", "node-placement"])
 def test_deployed_config_file_is_accepted_by_serve(overlay: str) -> None:
     config = ServeConfig.model_validate(deployed_config(overlay))
     assert config.server.port > 0
@@ -57,13 +59,17 @@ async def test_deployed_configuration_serves_and_injects_into_the_deployed_webho
     port = free_port()
     raw["server"] = {**raw["server"], "host": "127.0.0.1", "port": port}
     raw["shutdown_delay_seconds"] = 0
+    raw["extender"] = {**raw["extender"], "port": free_port()}
     secret = find(objs, "Secret", raw["certs"]["secret_name"])
+    client_secret = find(objs, "Secret", raw["extender"]["client_secret_name"])
     configurations = of_kind(objs, "MutatingWebhookConfiguration") + of_kind(
         objs, "ValidatingWebhookConfiguration"
     )
     async with FakeApiServer() as fake:
+        fake.register(GPUNODELEDGER)
         fake.put(find(objs, "Namespace", "fracgpu"))
         fake.put(secret)
+        fake.put(client_secret)
         for wc in configurations:
             fake.put(wc)
         raw["kubeconfig"] = str(fake.kubeconfig(tmp_path / "kubeconfig"))
@@ -73,11 +79,13 @@ async def test_deployed_configuration_serves_and_injects_into_the_deployed_webho
         try:
             name = secret["metadata"]["name"]
 
-            def filled() -> bool:
+            def filled(name: str) -> bool:
                 stored = fake.get("secrets", name, "fracgpu")
                 return bool(stored and stored.get("data"))
 
-            await eventually(filled, within_s=20)
+            await eventually(lambda: filled(name), within_s=20)
+            # the scheduler's client certificate for the extender's port, in the Secret it mounts
+            await eventually(lambda: filled(client_secret["metadata"]["name"]), within_s=20)
             stored = fake.get("secrets", name, "fracgpu")
             assert stored is not None
             bundle = base64.b64decode(stored["data"]["ca-bundle.crt"])

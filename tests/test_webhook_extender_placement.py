@@ -377,7 +377,7 @@ def test_dra_mode_ignores_the_extender_rules() -> None:
         pytest.param(
             {"placement": "extender"},
             "extender placement needs scheduler_name: the scheduler profile that calls the "
-            "extender (deploy/overlays/extender runs fracgpu-scheduler)",
+            "extender (deploy/overlays/default runs fracgpu-scheduler)",
             id="no-scheduler",
         ),
         pytest.param(
@@ -474,7 +474,7 @@ def test_serve_places_by_the_extender_exactly_when_it_serves_it(
             {"extender": {"enabled": True}},
             [],
             "admission: placement: Value error, extender placement needs scheduler_name: the "
-            "scheduler profile that calls the extender (deploy/overlays/extender runs "
+            "scheduler profile that calls the extender (deploy/overlays/default runs "
             "fracgpu-scheduler); without it GPU pods would be bound with no card recorded "
             "(admission.placement follows extender.enabled: true)",
             id="no-scheduler-name",

@@ -162,7 +162,7 @@ def placement_problem(placement: str, allocation: object, scheduler_name: object
     if not scheduler_name:
         return (
             f"extender placement needs scheduler_name: the scheduler profile that calls the "
-            f"extender (deploy/overlays/extender runs {SCHEDULER_PROFILE}); without it GPU pods "
+            f"extender (deploy/overlays/default runs {SCHEDULER_PROFILE}); without it GPU pods "
             f"would be bound with no card recorded"
         )
     return None

@@ -50,19 +50,21 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- end -}}
 
 {{/*
-"true" when GPU pods are placed by fracgpu serve's scheduler extender (placement:
-extender), else empty. Device-plugin mode only (DRA's claims are placed by the stock scheduler),
-and only with certificates fracgpu issues itself: the extender's port requires a client
-certificate from serve's CA, which serve issues to the scheduler (cert-manager's CA key is not
-serve's to sign with).
+"true" when GPU pods are placed by fracgpu serve's scheduler extender, else empty. placement
+auto (the default) is the extender in device-plugin mode and nothing in DRA mode, whose claims
+the stock scheduler places; placement node is the device plugin's choice at kubelet admission
+(the fallback). The extender is called by the fracgpu-scheduler profile, so it needs
+scheduler.enabled. The scheduler's client certificate for the extender's port comes from serve
+(certs.mode self) or from cert-manager (certs.mode cert-manager, templates/certificate.yaml).
 */}}
 {{- define "fracgpu.extender" -}}
-{{- if eq .Values.placement "extender" -}}
-{{- if eq (include "fracgpu.mode" .) "dra" -}}
+{{- $dra := eq (include "fracgpu.mode" .) "dra" -}}
+{{- if and (eq .Values.placement "extender") $dra -}}
 {{- fail "placement extender is for device-plugin mode; in DRA mode the stock scheduler places each claim: set mode: device-plugin, or placement: node" -}}
 {{- end -}}
-{{- if ne .Values.certs.mode "self" -}}
-{{- fail "placement extender needs certs.mode self: fracgpu serve issues the scheduler's client certificate for the extender's port from its own CA" -}}
+{{- if and (ne .Values.placement "node") (not $dra) -}}
+{{- if not .Values.scheduler.enabled -}}
+{{- fail "device-plugin mode places GPU pods with the scheduler extender, which the fracgpu-scheduler calls: set scheduler.enabled: true, or placement: node to let the device plugin pick each card at kubelet admission (on nodes with several cards kubelet may then refuse a bound pod; docs/install.md)" -}}
 {{- end -}}
 true
 {{- end -}}
