@@ -14,6 +14,8 @@ missing object is NotFound.
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Protocol
@@ -53,6 +55,11 @@ class LedgerStore(Protocol):
         """Store ``ledger`` if the stored version is still ``ledger.version``; else Conflict."""
         ...
 
+    def recalled(self, node: str) -> Ledger | None:
+        """The node's ledger as this store last read or wrote it, without a request (None:
+        not known, or the store does not recall). It may be stale."""
+        ...
+
 
 class TooManyConflicts(Exception):
     """Every attempt of a compare-and-swap was overtaken by another writer."""
@@ -70,21 +77,40 @@ async def cas(
     ``change`` gets the ledger as read (an empty one, version "", when there is none) and
     returns the next one, or the same object when nothing needs writing. It may raise to give
     up; it is called again, on a fresh read, after every conflict.
+
+    A store that recalls the node's ledger (its own newest read or write) lets the first write
+    go without a read: right unless another writer came between, and then the write conflicts
+    and the loop reads afresh. Only a write is taken from a recalled ledger: a decision to write
+    nothing, or to give up, is made again on a fresh read.
     """
+    guess = store.recalled(node)
+    if guess is not None:
+        try:
+            wanted = change(guess)
+        except Exception:  # remade below on a fresh read, where it may stand
+            wanted = guess
+        if wanted is not guess:
+            with contextlib.suppress(Conflict, NotFound):
+                return await _write(store, guess, wanted)
     for _ in range(attempts):
         current = await store.get(node) or Ledger(node)
         wanted = change(current)
         if wanted is current:
             return current
         try:
-            if not current.version:
-                return await store.create(replace(wanted, version=""))
-            return await store.replace(replace(wanted, version=current.version))
+            return await _write(store, current, wanted)
         except (Conflict, NotFound):
             continue
     raise TooManyConflicts(
         f"the GPUNodeLedger of node {node} changed under each of {attempts} writes in a row"
     )
+
+
+async def _write(store: LedgerStore, current: Ledger, wanted: Ledger) -> Ledger:
+    """``wanted`` stored only if the ledger is still ``current`` (created, if it had none)."""
+    if not current.version:
+        return await store.create(replace(wanted, version=""))
+    return await store.replace(replace(wanted, version=current.version))
 
 
 class MemoryLedgerStore:
@@ -106,6 +132,9 @@ class MemoryLedgerStore:
 
     async def get(self, node: str) -> Ledger | None:
         return self.objects.get(node)
+
+    def recalled(self, node: str) -> Ledger | None:
+        return None  # every write starts from a read: the path the model check explores
 
     async def create(self, ledger: Ledger) -> Ledger:
         if ledger.node in self.objects:
@@ -140,9 +169,12 @@ class KubeLedgerStore:
         *,
         owner: Callable[[str], str | None] = lambda node: None,
         request_timeout_s: float = 5.0,
+        on_write: Callable[[str, float], None] = lambda outcome, seconds: None,
     ) -> None:
         self.api = api
         self.owner = owner
+        # Told each write's outcome (written, conflict, error) and its duration (a metric).
+        self.on_write = on_write
         self.request_timeout_s = request_timeout_s
         # The newest ledger this replica read or wrote, per node: filter reads the informer's
         # cache, which trails this replica's own writes by a watch event; a pod filtered in
@@ -152,6 +184,9 @@ class KubeLedgerStore:
     def _seen(self, ledger: Ledger) -> Ledger:
         self.newest[ledger.node] = newer(self.newest.get(ledger.node), ledger)
         return ledger
+
+    def recalled(self, node: str) -> Ledger | None:
+        return self.newest.get(node)
 
     async def _call(self, method: str, path: str, body: Any = None) -> dict[str, Any]:
         try:
@@ -179,11 +214,24 @@ class KubeLedgerStore:
             body["metadata"]["ownerReferences"] = [
                 {"apiVersion": "v1", "kind": "Node", "name": ledger.node, "uid": uid}
             ]
-        return self._seen(_read(await self._call("POST", GPUNODELEDGERS.path(), body)))
+        return self._seen(_read(await self._write("POST", GPUNODELEDGERS.path(), body)))
 
     async def replace(self, ledger: Ledger) -> Ledger:
         path = GPUNODELEDGERS.path(name=ledger.node)
-        return self._seen(_read(await self._call("PUT", path, to_object(ledger))))
+        return self._seen(_read(await self._write("PUT", path, to_object(ledger))))
+
+    async def _write(self, method: str, path: str, body: Any) -> dict[str, Any]:
+        start = time.perf_counter()
+        outcome = "error"
+        try:
+            answer = await self._call(method, path, body)
+            outcome = "written"
+            return answer
+        except (Conflict, NotFound):
+            outcome = "conflict"
+            raise
+        finally:
+            self.on_write(outcome, time.perf_counter() - start)
 
 
 def _read(obj: dict[str, Any]) -> Ledger:

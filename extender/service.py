@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from core.informer import Informer, Informers
 from core.kube import NODES, PODS, Api, RawBody
 from extender.binder import Binder
+from extender.booking import GroupBooker
 from extender.ledger import Ledger, LedgerError, from_object
 from extender.ledgerstore import (
     GPUNODELEDGERS,
@@ -38,6 +39,7 @@ from extender.ledgerstore import (
     Unavailable,
     newer,
 )
+from extender.metrics import ExtenderMetrics
 from extender.pods import KubePods, PodApiDown
 from extender.reclaim import TERMINAL, reclaim_node
 from extender.verbs import View, filter_nodes, prioritize
@@ -85,24 +87,47 @@ class ExtenderConfig(BaseModel):
     client_secret_name: str = Field(
         default="fracgpu-scheduler-client-tls",
         min_length=1,
-        description="the Secret (in certs.namespace) serve issues the scheduler's client "
-        "certificate into and renews (certs mode secret); the scheduler mounts it",
+        description="the Secret (in certs.namespace) the scheduler mounts its client "
+        "certificate from: serve issues it there and renews it in certs mode secret; in certs "
+        "mode files the issuer of the mounted certificates (cert-manager) fills it",
     )
 
 
 class ExtenderService:
     """The caches, the endpoints and the reclaim loop over one API client."""
 
-    def __init__(self, api: Api, informers: Informers, config: ExtenderConfig) -> None:
+    def __init__(
+        self,
+        api: Api,
+        informers: Informers,
+        config: ExtenderConfig,
+        metrics: ExtenderMetrics | None = None,
+    ) -> None:
         self.config = config
+        self.metrics = metrics or ExtenderMetrics()
         self.nodes: Informer = informers.of(NODES)
         self.ledgers: Informer = informers.of(GPUNODELEDGERS)
         timeout = config.request_timeout_seconds
-        self.store = KubeLedgerStore(api, owner=self._node_uid, request_timeout_s=timeout)
+        self.store = KubeLedgerStore(
+            api,
+            owner=self._node_uid,
+            request_timeout_s=timeout,
+            on_write=self.metrics.ledger_written,
+        )
         self.pods = KubePods(api, request_timeout_s=timeout)
-        self.binder = Binder(self.pods, self.store, self.cards, self.models)
-        self.view = View(self.cards, self.ledger, self.models)
+        # Binds of one node in a burst share one ledger write (extender.booking).
         self.pod_events: Informer = informers.of(PODS)
+        booker = GroupBooker(self.store, on_write=self.metrics.batch.observe)
+        self.binder = Binder(
+            self.pods,
+            self.store,
+            self.cards,
+            self.models,
+            booker=booker,
+            cached=lambda ns, name: self.pod_events.get(name, ns),
+            on_stage=self.metrics.staged,
+        )
+        self.view = View(self.cards, self.ledger, self.models)
         self._cards: dict[str, tuple[str, NodeCards | None]] = {}
         self._ledgers: dict[str, tuple[str, Ledger]] = {}
         self._dirty: set[str] = set()
@@ -171,31 +196,42 @@ class ExtenderService:
         }
 
     async def filter(self, request: web.Request) -> web.Response:
-        try:
-            args = ExtenderArgs.model_validate_json(await request.read())
-        except ValidationError as err:
-            return _bad(err)
-        if not self.ready():
-            result = ExtenderFilterResult(
-                error="fracgpu's extender has not listed the Nodes and GPUNodeLedgers yet"
-            )
+        with self.metrics.timed("filter"):
+            try:
+                args = ExtenderArgs.model_validate_json(await request.read())
+            except ValidationError as err:
+                self.metrics.answered("filter", "bad-request")
+                return _bad(err)
+            if not self.ready():
+                result = ExtenderFilterResult(
+                    error="fracgpu's extender has not listed the Nodes and GPUNodeLedgers yet"
+                )
+            else:
+                result = filter_nodes(args, self.view)
+            self.metrics.answered("filter", "error" if result.error else "ok")
             return web.json_response(result.wire())
-        return web.json_response(filter_nodes(args, self.view).wire())
 
     async def prioritize(self, request: web.Request) -> web.Response:
-        try:
-            args = ExtenderArgs.model_validate_json(await request.read())
-        except ValidationError as err:
-            return _bad(err)
-        scores = prioritize(args, self.view, self.config.policy)
-        return web.json_response(priorities_wire(scores))
+        with self.metrics.timed("prioritize"):
+            try:
+                args = ExtenderArgs.model_validate_json(await request.read())
+            except ValidationError as err:
+                self.metrics.answered("prioritize", "bad-request")
+                return _bad(err)
+            scores = prioritize(args, self.view, self.config.policy)
+            self.metrics.answered("prioritize", "ok")
+            return web.json_response(priorities_wire(scores))
 
     async def bind(self, request: web.Request) -> web.Response:
-        try:
-            args = ExtenderBindingArgs.model_validate_json(await request.read())
-        except ValidationError as err:
-            return _bad(err)
-        return web.json_response((await self.binder.bind(args)).wire())
+        with self.metrics.timed("bind"):
+            try:
+                args = ExtenderBindingArgs.model_validate_json(await request.read())
+            except ValidationError as err:
+                self.metrics.answered("bind", "bad-request")
+                return _bad(err)
+            result = await self.binder.bind(args)
+            self.metrics.answered("bind", "error" if result.error else "ok")
+            return web.json_response(result.wire())
 
     # --- lifecycle ------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@ from certs.serving import ServingCertificates, ServingError, open_serving
 from certs.sources import ManagedSource
 from core.informer import Informers
 from core.kube import Api, kube_client
+from extender.metrics import ExtenderMetrics
 from extender.service import ExtenderConfig, ExtenderService
 from quota.config import QuotaConfig
 from quota.forward import DECIDE_PATH
@@ -296,7 +297,8 @@ def _open_extender(
     if wiring.api is None or wiring.informers is None:
         log.warning("extender enabled but no cluster (standalone): not served")
         return {}
-    service = ExtenderService(wiring.api, wiring.informers, config.extender)
+    metrics = ExtenderMetrics(wiring.registry)
+    service = ExtenderService(wiring.api, wiring.informers, config.extender, metrics)
     wiring.background.append(service.run())
     source = certificates.source
     if isinstance(source, ManagedSource) and config.certs.mode == "secret":
@@ -304,11 +306,24 @@ def _open_extender(
             wiring.api, config.certs, config.extender.client_secret_name, lambda: source.material
         )
         wiring.background.append(keeper.run())
+    elif config.certs.mode == "files":
+        # The mounted certificates' issuer (cert-manager, with the chart and the cert-manager
+        # overlay) holds the CA key and issues the scheduler's certificate too; the extender's
+        # port trusts the CAs in certs.ca_file for it.
+        log.info(
+            "the scheduler's client certificate is not issued here (certs mode files): the "
+            "extender accepts one signed by a CA in certs.ca_file, which the issuer of the "
+            "mounted certificates (cert-manager) provides in the scheduler's Secret",
+            extra={
+                "ca_file": str(config.certs.ca_file),
+                "secret": f"{config.certs.namespace}/{config.extender.client_secret_name}",
+            },
+        )
     else:
-        # No CA key here (files mode: cert-manager's), or no Secret to share it through.
+        # directory mode: the CA key is here, but there is no Secret to share a certificate by.
         log.warning(
             "the scheduler's client certificate is issued only in certs mode secret; issue "
-            "one from the CA that signs the serving certificate (clientAuth) yourself",
+            "one (clientAuth) from the CA that signs the serving certificate yourself",
             extra={"certs_mode": config.certs.mode},
         )
     return service.routes()

@@ -170,3 +170,34 @@ async def test_a_pod_without_gpu_is_bound_without_a_record(rig: Rig) -> None:
     assert bound["spec"]["nodeName"] == "n1"
     assert PLACEMENT_ANNOTATION not in (bound["metadata"].get("annotations") or {})
     assert json.dumps(await rig.ledgers.get("n1")) == "null"
+
+
+CACHE_CASES = [
+    # (name, what the cache holds, whether the pod is read from the API server)
+    ("this incarnation, unbound: no read", "same", False),
+    ("nothing cached: read", "none", True),
+    ("an older incarnation: read", "other-uid", True),
+    ("bound already in the cache: read, the server decides", "bound", True),
+]
+
+
+@pytest.mark.parametrize(
+    ("held", "read"), [c[1:] for c in CACHE_CASES], ids=[c[0] for c in CACHE_CASES]
+)
+async def test_bind_reads_the_pod_only_when_the_cache_cannot_vouch_for_it(
+    rig: Rig, held: str, read: bool
+) -> None:
+    rig.fake.put(pod("a", (50, 8)))
+    cached = {
+        "same": pod("a", (50, 8)),
+        "none": None,
+        "other-uid": pod("a", (50, 8), uid="uid-old"),
+        "bound": pod("a", (50, 8), node_name="n1"),
+    }[held]
+    binder = Binder(rig.binder.pods, rig.ledgers, rig.binder.cards, cached=lambda ns, name: cached)
+    rig.fake.requests.clear()
+    result = await binder.bind(rig.args("a"))
+    assert result.error == ""
+    reads = [r for r in rig.fake.requests if r.method == "GET" and r.path.endswith("/pods/a")]
+    assert bool(reads) == read
+    assert rig.pod("a")["spec"]["nodeName"] == "n1"

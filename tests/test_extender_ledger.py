@@ -183,3 +183,63 @@ NEWER = [
 @pytest.mark.parametrize(("a", "b", "version"), NEWER)
 def test_newer(a: Ledger | None, b: Ledger | None, version: str) -> None:
     assert newer(a, b).version == version
+
+
+class Recalling(MemoryLedgerStore):
+    """A store that recalls a given ledger (this replica's newest read or write) and counts
+    its reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.recall: Ledger | None = None
+        self.reads = 0
+
+    def recalled(self, node: str) -> Ledger | None:
+        return self.recall
+
+    async def get(self, node: str) -> Ledger | None:
+        self.reads += 1
+        return await super().get(node)
+
+
+async def _recalling(stale: bool) -> Recalling:
+    store = Recalling()
+    first = await cas(store, "n1", lambda ledger: ledger.with_booking("u1", BOOKING))
+    store.recall = first
+    if stale:  # another replica writes after this one last saw the ledger
+        await store.replace(first.with_booking("other", BOOKING))
+    store.reads = 0
+    return store
+
+
+RECALL_CASES = [
+    # (name, recall stale, change, reads, bookings after)
+    ("a fresh recall writes without a read", False, "add", 0, {"u1", "u2"}),
+    ("a stale recall conflicts, then reads and writes", True, "add", 1, {"u1", "other", "u2"}),
+    ("writing nothing is confirmed on a fresh read", False, "keep", 1, {"u1"}),
+    ("giving up is confirmed on a fresh read", True, "give-up-unless-other", 1,
+     {"u1", "other", "u2"}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("stale", "how", "reads", "after"),
+    [c[1:] for c in RECALL_CASES],
+    ids=[c[0] for c in RECALL_CASES],
+)
+async def test_cas_takes_only_a_write_from_a_recalled_ledger(
+    stale: bool, how: str, reads: int, after: set[str]
+) -> None:
+    store = await _recalling(stale)
+
+    def change(ledger: Ledger) -> Ledger:
+        if how == "keep":
+            return ledger
+        if how == "give-up-unless-other" and "other" not in ledger.bookings:
+            raise RuntimeError("no room, as this replica last saw it")
+        return ledger.with_booking("u2", BOOKING)
+
+    stored = await cas(store, "n1", change)
+    assert store.reads == reads
+    assert set(stored.bookings) == after
+    assert set((await MemoryLedgerStore.get(store, "n1") or Ledger("n1")).bookings) == after

@@ -28,6 +28,7 @@ from testkit.extender import Gpu, node
 from testkit.kinds import GPUNODELEDGER
 from tests.serving import SECRET, in_cluster_config
 from tests.support import eventually, free_port
+from webhook.server import METRICS_PATH
 
 CLIENT_SECRET = ("secrets", "fracgpu-scheduler-client-tls", "fracgpu")
 FILTER_ARGS = {"Pod": {"metadata": {"name": "p", "namespace": "team"}}, "NodeNames": ["n1"]}
@@ -171,6 +172,15 @@ async def test_the_scheduler_certificate_is_accepted_and_admission_serves_no_ext
             served.trusting_serve(), f"https://127.0.0.1:{served.admission}{BIND_PATH}", {}
         )
         assert status == 404
+        # The call is counted and timed in serve's /metrics (on the admission port).
+        connector = aiohttp.TCPConnector(ssl=served.trusting_serve())
+        async with (
+            aiohttp.ClientSession(connector=connector) as http,
+            http.get(f"https://127.0.0.1:{served.admission}{METRICS_PATH}") as resp,
+        ):
+            exposed = await resp.text()
+        assert 'fracgpu_extender_answers_total{outcome="ok",verb="filter"} 1.0' in exposed
+        assert 'fracgpu_extender_duration_seconds_count{verb="filter"} 1.0' in exposed
 
 
 async def test_the_client_secret_holds_a_client_certificate_from_serves_ca(tmp_path: Path) -> None:
@@ -193,3 +203,69 @@ async def test_the_client_secret_holds_a_client_certificate_from_serves_ca(tmp_p
         assert signed_by(cert, ca)
         usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
         assert list(usages) == [ExtendedKeyUsageOID.CLIENT_AUTH]
+
+
+async def test_in_files_mode_the_extender_trusts_the_mounted_ca_and_serve_issues_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """cert-manager (certs mode files): serve has no CA key, so it neither issues nor writes the
+    scheduler's client certificate, and says where it comes from; the extender's port accepts
+    one from the CA in the mounted ca.crt (cert-manager's Certificate fracgpu-scheduler-client)
+    and refuses one from another CA."""
+    from certs.config import CertsConfig
+    from certs.issuance import Issued
+    from tests.test_certs_files import files_config, issue, publish
+
+    mount = tmp_path / "tls"
+    mount.mkdir()
+    material = issue(["127.0.0.1"])
+    publish(mount, material, 1)
+    async with FakeApiServer(namespaces=("default", "fracgpu", "team")) as fake:
+        fake.register(GPUNODELEDGER)
+        fake.put(node("n1", Gpu("GPU-1")))
+        admission, extender = free_port(), free_port()
+        config = in_cluster_config(fake, tmp_path, admission).model_copy(
+            update={
+                "certs": CertsConfig.model_validate(
+                    {**files_config(mount).model_dump(), "namespace": "fracgpu"}
+                ),
+                "extender": ExtenderConfig(enabled=True, port=extender),
+            }
+        )
+        stop = asyncio.Event()
+        caplog.set_level("INFO", logger="fracgpu.serve")
+        server = asyncio.ensure_future(run_server(config, standalone=False, stop=stop))
+        try:
+
+            def client_of(ca: Issued | None, name: str) -> ssl.SSLContext:
+                """The scheduler's side: trusts the mounted CA, presents a certificate from
+                ``ca`` (none if None)."""
+                context = ssl.create_default_context(cadata=material.bundle_pem().decode())
+                context.check_hostname = False  # the serving certificate's name is not tested
+                if ca is None:
+                    return context
+                client = issue_client(
+                    ca, common_name="fracgpu-scheduler", lifetime=timedelta(days=1),
+                    now=utcnow(), backdate=timedelta(hours=1), algorithm="ecdsa-p256",
+                )  # fmt: skip
+                cert, key = tmp_path / f"{name}.crt", tmp_path / f"{name}.key"
+                cert.write_bytes(client.cert_pem())
+                key.write_bytes(client.key_pem())
+                context.load_cert_chain(cert, key)
+                return context
+
+            url = f"https://127.0.0.1:{extender}{FILTER_PATH}"
+            status, reply = await post(client_of(material.ca, "scheduler"), url, FILTER_ARGS)
+            assert status == 200 and "NodeNames" in reply
+            with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+                await post(client_of(issue(["x"]).ca, "other"), url, FILTER_ARGS)
+            with pytest.raises((aiohttp.ClientError, ssl.SSLError)):
+                await post(client_of(None, "none"), url, FILTER_ARGS)
+        finally:
+            stop.set()
+            assert await asyncio.wait_for(server, 10) == 0
+        assert fake.get(*CLIENT_SECRET) is None
+        assert not [r for r in fake.requests if "/secrets" in r.path]
+        (said,) = [r for r in caplog.records if "client certificate is not issued" in r.message]
+        assert said.levelname == "INFO"
+        assert said.secret == "fracgpu/fracgpu-scheduler-client-tls"  # type: ignore[attr-defined]

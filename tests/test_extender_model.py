@@ -147,6 +147,11 @@ class Ledgers:
         answer: Ledger = await self.calls._answer(lambda: self.calls.world.store.replace(ledger))
         return answer
 
+    def recalled(self, node_name: str) -> Ledger | None:
+        """Every write starts from a read here; a recalled ledger can only make a write
+        conflict (tests/test_extender_ledger.py)."""
+        return None
+
 
 @dataclass
 class Actor:
