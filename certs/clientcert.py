@@ -10,7 +10,11 @@ The Secret (``kubernetes.io/tls``) holds ``tls.crt`` and ``tls.key`` (the client
 clientAuth only) and ``ca.crt``: every CA the extender's serving certificate may be signed by
 (the bundle), for the scheduler's ``caFile``. The scheduler mounts it; client-go re-reads a
 certificate and key given as files at each new connection, so a renewal needs no restart; it
-reads ``caFile`` once, at start, so a CA rotation does (docs/certificates.md).
+reads ``caFile`` once, at start, so a CA rotation does. The keeper does it: when it writes a
+``ca.crt`` that differs from the one stored (a new CA entered the bundle, or an old one left),
+it stamps the bundle's fingerprint on the scheduler Deployment's pod template, which rolls the
+scheduler's pods; the serving certificate moves to a new CA only ``ca_propagation`` (10 minutes)
+later, by when the restarted scheduler trusts it (docs/certificates.md).
 
 Every replica runs the keeper; the Secret's resourceVersion decides races, as for the serving
 certificate (``certs.secretstore``): a loser re-reads at its next check and finds nothing to do.
@@ -19,8 +23,9 @@ certificate (``certs.secretstore``): a loser re-reads at its next check and find
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 
 from certs.config import CertsConfig
@@ -39,12 +44,51 @@ from certs.rotation import ca_propagated_at
 from certs.secretstore import SecretStore
 from certs.sources import Clock, utcnow
 from certs.stores import Files, StoreConflict
-from core.kube import Api
+from core.kube import DEPLOYMENTS, Api, KubeError, KubeNotFound, call_json
 
 log = logging.getLogger(__name__)
 
 CLIENT_FILES = (TLS_CERT, TLS_KEY, CA_CERT)
 SCHEDULER_COMMON_NAME = "fracgpu-scheduler"
+# On the scheduler Deployment's pod template: the CA bundle its pods were started with.
+CA_STAMP_ANNOTATION = "fracgpu.io/scheduler-ca-bundle"
+
+
+def bundle_stamp(bundle_pem: bytes) -> str:
+    return "sha256:" + hashlib.sha256(bundle_pem).hexdigest()
+
+
+def deployment_restarter(api: Api, namespace: str, name: str) -> Callable[[str], Awaitable[None]]:
+    """Roll Deployment ``name``'s pods by stamping ``stamp`` on its pod template (what
+    ``kubectl rollout restart`` does with a time). A Deployment that is not there (the operator
+    runs the scheduler another way) is logged with what to do; other failures raise, to be
+    retried at the next check."""
+
+    async def restart(stamp: str) -> None:
+        patch = {"spec": {"template": {"metadata": {"annotations": {CA_STAMP_ANNOTATION: stamp}}}}}
+        try:
+            await call_json(
+                api,
+                "PATCH",
+                DEPLOYMENTS.path(namespace, name),
+                body=patch,
+                content_type="application/strategic-merge-patch+json",
+            )
+        except KubeNotFound:
+            log.warning(
+                "the scheduler's trusted CAs changed but its Deployment was not found: restart "
+                "the scheduler that mounts the client certificate Secret within "
+                "certs.ca_propagation, or its calls to the extender fail once the serving "
+                "certificate moves to the new CA",
+                extra={"deployment": f"{namespace}/{name}", "stamp": stamp},
+            )
+            return
+        log.info(
+            "scheduler restarted to trust the new CA bundle",
+            extra={"deployment": f"{namespace}/{name}", "stamp": stamp},
+        )
+
+    return restart
 
 
 def reissue_reason(
@@ -111,12 +155,16 @@ class ClientCertificateKeeper:
         *,
         common_name: str = SCHEDULER_COMMON_NAME,
         clock: Clock = utcnow,
+        restart: Callable[[str], Awaitable[None]] | None = None,
     ) -> None:
         self.store = SecretStore(api, config.namespace, secret_name, keys=CLIENT_FILES)
         self.config = config
         self.material = material
         self.common_name = common_name
         self.clock = clock
+        self.restart = restart
+        # The bundle stamp the scheduler must be restarted with, until that succeeds.
+        self.restart_due: str | None = None
 
     async def ensure(self) -> str | None:
         """One check: issues and stores a new certificate if one is due; why it did, or None.
@@ -129,6 +177,7 @@ class ClientCertificateKeeper:
         now = self.clock()
         reason = reissue_reason(files, material, self.config, now)
         if reason is None:
+            await self._restart_if_due()
             return None
         issued = issue(material, self.config, now, self.common_name)
         try:
@@ -136,6 +185,10 @@ class ClientCertificateKeeper:
         except StoreConflict:
             log.info("client certificate Secret changed meanwhile; re-reading it next check")
             return None
+        if files and files.get(CA_CERT) and files[CA_CERT] != issued[CA_CERT]:
+            # Not at first issue: the scheduler starts with this bundle, nothing to restart.
+            self.restart_due = bundle_stamp(issued[CA_CERT])
+        await self._restart_if_due()
         cert = parse_certs(TLS_CERT, issued[TLS_CERT])[0]
         log.info(
             "scheduler client certificate issued",
@@ -147,6 +200,19 @@ class ClientCertificateKeeper:
             },
         )
         return reason
+
+    async def _restart_if_due(self) -> None:
+        if self.restart_due is None or self.restart is None:
+            return
+        try:
+            await self.restart(self.restart_due)
+        except KubeError as exc:
+            log.error(
+                "restarting the scheduler for the new CA bundle failed; retrying next check",
+                extra={"error": str(exc), "stamp": self.restart_due},
+            )
+            return
+        self.restart_due = None
 
     async def run(self) -> None:
         """Check every ``check_interval`` until cancelled; a failed check is logged and retried

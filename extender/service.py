@@ -91,6 +91,13 @@ class ExtenderConfig(BaseModel):
         "certificate from: serve issues it there and renews it in certs mode secret; in certs "
         "mode files the issuer of the mounted certificates (cert-manager) fills it",
     )
+    scheduler_deployment: str = Field(
+        default="fracgpu-scheduler",
+        description="the scheduler's Deployment (in certs.namespace), which serve restarts "
+        "when the CAs in the client certificate Secret change (certs mode secret), because "
+        "kube-scheduler reads its caFile only at start; empty: never (restart it yourself "
+        "within certs.ca_propagation of a CA rotation)",
+    )
 
 
 class ExtenderService:

@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from certs.clientcert import ClientCertificateKeeper
+from certs.clientcert import ClientCertificateKeeper, deployment_restarter
 from certs.config import CertsConfig
 from certs.material import CA_BUNDLE
 from certs.serving import ServingCertificates, ServingError, open_serving
@@ -302,8 +302,15 @@ def _open_extender(
     wiring.background.append(service.run())
     source = certificates.source
     if isinstance(source, ManagedSource) and config.certs.mode == "secret":
+        scheduler = config.extender.scheduler_deployment
         keeper = ClientCertificateKeeper(
-            wiring.api, config.certs, config.extender.client_secret_name, lambda: source.material
+            wiring.api,
+            config.certs,
+            config.extender.client_secret_name,
+            lambda: source.material,
+            restart=deployment_restarter(wiring.api, config.certs.namespace, scheduler)
+            if scheduler
+            else None,
         )
         wiring.background.append(keeper.run())
     elif config.certs.mode == "files":

@@ -9,13 +9,23 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from certs.clientcert import CLIENT_FILES, ClientCertificateKeeper, issue, reissue_reason
+from certs.clientcert import (
+    CA_STAMP_ANNOTATION,
+    CLIENT_FILES,
+    ClientCertificateKeeper,
+    bundle_stamp,
+    deployment_restarter,
+    issue,
+    reissue_reason,
+)
 from certs.config import CertsConfig
 from certs.issuance import issue_ca
 from certs.material import CA_CERT, TLS_CERT, TLS_KEY, Material
 from certs.rotation import plan
 from certs.stores import Files
+from core.kube import KubeUnavailable
 from testkit.apiserver import FakeApiServer
+from testkit.kinds import DEPLOYMENT
 
 CONFIG = CertsConfig(mode="secret")
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -138,3 +148,87 @@ async def test_the_keeper_waits_for_the_ca() -> None:
         keeper = ClientCertificateKeeper(api, CONFIG, "client", lambda: None)
         assert await keeper.ensure() is None
         assert fake.get("secrets", "client", "fracgpu") is None
+
+
+SCHEDULER = {
+    "apiVersion": "apps/v1",
+    "kind": "Deployment",
+    "metadata": {"name": "fracgpu-scheduler", "namespace": "fracgpu"},
+    "spec": {"template": {"metadata": {"labels": {"app": "s"}}, "spec": {"containers": []}}},
+}
+
+
+def _stamp_of(fake: FakeApiServer) -> str | None:
+    found = fake.get("deployments", "fracgpu-scheduler", "fracgpu")
+    assert found is not None
+    annotations = found["spec"]["template"]["metadata"].get("annotations") or {}
+    stamp: str | None = annotations.get(CA_STAMP_ANNOTATION)
+    return stamp
+
+
+async def test_a_new_ca_in_the_bundle_restarts_the_scheduler_once_and_first_issue_does_not() -> (
+    None
+):
+    """kube-scheduler reads caFile only at start: when the keeper writes a ca.crt that differs
+    from the stored one, it stamps the bundle on the scheduler's pod template (a rollout);
+    the first issue, and a renewal under the same CAs, restart nothing."""
+    material = [MATERIAL]
+    clock = [T0]
+    async with FakeApiServer(namespaces=("fracgpu",)) as fake, fake.api_client() as api:
+        fake.register(DEPLOYMENT)
+        fake.put(SCHEDULER)
+        keeper = ClientCertificateKeeper(
+            api,
+            CONFIG,
+            "fracgpu-scheduler-client-tls",
+            lambda: material[0],
+            clock=lambda: clock[0],
+            restart=deployment_restarter(api, "fracgpu", "fracgpu-scheduler"),
+        )
+        assert await keeper.ensure() == "no client certificate stored yet"
+        assert _stamp_of(fake) is None
+        clock[0] = T0 + LIFE * 0.7
+        assert (await keeper.ensure() or "").startswith("renewal due")
+        assert _stamp_of(fake) is None
+        clock[0] = T0 + LIFE * 0.7 + timedelta(hours=1)
+        material[0] = _rotated_ca(clock[0])
+        assert await keeper.ensure() == "the trusted CAs changed"
+        assert _stamp_of(fake) == bundle_stamp(material[0].bundle_pem())
+        assert await keeper.ensure() is None
+        assert _stamp_of(fake) == bundle_stamp(material[0].bundle_pem())
+
+
+AFTER_ROTATION = T0 + timedelta(days=1, hours=1)
+
+
+async def test_a_failed_restart_is_tried_again_at_the_next_check() -> None:
+    calls: list[str] = []
+
+    async def flaky(stamp: str) -> None:
+        calls.append(stamp)
+        if len(calls) == 1:
+            raise KubeUnavailable("the API server did not answer")
+
+    async with FakeApiServer(namespaces=("fracgpu",)) as fake, fake.api_client() as api:
+        keeper = ClientCertificateKeeper(
+            api, CONFIG, "client", lambda: material, clock=lambda: AFTER_ROTATION, restart=flaky
+        )
+        material = MATERIAL
+        await keeper.ensure()
+        material = ROTATED
+        with pytest.raises(KubeUnavailable):
+            await keeper.ensure()
+        assert keeper.restart_due is not None
+        assert await keeper.ensure() is None
+        assert keeper.restart_due is None
+        assert calls == [bundle_stamp(ROTATED.bundle_pem())] * 2
+
+
+async def test_no_scheduler_deployment_is_logged_not_retried(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with FakeApiServer(namespaces=("fracgpu",)) as fake, fake.api_client() as api:
+        fake.register(DEPLOYMENT)
+        restart = deployment_restarter(api, "fracgpu", "fracgpu-scheduler")
+        await restart("sha256:x")
+    assert "Deployment was not found" in caplog.text

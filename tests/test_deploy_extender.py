@@ -122,12 +122,15 @@ def test_the_extender_port_is_exposed_where_the_scheduler_calls_it() -> None:
     assert f":{port}/" in scheduler_config(objs)["extenders"][0]["urlPrefix"]
 
 
-def test_serve_may_keep_the_client_secret_and_nothing_more() -> None:
+def test_serve_may_keep_the_client_secret_and_restart_the_scheduler_and_nothing_more() -> None:
+    """The client Secret, and a patch of the scheduler's Deployment (its pod template stamp,
+    when the CAs change: kube-scheduler reads its CA file only at start)."""
     grants, builtin = grants_of(render(OVERLAY), SA_WEBHOOK)
     client = _all(
         "fracgpu", "", "secrets", "get watch update patch", "fracgpu-scheduler-client-tls"
     )
-    assert grants == WEBHOOK_CORE | WEBHOOK_OWN_CERTS | client
+    restart = _all("fracgpu", "apps", "deployments", "patch", "fracgpu-scheduler")
+    assert grants == WEBHOOK_CORE | WEBHOOK_OWN_CERTS | client | restart
     assert builtin == set()
 
 

@@ -66,10 +66,11 @@ WEBHOOK_OWN_CERTS = (
 
 
 # With extender placement (the default install) serve also keeps the scheduler's client
-# certificate for the extender's port in its Secret.
+# certificate for the extender's port in its Secret, and restarts the scheduler (a patch of its
+# Deployment's pod template) when the CAs in it change.
 SCHEDULER_CLIENT_CERT = _all(
     NAMESPACE, "", "secrets", "get watch update patch", "fracgpu-scheduler-client-tls"
-)
+) | _all(NAMESPACE, "apps", "deployments", "patch", "fracgpu-scheduler")
 
 
 @pytest.mark.parametrize("overlay", ["default", "dialects", "network-policy"])
