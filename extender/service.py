@@ -138,12 +138,17 @@ class ExtenderService:
         self._cards: dict[str, tuple[str, NodeCards | None]] = {}
         self._ledgers: dict[str, tuple[str, Ledger]] = {}
         self._dirty: set[str] = set()
+        self._reclaimed_once = False
         self._wake = asyncio.Event()
 
     # --- the view -------------------------------------------------------------------------
 
     def ready(self) -> bool:
-        return self.nodes.has_synced and self.ledgers.has_synced
+        """Whether filter may answer: the caches have listed, and the first reclaim pass has
+        released the bookings of pods that went while no extender ran (an upgrade, a restart).
+        Until then filter answers an error, which the scheduler retries within seconds; a pod
+        rejected for room a stale booking held would wait for an unrelated cluster event."""
+        return self.nodes.has_synced and self.ledgers.has_synced and self._reclaimed_once
 
     def cards(self, node: str) -> NodeCards | None:
         """The node's cards, parsed once per version of its Node object."""
@@ -247,8 +252,12 @@ class ExtenderService:
         self.pod_events.add_handler(self.on_pod)
         try:
             async with self.nodes, self.ledgers, self.pod_events:
+                # The first pass must see every ledger: before the informer has listed there
+                # is nothing to reclaim, and stale bookings would wait a whole interval.
+                await self.ledgers.wait_synced()
                 while True:
                     await self.reclaim_all()
+                    self._reclaimed_once = True
                     await self._reclaim_dirty_until(self.config.reclaim_interval_seconds)
         finally:
             self.pod_events.remove_handler(self.on_pod)

@@ -3,17 +3,23 @@ that is pending and unbound, and never for one that cannot be read."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Mapping
 from typing import Any
 
 import pytest
 
+from core.informer import Informers
 from core.placement import ContainerPlacement
-from extender.ledger import Booking, Ledger
+from extender.ledger import Booking, Ledger, to_object
 from extender.ledgerstore import MemoryLedgerStore
 from extender.pods import PodApiDown
 from extender.reclaim import evidence, reclaim_node
-from testkit.extender import pod
+from extender.service import ExtenderConfig, ExtenderService
+from testkit.apiserver import FakeApiServer
+from testkit.extender import Gpu, node, pod
+from testkit.kinds import GPUNODELEDGER
 
 
 def with_phase(obj: dict[str, Any], phase: str) -> dict[str, Any]:
@@ -97,3 +103,32 @@ async def test_a_pass_frees_only_what_has_evidence() -> None:
 
 async def test_no_ledger_nothing_to_do() -> None:
     assert await reclaim_node(MemoryLedgerStore(), Pods([]), "n1") == {}
+
+
+async def test_filter_answers_only_after_the_first_pass_released_what_no_extender_saw_go() -> None:
+    """A booking whose pod went while no extender ran (an upgrade, a reinstall) is released by
+    the first reclaim pass, once the ledgers are listed; until that pass ends the service is
+    not ready, so filter answers an error the scheduler retries within seconds instead of
+    rejecting pods for room the stale booking holds."""
+    stale = booked("gone")
+    async with FakeApiServer(namespaces=("team",)) as fake:
+        fake.register(GPUNODELEDGER)
+        fake.put(node("n1", Gpu("GPU-0")))
+        fake.put(to_object(stale))
+        async with fake.api_client() as api:
+            informers = Informers(api)
+            service = ExtenderService(api, informers, ExtenderConfig(enabled=True))
+            assert not service.ready()
+            task = asyncio.create_task(service.run())
+            try:
+                for _ in range(200):
+                    if service.ready():
+                        break
+                    await asyncio.sleep(0.01)
+                assert service.ready()
+                stored = fake.get("gpunodeledgers", "n1")
+                assert stored is not None and stored["spec"].get("bookings", {}) == {}
+            finally:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
