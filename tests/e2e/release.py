@@ -39,10 +39,23 @@ RELEASE = "fracgpu"
 NAMESPACE = "fracgpu"
 # The label the chart's node agents select GPU nodes by.
 GPU_NODE_LABEL = "nvidia.com/gpu.present"
-CARDS = [
-    FakeCard(f"GPU-rel{i:05d}-0000-4000-8000-{i:012x}", CARD_MIB, i, name=CARD_PRODUCT)
-    for i in range(2)
-]
+
+
+def fake_cards(count: int) -> list[FakeCard]:
+    """``count`` fake cards of the suite's model, with the same UUIDs in every session."""
+    return [
+        FakeCard(f"GPU-rel{i:05d}-0000-4000-8000-{i:012x}", CARD_MIB, i, name=CARD_PRODUCT)
+        for i in range(count)
+    ]
+
+
+# The release's node, unless a scenario asks for more cards.
+CARDS = fake_cards(2)
+# The project's cluster runs no cluster DNS, so in device-plugin mode the chart's scheduler
+# dials the extender at the webhook Service's IP, pinned inside the cluster's service range
+# (the TLS server name stays the Service's DNS name): what docs/install.md tells a cluster
+# without DNS to set.
+EXTENDER_IP = "10.96.211.44"
 # Devices Allocate and the CDI specs hand a container besides its card.
 CONTROL_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools")
 # A GPU node's toolkit configured as docs/install.md says (the device plugin's init container
@@ -77,6 +90,7 @@ class NodeFiles:
     """The fake GPU of the node: one host folder, mounted into the node agent at its own path."""
 
     root: Path
+    cards: tuple[FakeCard, ...] = tuple(CARDS)
 
     @property
     def library(self) -> Path:
@@ -95,13 +109,13 @@ class NodeFiles:
         shutil.copyfile(build_cached(), self.library)
         self.dev.mkdir(exist_ok=True)
         null = os.stat("/dev/null").st_rdev
-        for name in [*(f"nvidia{c.minor}" for c in CARDS), *CONTROL_DEVICES]:
+        for name in [*(f"nvidia{c.minor}" for c in self.cards), *CONTROL_DEVICES]:
             node = self.dev / name
             node.unlink(missing_ok=True)
             os.mknod(node, 0o666 | stat.S_IFCHR, null)
         self.toolkit.mkdir(exist_ok=True)
         (self.toolkit / "config.toml").write_text(TOOLKIT_CONFIG)
-        return FakeNvml(self.root, CARDS)
+        return FakeNvml(self.root, list(self.cards))
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
@@ -121,9 +135,10 @@ def chart_version() -> str:
     return str(chart["appVersion"])
 
 
-def node_values(settings: Settings, files: NodeFiles, nvml: FakeNvml) -> Obj:
+def node_values(settings: Settings, files: NodeFiles, nvml: FakeNvml, mode: str) -> Obj:
     """The values a GPU-less node of this cluster adds to the chart's: where the images it holds
-    come from (no registry), the kubelet's and the runtime's folders, and the fake GPU."""
+    come from (no registry), the kubelet's and the runtime's folders, the fake GPU, and in
+    device-plugin mode where the scheduler reaches the extender without cluster DNS."""
     assert settings.release_image and settings.scheduler_image
     _, tag = image_parts(settings.release_image)
     scheduler_repository, _ = image_parts(settings.scheduler_image)
@@ -144,6 +159,9 @@ def node_values(settings: Settings, files: NodeFiles, nvml: FakeNvml) -> Obj:
     }
     if tag != chart_version():
         values["image"] = {"tag": tag}
+    if mode == "device-plugin":
+        values["webhook"] = {"serviceClusterIP": EXTENDER_IP}
+        values["scheduler"]["extenderHost"] = EXTENDER_IP
     return values
 
 
@@ -252,14 +270,16 @@ def installed(
     workdir: Path,
     *,
     extra_values: Obj | None = None,
+    cards: int = len(CARDS),
 ) -> Iterator[Release]:
     """The chart installed in ``mode`` and Ready (``helm install --wait``), with the node's
-    values and ``extra_values`` (a user's own, e.g. the extender's placement); uninstalled, with
-    the node's label and fake GPU removed, whatever happened."""
-    files = NodeFiles(settings.node_dir / f"release-{mode}")
+    values (``cards`` fake cards) and ``extra_values`` (a user's own); uninstalled, with the
+    node's label and fake GPU removed, whatever happened."""
+    files = NodeFiles(settings.node_dir / f"release-{mode}", tuple(fake_cards(cards)))
     nvml = files.make()
     values = write_values(
-        workdir / "node-values.yaml", merged(node_values(settings, files, nvml), extra_values or {})
+        workdir / "node-values.yaml",
+        merged(node_values(settings, files, nvml, mode), extra_values or {}),
     )
     run = Release(mode, settings, kubectl, Helm(settings.kubeconfig), files)
     kubectl.ok("label", "node", node, f"{GPU_NODE_LABEL}=true", "--overwrite")

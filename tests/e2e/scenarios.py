@@ -130,3 +130,16 @@ UNHONOURABLE_MODEL_CHOICES = [
         id="the-only-model-excluded",
     ),
 ]
+
+
+# (name, limits): the suite's churn mix, drawn at random; memory-heavy shares and whole cards beside
+# proportional shares, so that the two resources run out on different cards
+CHURN_SHAPES = [
+    ("small", {"fracgpu.io/gpu": "0.1"}),
+    ("third", {"fracgpu.io/gpu": "0.3"}),
+    ("half-little-memory", {"fracgpu.io/gpu": "0.5", "fracgpu.io/gpumem": "1024"}),
+    ("memory-heavy", {"fracgpu.io/gpu": "0.1", "fracgpu.io/gpumem": "16Gi"}),
+    ("most", {"fracgpu.io/gpu": "0.7"}),
+    ("whole", {"fracgpu.io/gpu": "1"}),
+    ("two-whole", {"fracgpu.io/gpu": "2"}),
+]

@@ -339,13 +339,14 @@ def test_a_new_share_is_placed_right_after_the_node_agent_restarted(
 ) -> None:
     """Right after the scenario above, whose share is ending meanwhile."""
     if release.mode == "device-plugin":
-        request.applymarker(pytest.mark.xfail(reason=PLACEMENT_BUG, strict=False))
+        request.applymarker(pytest.mark.xfail(reason=AGENT_RESTART_GAP, strict=False))
     create_running(kubectl, user_namespace, share_pod("beside", "0.4", "4Gi"))
 
 
-PLACEMENT_BUG = (
-    "Device-plugin mode placed exactly when the pod is scheduled: the card chosen by a "
-    "scheduler extender, kubelet never refuses"
+AGENT_RESTART_GAP = (
+    "#38: kubelet has none of a resource's devices between the old device plugin's end and the "
+    "new one's first list; a pod admitted meanwhile is refused (the extender places cards, but "
+    "does not yet know when the node agent is serving)"
 )
 
 
