@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from core.placement import PLACEMENT_ANNOTATION, PlacementError, parse, render
-from extender.booking import Booker, DirectBooker, NoRoom
+from extender.booking import Booker, NoRoom
 from extender.demand import DemandError, PodDemand, pod_demand
 from extender.ledger import Booking
-from extender.ledgerstore import CAS_ATTEMPTS, LedgerStore, TooManyConflicts, Unavailable
+from extender.ledgerstore import TooManyConflicts, Unavailable
 from extender.pods import BindConflict, PodApi, PodApiDown, PodGone
 from extender.view import NO_INVENTORY, NodeCards
 from extender.wire import ExtenderBindingArgs, ExtenderBindingResult
@@ -78,20 +78,15 @@ class Binder:
     ``models``: the GPU models the cluster knows, to read a pod's model choice."""
 
     pods: PodApi
-    ledgers: LedgerStore
+    # How bookings reach the node's ledger: one write per pod (DirectBooker), or one write per
+    # burst of a node's binds (GroupBooker, what the service runs).
+    booker: Booker
     cards: Callable[[str], NodeCards | None]
     models: Callable[[], Iterable[str]] = tuple
-    attempts: int = CAS_ATTEMPTS
-    # How bookings reach the ledger: one write per pod unless told (the service groups them).
-    booker: Booker | None = None
     # Told how long each stage of a bind took: read, book, post (a metric).
     on_stage: Callable[[str, float], None] = lambda stage, seconds: None
     # A pod as the informer holds it (namespace, name), to spare a read per bind.
     cached: Callable[[str, str], Mapping[str, Any] | None] = lambda ns, name: None
-
-    def __post_init__(self) -> None:
-        if self.booker is None:
-            self.booker = DirectBooker(self.ledgers, self.attempts)
 
     async def bind(self, args: ExtenderBindingArgs) -> ExtenderBindingResult:
         """The bind verb's answer: empty ``Error`` when the pod is bound with its record."""
@@ -165,7 +160,6 @@ class Binder:
         cards = self.cards(node)
         if cards is None:
             raise BindError(f"node {node}: {NO_INVENTORY}")
-        assert self.booker is not None  # set at construction
         try:
             return await self.booker.book(node, cards, demand)
         except NoRoom as err:

@@ -112,20 +112,16 @@ class GroupBooker:
     # Told how many demands each write carried (a metric).
     on_write: Callable[[int], None] = lambda _: None
     _queues: dict[str, list[_Waiting]] = field(default_factory=dict)
-    _writing: set[str] = field(default_factory=set)
-    # The writers' tasks, held so that they are not collected while they run.
-    _tasks: set[asyncio.Task[None]] = field(default_factory=set)
+    # Each node's write in flight (held here, too, so that the task is not collected).
+    _writers: dict[str, asyncio.Task[None]] = field(default_factory=dict)
 
     async def book(self, node: str, cards: NodeCards, demand: PodDemand) -> Booking:
         answer: asyncio.Future[Booking] = asyncio.get_running_loop().create_future()
         self._queues.setdefault(node, []).append(_Waiting(demand, cards, answer))
-        if node not in self._writing:
+        if node not in self._writers:
             # The write is a task of its own, not this request's: a scheduler that gives up on
             # this bind must not cancel the others' bookings with it.
-            self._writing.add(node)
-            task = asyncio.create_task(self._drain(node), name=f"book {node}")
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._writers[node] = asyncio.create_task(self._drain(node), name=f"book {node}")
         return await answer
 
     async def _drain(self, node: str) -> None:
@@ -133,7 +129,9 @@ class GroupBooker:
             while batch := self._queues.pop(node, []):
                 await self._write(node, batch)
         finally:
-            self._writing.discard(node)
+            # Here, not in a done callback: a demand queued after this would find the node
+            # still "writing" and wait for a writer that has ended.
+            del self._writers[node]
             for left in self._queues.pop(node, []):  # only if this task was cancelled
                 _settle(left.answer, Unavailable("the extender is stopping"))
 

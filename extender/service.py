@@ -22,7 +22,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -57,6 +57,7 @@ FILTER_PATH = "/extender/filter"
 PRIORITIZE_PATH = "/extender/prioritize"
 BIND_PATH = "/extender/bind"
 Handler = Callable[[web.Request], Awaitable[web.Response]]
+T = TypeVar("T")
 
 
 class ExtenderConfig(BaseModel):
@@ -122,15 +123,13 @@ class ExtenderService:
             on_write=self.metrics.ledger_written,
         )
         self.pods = KubePods(api, request_timeout_s=timeout)
-        # Binds of one node in a burst share one ledger write (extender.booking).
         self.pod_events: Informer = informers.of(PODS)
-        booker = GroupBooker(self.store, on_write=self.metrics.batch.observe)
         self.binder = Binder(
             self.pods,
-            self.store,
+            # Binds of one node in a burst share one ledger write (extender.booking).
+            GroupBooker(self.store, on_write=self.metrics.batch.observe),
             self.cards,
             self.models,
-            booker=booker,
             cached=lambda ns, name: self.pod_events.get(name, ns),
             on_stage=self.metrics.staged,
         )
@@ -181,7 +180,7 @@ class ExtenderService:
                     log.warning("unreadable GPUNodeLedger", extra={"node": node, "error": str(err)})
                     return None
                 self._ledgers[node] = (version, stored)
-        own = self.store.newest.get(node)
+        own = self.store.recalled(node)
         if stored is None and own is None:
             return None
         return newer(stored, own)
@@ -208,42 +207,48 @@ class ExtenderService:
         }
 
     async def filter(self, request: web.Request) -> web.Response:
-        with self.metrics.timed("filter"):
-            try:
-                args = ExtenderArgs.model_validate_json(await request.read())
-            except ValidationError as err:
-                self.metrics.answered("filter", "bad-request")
-                return _bad(err)
+        async def decide(args: ExtenderArgs) -> tuple[Any, bool]:
             if not self.ready():
                 result = ExtenderFilterResult(
                     error="fracgpu's extender has not listed the Nodes and GPUNodeLedgers yet"
                 )
             else:
                 result = filter_nodes(args, self.view)
-            self.metrics.answered("filter", "error" if result.error else "ok")
-            return web.json_response(result.wire())
+            return result.wire(), bool(result.error)
+
+        return await self._answer("filter", request, ExtenderArgs.model_validate_json, decide)
 
     async def prioritize(self, request: web.Request) -> web.Response:
-        with self.metrics.timed("prioritize"):
-            try:
-                args = ExtenderArgs.model_validate_json(await request.read())
-            except ValidationError as err:
-                self.metrics.answered("prioritize", "bad-request")
-                return _bad(err)
-            scores = prioritize(args, self.view, self.config.policy)
-            self.metrics.answered("prioritize", "ok")
-            return web.json_response(priorities_wire(scores))
+        async def decide(args: ExtenderArgs) -> tuple[Any, bool]:
+            return priorities_wire(prioritize(args, self.view, self.config.policy)), False
+
+        return await self._answer("prioritize", request, ExtenderArgs.model_validate_json, decide)
 
     async def bind(self, request: web.Request) -> web.Response:
-        with self.metrics.timed("bind"):
-            try:
-                args = ExtenderBindingArgs.model_validate_json(await request.read())
-            except ValidationError as err:
-                self.metrics.answered("bind", "bad-request")
-                return _bad(err)
+        async def decide(args: ExtenderBindingArgs) -> tuple[Any, bool]:
             result = await self.binder.bind(args)
-            self.metrics.answered("bind", "error" if result.error else "ok")
-            return web.json_response(result.wire())
+            return result.wire(), bool(result.error)
+
+        return await self._answer("bind", request, ExtenderBindingArgs.model_validate_json, decide)
+
+    async def _answer(
+        self,
+        verb: str,
+        request: web.Request,
+        parse: Callable[[bytes], T],
+        decide: Callable[[T], Awaitable[tuple[Any, bool]]],
+    ) -> web.Response:
+        """One verb's call, timed and counted: the scheduler's request parsed (400 when it is
+        not its wire shape), then ``decide``'s reply and whether it is an error."""
+        with self.metrics.timed(verb):
+            try:
+                args = parse(await request.read())
+            except ValidationError as err:
+                self.metrics.answered(verb, "bad-request")
+                return _bad(err)
+            reply, failed = await decide(args)
+            self.metrics.answered(verb, "error" if failed else "ok")
+            return web.json_response(reply)
 
     # --- lifecycle ------------------------------------------------------------------------
 

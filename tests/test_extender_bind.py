@@ -13,6 +13,7 @@ import pytest
 
 from core.placement import PLACEMENT_ANNOTATION, ContainerPlacement, parse
 from extender.binder import Binder
+from extender.booking import DirectBooker
 from extender.ledger import Booking, Ledger
 from extender.ledgerstore import KubeLedgerStore
 from extender.pods import KubePods
@@ -59,7 +60,7 @@ async def rig() -> AsyncIterator[Rig]:
         async with fake.api_client() as api:
             ledgers = KubeLedgerStore(api)
             cards = {name: node_cards(obj) for name, obj in NODES.items()}
-            binder = Binder(KubePods(api), ledgers, cards.get)
+            binder = Binder(KubePods(api), DirectBooker(ledgers), cards.get)
             yield Rig(fake, binder, ledgers)
 
 
@@ -194,7 +195,9 @@ async def test_bind_reads_the_pod_only_when_the_cache_cannot_vouch_for_it(
         "other-uid": pod("a", (50, 8), uid="uid-old"),
         "bound": pod("a", (50, 8), node_name="n1"),
     }[held]
-    binder = Binder(rig.binder.pods, rig.ledgers, rig.binder.cards, cached=lambda ns, name: cached)
+    binder = Binder(
+        rig.binder.pods, rig.binder.booker, rig.binder.cards, cached=lambda ns, name: cached
+    )
     rig.fake.requests.clear()
     result = await binder.bind(rig.args("a"))
     assert result.error == ""

@@ -99,7 +99,7 @@ async def test_a_burst_on_one_node_is_booked_in_few_writes() -> None:
     assert stored is not None and len(stored.bookings) == 20
     # The first demand writes alone; every other one arrived while it was in flight.
     assert store.written <= 2
-    assert not booker._writing and not booker._queues
+    assert not booker._writers and not booker._queues
 
 
 async def test_demands_beyond_the_cards_get_no_room_and_the_rest_their_booking() -> None:
@@ -145,7 +145,7 @@ async def test_a_write_overtaken_every_time_fails_every_waiter_of_its_batch() ->
         return_exceptions=True,
     )
     assert all(isinstance(r, TooManyConflicts) for r in results)
-    assert not booker._writing
+    assert not booker._writers
 
 
 class Slow(MemoryLedgerStore):

@@ -32,6 +32,7 @@ import pytest
 
 from core.placement import PLACEMENT_ANNOTATION, booked, overbooked, parse
 from extender.binder import Binder
+from extender.booking import DirectBooker
 from extender.ledger import Ledger
 from extender.ledgerstore import Conflict, MemoryLedgerStore, NotFound
 from extender.pods import BindConflict, PodGone
@@ -268,7 +269,7 @@ class Model:
         cards = self.cards.get
 
         def make(calls: Calls) -> Coroutine[Any, Any, Any]:
-            return Binder(calls, Ledgers(calls), cards).bind(args)
+            return Binder(calls, DirectBooker(Ledgers(calls)), cards).bind(args)
 
         def done(model: Model, result: Any) -> None:
             """A bind that answered success left this pod bound there with its record."""
